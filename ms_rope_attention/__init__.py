@@ -1,0 +1,15 @@
+"""ms_rope_attention: rotary position embedding fused into FlashAttention, for MindSpore.
+
+Public API:
+- ``rotary_flash_attention(query, key, value, cos, sin, ...)``: the functional op (PyNative).
+- ``RotaryFlashAttention``: the Cell with its shared cos/sin cache (GRAPH_MODE and PyNative).
+- ``RotaryFlashAttentionOp``: the op as a Cell with explicit cos/sin inputs.
+- ``rope_tables`` / ``shared_rope_tables``: cos/sin tables.
+"""
+from .functional import RotaryFlashAttentionOp, RotaryFusionFallbackError, rotary_flash_attention
+from .nn import RotaryFlashAttention
+from .rope import rope_tables, shared_rope_tables
+
+__all__ = ["rotary_flash_attention", "RotaryFlashAttention", "RotaryFlashAttentionOp", "RotaryFusionFallbackError",
+           "rope_tables", "shared_rope_tables"]
+__version__ = "0.1.0"

@@ -1,0 +1,91 @@
+"""Loading the fused C++ CPU kernel and registering it as a MindSpore ``ops.Custom`` aot op.
+
+``setup.py`` builds the kernel once per instruction set (AVX-512, AVX2/FMA/F16C, baseline); the
+best one this CPU supports is chosen at run time (``RFA_CPU_ISA`` forces one).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import mindspore as ms
+from mindspore import ops
+
+from .op_info import build_reg_info
+
+KERNEL_SYMBOL = "RotaryFlashAttention"
+ISAS = ("avx512", "avx2", "generic")
+_REQUIRED_FLAGS = {
+    "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"},
+    "avx2": {"avx2", "fma", "f16c"},
+    "generic": set(),
+}
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags of this machine (empty where /proc/cpuinfo is unavailable)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def built_libraries() -> dict[str, Path]:
+    """ISA name -> built shared library found in the package directory."""
+    found = {}
+    for isa in ISAS:
+        matches = sorted(_PACKAGE_DIR.glob(f"_rfa_cpu_{isa}*.so"))
+        if matches:
+            found[isa] = matches[0]
+    return found
+
+
+def select_library() -> tuple[str, Path]:
+    """(isa, path) of the best kernel build for this CPU; raises ``RuntimeError`` with the reason."""
+    built = built_libraries()
+    if not built:
+        raise RuntimeError(f"no built CPU kernel in {_PACKAGE_DIR} (run `pip install -e .` or `make test`)")
+    forced = os.environ.get("RFA_CPU_ISA")
+    flags = cpu_flags()
+    candidates = (forced,) if forced else ISAS
+    for isa in candidates:
+        if isa not in _REQUIRED_FLAGS:
+            raise RuntimeError(f"RFA_CPU_ISA: expected one of {list(ISAS)}, got {isa!r}")
+        if isa in built and _REQUIRED_FLAGS[isa] <= flags | (set() if flags else _REQUIRED_FLAGS["generic"]):
+            return isa, built[isa]
+    raise RuntimeError(f"no CPU kernel build usable on this CPU (built: {sorted(built)}, requested: {forced or 'best'})")
+
+
+@functools.lru_cache(maxsize=None)
+def _library(path: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(path)
+    lib.RotaryFlashAttentionLastError.restype = ctypes.c_char_p
+    lib.RotaryFlashAttentionIsa.restype = ctypes.c_char_p
+    return lib
+
+
+def last_error() -> str:
+    """The message of the CPU kernel's last failed launch ('' if none)."""
+    _, path = select_library()
+    return _library(str(path)).RotaryFlashAttentionLastError().decode()
+
+
+def kernel_isa() -> str:
+    """Instruction set the loaded kernel was compiled for (as the library reports it)."""
+    _, path = select_library()
+    return _library(str(path)).RotaryFlashAttentionIsa().decode()
+
+
+def make_cpu_op(attrs: dict) -> ops.Custom:
+    """The aot ``Custom`` primitive for one attribute set (attribute names as in the contract)."""
+    _, path = select_library()
+    _library(str(path))  # fail here, not inside MindSpore, if the library cannot be loaded
+    return ops.Custom(f"{path}:{KERNEL_SYMBOL}", out_shape=None,
+                      out_dtype=lambda q, k, *rest: (q, ms.float32, k), func_type="aot",
+                      reg_info=build_reg_info("CPU", attrs, any_dtype=True))

@@ -1,0 +1,126 @@
+// MindSpore ops.Custom(func_type="aot") entry points of the CPU kernel:
+//   RotaryFlashAttentionInit        reads the attributes once per kernel instance
+//   RotaryFlashAttentionInferShape  output shapes (C++ infer, so GRAPH_MODE compiles once for dynamic S)
+//   RotaryFlashAttention            validates shapes, dtypes and TND offsets, then runs the kernel
+// Errors never crash: they return non-zero, print the message and keep it for
+// RotaryFlashAttentionLastError(), which the Python side reads to raise a clear exception.
+#include <cstdio>
+#include <exception>
+#include <mutex>
+#include <string>
+
+#include "aot_abi.h"
+#include "rfa_cpu_kernel.h"
+#include "rfa_problem.h"
+
+#define RFA_EXPORT __attribute__((visibility("default")))
+
+using mindspore::AotExtra;
+using mindspore::AotKernelData;
+
+namespace {
+
+constexpr int kInputs = 7;
+constexpr int kOutputs = 3;
+
+struct AttrData : AotKernelData {
+  rfa::Attrs attrs;
+  std::string error;  // an attribute error found at Init, reported at launch
+};
+
+std::mutex g_error_mutex;
+std::string g_last_error;
+
+int Fail(const std::string &message) {
+  {
+    std::lock_guard<std::mutex> lock(g_error_mutex);
+    g_last_error = message;
+  }
+  std::fprintf(stderr, "[RotaryFlashAttention] error: %s\n", message.c_str());
+  return 1;
+}
+
+std::string ReadAttrs(AotExtra *extra, rfa::Attrs *a) {
+  a->head_num = extra->GetInt("head_num");
+  if (!rfa::ParseLayout(extra->GetStr("input_layout"), &a->layout))
+    return "input_layout: expected one of BNSD, BSND, BSH, TND, got '" + extra->GetStr("input_layout") + "'";
+  a->rotary_mode = extra->GetInt("rotary_mode");
+  a->rotary_dim = extra->GetInt("rotary_dim");
+  a->scale = extra->GetFloat("scale");
+  a->causal = extra->GetBool("causal");
+  a->with_lse = extra->GetBool("with_softmax_lse");
+  a->with_rotated_key = extra->GetBool("with_rotated_key");
+  return "";
+}
+
+}  // namespace
+
+extern "C" RFA_EXPORT const char *RotaryFlashAttentionLastError() { return g_last_error.c_str(); }
+extern "C" RFA_EXPORT const char *RotaryFlashAttentionIsa() { return rfa::cpu::Isa(); }
+
+extern "C" RFA_EXPORT int RotaryFlashAttentionInit(int *, int64_t **, const char **, AotExtra *extra) {
+  auto *data = new AttrData;
+  data->error = ReadAttrs(extra, &data->attrs);
+  extra->SetKernelData(data);
+  return 0;
+}
+
+extern "C" RFA_EXPORT std::vector<std::vector<int64_t>> RotaryFlashAttentionInferShape(int *ndims, int64_t **shapes, AotExtra *extra) {
+  rfa::Attrs a;
+  ReadAttrs(extra, &a);
+  return rfa::InferShapes(a, ndims[0], shapes[0], ndims[1], shapes[1]);
+}
+
+// Validates, then runs. Shared by the MindSpore entry below and the standalone test harness.
+extern "C" RFA_EXPORT int RotaryFlashAttentionRun(const rfa::Attrs *attrs, int *ndims, int64_t **shapes, const char **dtypes,
+                                       void **params, int64_t rows, int64_t kv_block) {
+  try {
+    rfa::TensorDesc tensors[kInputs];
+    for (int i = 0; i < kInputs; ++i) {
+      tensors[i].ndim = ndims[i];
+      tensors[i].shape = shapes[i];
+      tensors[i].dtype = dtypes[i] ? dtypes[i] : "none";
+    }
+    // The TND offsets are read only after their rank and dtype are known to be right.
+    const bool offsets_ok = tensors[5].dtype == "int64" && tensors[5].ndim == 1 && tensors[6].dtype == "int64" &&
+                            tensors[6].ndim == 1 && params[5] && params[6];
+    rfa::Problem problem;
+    std::string err = rfa::BuildProblem(*attrs, tensors, offsets_ok ? static_cast<const int64_t *>(params[5]) : nullptr,
+                                        offsets_ok ? static_cast<const int64_t *>(params[6]) : nullptr, &problem);
+    if (!err.empty()) return Fail(err);
+    // Output shapes must be what InferShape promised before the kernel writes into them.
+    const auto expect = rfa::InferShapes(*attrs, ndims[0], shapes[0], ndims[1], shapes[1]);
+    const char *names[kOutputs] = {"attention_out", "softmax_lse", "rotated_key"};
+    for (int o = 0; o < kOutputs; ++o) {
+      const int idx = kInputs + o;
+      bool same = static_cast<size_t>(ndims[idx]) == expect[o].size();
+      for (int i = 0; same && i < ndims[idx]; ++i) same = shapes[idx][i] == expect[o][i];
+      if (!same) return Fail(std::string(names[o]) + ": output buffer has shape " + rfa::ShapeText(ndims[idx], shapes[idx]));
+    }
+    if (std::string(dtypes[kInputs]) != tensors[0].dtype) return Fail("attention_out: expected query's dtype");
+    if (attrs->with_lse && std::string(dtypes[kInputs + 1]) != "float32") return Fail("softmax_lse: expected float32");
+    if (attrs->with_rotated_key && std::string(dtypes[kInputs + 2]) != tensors[1].dtype)
+      return Fail("rotated_key: expected key's dtype");
+    rfa::cpu::Buffers buf{params[0], params[1], params[2], params[3], params[4], params[kInputs],
+                          attrs->with_lse ? static_cast<float *>(params[kInputs + 1]) : nullptr,
+                          attrs->with_rotated_key ? params[kInputs + 2] : nullptr};
+    rfa::cpu::Tiling tiling;
+    if (rows > 0) tiling.rows = rows;
+    if (kv_block > 0) tiling.kv_block = kv_block;
+    rfa::cpu::Run(problem, buf, tiling);
+    return 0;
+  } catch (const std::bad_alloc &) {
+    return Fail("out of memory for the kernel's scratch buffers");
+  } catch (const std::exception &e) {
+    return Fail(e.what());
+  }
+}
+
+extern "C" RFA_EXPORT int RotaryFlashAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                    void *, void *extra) {
+  if (nparam < kInputs + kOutputs) return Fail("expected 7 inputs and 3 outputs, got " + std::to_string(nparam) + " params");
+  auto *data = static_cast<AttrData *>(static_cast<AotExtra *>(extra)->KernelData());
+  if (!data) return Fail("kernel attributes missing (Init did not run)");
+  if (!data->error.empty()) return Fail(data->error);
+  return RotaryFlashAttentionRun(&data->attrs, ndims, shapes, dtypes, params, 0, 0);
+}

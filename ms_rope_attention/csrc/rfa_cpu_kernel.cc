@@ -1,0 +1,452 @@
+// Fused RoPE + FlashAttention forward on the CPU.
+//
+// Data flow per task (one sequence, one KV head, one block of query rows of every query head that
+// shares that KV head):
+//   1. Q rows are loaded once, converted to float32, rotated at their absolute positions and scaled
+//      by scale*log2(e) into a row-major tile. Rotated Q never goes back to memory.
+//   2. For each KV tile up to the causal bound: K rows are converted, rotated and written transposed
+//      into the packed K tile (the pack already touches every element, so the rotation rides along);
+//      V rows are converted into the packed V tile.
+//   3. S = Q K^T (register-blocked GEMM), online softmax in base 2 with the running max/sum per row,
+//      O = O*alpha + P V. No S x S matrix exists, only one S tile per thread.
+//   4. O / l is converted to the output dtype; lse = (m + log2 l) * ln 2.
+// Interleaved RoPE (mode 1) de-interleaves the rotated features of Q and K identically while
+// packing, so both modes share the rotate-half arithmetic; Q K^T is invariant under the common
+// permutation. Decode-sized problems split the KV range across threads and merge by log-sum-exp.
+#include "rfa_cpu_kernel.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "simd.h"
+
+namespace rfa {
+namespace cpu {
+namespace {
+
+using simd::kCols;
+using simd::kLanes;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+float Bf16ToFloat(uint16_t v) {
+  const uint32_t w = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &w, 4);
+  return f;
+}
+
+uint16_t FloatToBf16(float f) {  // round to nearest even, NaN stays NaN
+  uint32_t w;
+  std::memcpy(&w, &f, 4);
+  if ((w & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((w >> 16) | 0x40);
+  w += 0x7fffu + ((w >> 16) & 1u);
+  return static_cast<uint16_t>(w >> 16);
+}
+
+// n elements of dtype t at element offset `off` of `base`, as float32.
+void LoadRow(DType t, const void *base, int64_t off, int64_t n, float *dst) {
+  switch (t) {
+    case DType::F32:
+      std::memcpy(dst, static_cast<const float *>(base) + off, n * sizeof(float));
+      break;
+    case DType::F16: {
+      const _Float16 *src = static_cast<const _Float16 *>(base) + off;
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+      break;
+    }
+    case DType::BF16: {
+      const uint16_t *src = static_cast<const uint16_t *>(base) + off;
+      for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToFloat(src[i]);
+      break;
+    }
+  }
+}
+
+void StoreRow(DType t, const float *src, int64_t n, void *base, int64_t off) {
+  switch (t) {
+    case DType::F32:
+      std::memcpy(static_cast<float *>(base) + off, src, n * sizeof(float));
+      break;
+    case DType::F16: {
+      _Float16 *dst = static_cast<_Float16 *>(base) + off;
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<_Float16>(src[i]);
+      break;
+    }
+    case DType::BF16: {
+      uint16_t *dst = static_cast<uint16_t *>(base) + off;
+      for (int64_t i = 0; i < n; ++i) dst[i] = FloatToBf16(src[i]);
+      break;
+    }
+  }
+}
+
+// Float32 cos/sin rows at a position: the table itself when float32, else converted into `tmp`.
+struct Tables {
+  const Problem *p;
+  const void *cos, *sin;
+  const float *Row(const void *table, DType t, int64_t pos, float *tmp) const {
+    if (t == DType::F32) return static_cast<const float *>(table) + pos * p->rotary_dim;
+    LoadRow(t, table, pos * p->rotary_dim, p->rotary_dim, tmp);
+    return tmp;
+  }
+};
+
+// x (original feature order) -> y in kernel order, times `mul`: rotated features first (mode 1
+// de-interleaved to [even | odd] pairs), then the pass-through features.
+void Rotate(const float *x, const float *c, const float *s, int64_t rd, int64_t d, int64_t mode, float mul,
+            float *y) {
+  const int64_t h = rd / 2;
+  if (mode == 0) {
+    for (int64_t i = 0; i < h; ++i) {
+      const float a = x[i], b = x[i + h];
+      y[i] = (a * c[i] - b * s[i]) * mul;
+      y[i + h] = (b * c[i + h] + a * s[i + h]) * mul;
+    }
+  } else {
+    for (int64_t i = 0; i < h; ++i) {
+      const float a = x[2 * i], b = x[2 * i + 1];
+      y[i] = (a * c[2 * i] - b * s[2 * i]) * mul;
+      y[i + h] = (b * c[2 * i + 1] + a * s[2 * i + 1]) * mul;
+    }
+  }
+  for (int64_t i = rd; i < d; ++i) y[i] = x[i] * mul;
+}
+
+// Kernel order -> original order (only mode 1 differs), for the rotated-key output.
+void ToOriginalOrder(const float *y, int64_t rd, int64_t d, int64_t mode, float *x) {
+  if (mode == 0) {
+    std::memcpy(x, y, d * sizeof(float));
+    return;
+  }
+  const int64_t h = rd / 2;
+  for (int64_t i = 0; i < h; ++i) {
+    x[2 * i] = y[i];
+    x[2 * i + 1] = y[i + h];
+  }
+  std::memcpy(x + rd, y + rd, (d - rd) * sizeof(float));
+}
+
+struct AlignedFree {
+  void operator()(float *p) const { std::free(p); }
+};
+
+// Per-thread scratch, grown on demand and kept across calls (OpenMP keeps its threads).
+struct Scratch {
+  std::unique_ptr<float, AlignedFree> mem;
+  size_t capacity = 0;
+  float *Get(size_t floats) {
+    if (floats > capacity) {
+      void *p = nullptr;
+      if (posix_memalign(&p, 64, floats * sizeof(float)) != 0) return nullptr;
+      mem.reset(static_cast<float *>(p));
+      capacity = floats;
+    }
+    return mem.get();
+  }
+};
+
+struct Task {
+  int64_t seq, group, q0, nq;  // query rows [q0, q0 + nq) of sequence `seq`, KV head `group`
+  int64_t kv_lo, kv_hi;        // KV range of this task (a split of [0, causal bound))
+  int64_t split, item;         // split index, and the (seq, group, q-block) item it belongs to
+  int64_t cost;
+};
+
+struct Plan {
+  int64_t group_size, block_q, rows_max, kv_block, head_pad, nsplit;
+  std::vector<Task> tasks;
+  int64_t items = 0;
+};
+
+Plan MakePlan(const Problem &p, const Tiling &t, int threads) {
+  Plan plan;
+  plan.group_size = p.q_heads / p.kv_heads;
+  plan.block_q = std::max<int64_t>(1, t.rows / plan.group_size);
+  plan.rows_max = plan.group_size * plan.block_q;
+  plan.kv_block = RoundUp(std::max<int64_t>(1, t.kv_block), kCols);
+  plan.head_pad = RoundUp(p.head_dim, kLanes);
+  struct Item { int64_t seq, group, q0, nq, kv_end; };
+  std::vector<Item> items;
+  int64_t max_kv = 0;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t lq = p.q_lens[b], lk = p.kv_lens[b];
+    for (int64_t g = 0; g < p.kv_heads; ++g)
+      for (int64_t q0 = 0; q0 < lq; q0 += plan.block_q) {
+        const int64_t nq = std::min(plan.block_q, lq - q0);
+        const int64_t end = p.attrs.causal ? lk - lq + q0 + nq : lk;
+        items.push_back({b, g, q0, nq, end});
+        max_kv = std::max(max_kv, end);
+      }
+  }
+  plan.items = static_cast<int64_t>(items.size());
+  // Too few items to keep every thread busy (decode): split the KV range and merge afterwards.
+  plan.nsplit = 1;
+  if (plan.items > 0 && plan.items < 2 * threads) {
+    const int64_t want = (4 * threads + plan.items - 1) / plan.items;
+    const int64_t most = std::max<int64_t>(1, max_kv / std::max<int64_t>(1, t.min_split_keys));
+    plan.nsplit = std::max<int64_t>(1, std::min(want, most));
+  }
+  for (int64_t i = 0; i < plan.items; ++i) {
+    const Item &it = items[i];
+    const int64_t chunk = RoundUp((it.kv_end + plan.nsplit - 1) / plan.nsplit, plan.kv_block);
+    for (int64_t s = 0; s < plan.nsplit; ++s) {
+      const int64_t lo = std::min(it.kv_end, s * chunk), hi = std::min(it.kv_end, lo + chunk);
+      plan.tasks.push_back({it.seq, it.group, it.q0, it.nq, lo, hi, s, i, (hi - lo + 1) * it.nq});
+    }
+  }
+  // Heaviest first (causal blocks near the end of a sequence see the most keys), then dynamic.
+  std::stable_sort(plan.tasks.begin(), plan.tasks.end(), [](const Task &a, const Task &b) { return a.cost > b.cost; });
+  return plan;
+}
+
+// Partial results of a split task: unnormalised O rows, running max (log2 units) and sum.
+struct Partials {
+  std::vector<float> o, m, l;
+  int64_t stride_item = 0, rows = 0, head_pad = 0;
+  float *O(int64_t item, int64_t split) { return o.data() + (item * stride_item + split) * rows * head_pad; }
+  float *M(int64_t item, int64_t split) { return m.data() + (item * stride_item + split) * rows; }
+  float *L(int64_t item, int64_t split) { return l.data() + (item * stride_item + split) * rows; }
+};
+
+class Worker {
+ public:
+  Worker(const Problem &p, const Buffers &buf, const Tiling &t, const Plan &plan, Partials *partials)
+      : p_(p), buf_(buf), tiling_(t), plan_(plan), partials_(partials), tables_{&p, buf.cos, buf.sin} {}
+
+  bool Bind(Scratch *scratch) {
+    const int64_t R = plan_.rows_max, D = p_.head_dim, Dp = plan_.head_pad, BK = plan_.kv_block;
+    const size_t need = R * D + D * BK + BK * Dp + R * BK + R * Dp + 2 * R + 4 * Dp + 2 * p_.rotary_dim + 64;
+    float *base = scratch->Get(need);
+    if (!base) return false;
+    auto take = [&base](int64_t n) { float *r = base; base += RoundUp(n, 16); return r; };
+    q_ = take(R * D); kt_ = take(D * BK); v_ = take(BK * Dp); s_ = take(R * BK); o_ = take(R * Dp);
+    m_ = take(R); l_ = take(R); row_ = take(Dp); rot_ = take(Dp); orig_ = take(Dp); tmp_ = take(Dp);
+    ctmp_ = take(p_.rotary_dim); stmp_ = take(p_.rotary_dim);
+    return true;
+  }
+
+  void RunTask(const Task &t) {
+    const int64_t G = plan_.group_size, D = p_.head_dim, Dp = plan_.head_pad, rd = p_.rotary_dim;
+    const int64_t M = G * t.nq, mode = p_.attrs.rotary_mode;
+    const int64_t lq = p_.q_lens[t.seq], lk = p_.kv_lens[t.seq];
+    const int64_t q_off = lk - lq;  // bottom-right: query i sits at position lk - lq + i
+    const bool rotate = tiling_.rotate;
+    const float qmul = p_.scale * kLog2e;
+    const int64_t qseq = t.seq * p_.q.batch + p_.q_start[t.seq] * p_.q.row;
+    // 1. Q tile: rotate once, scale into log2 units.
+    for (int64_t gi = 0; gi < G; ++gi) {
+      const int64_t head = t.group * G + gi;
+      for (int64_t i = 0; i < t.nq; ++i) {
+        const int64_t pos = q_off + t.q0 + i;
+        float *dst = q_ + (gi * t.nq + i) * D;
+        LoadRow(p_.qkv_dtype, buf_.query, qseq + head * p_.q.head + (t.q0 + i) * p_.q.row, D, row_);
+        if (rotate) {
+          Rotate(row_, tables_.Row(buf_.cos, p_.cos_dtype, pos, ctmp_), tables_.Row(buf_.sin, p_.sin_dtype, pos, stmp_),
+                 rd, D, mode, qmul, dst);
+        } else {
+          for (int64_t d = 0; d < D; ++d) dst[d] = row_[d] * qmul;
+        }
+      }
+    }
+    for (int64_t r = 0; r < M; ++r) { m_[r] = kNegInf; l_[r] = 0.f; }
+    std::memset(o_, 0, M * Dp * sizeof(float));
+    const bool emit_key = buf_.rotated_key && t.q0 + t.nq == lq;  // the last q-block sees every key
+    const int64_t kvseq = t.seq * p_.kv.batch + p_.kv_start[t.seq] * p_.kv.row;
+    const int64_t kvhead = kvseq + t.group * p_.kv.head;
+    for (int64_t j0 = t.kv_lo; j0 < t.kv_hi; j0 += plan_.kv_block) {
+      const int64_t n = std::min(plan_.kv_block, t.kv_hi - j0), np = RoundUp(n, kLanes);
+      // 2. Pack the K tile transposed and rotated, and the V tile.
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t off = kvhead + (j0 + j) * p_.kv.row;
+        LoadRow(p_.qkv_dtype, buf_.key, off, D, row_);
+        const float *src = row_;
+        if (rotate) {
+          const int64_t pos = j0 + j;
+          Rotate(row_, tables_.Row(buf_.cos, p_.cos_dtype, pos, ctmp_), tables_.Row(buf_.sin, p_.sin_dtype, pos, stmp_),
+                 rd, D, mode, 1.0f, rot_);
+          src = rot_;
+          if (emit_key) {
+            ToOriginalOrder(rot_, rd, D, mode, orig_);
+            StoreRow(p_.qkv_dtype, orig_, D, buf_.rotated_key, off);
+          }
+        } else if (emit_key) {
+          StoreRow(p_.qkv_dtype, row_, D, buf_.rotated_key, off);
+        }
+        for (int64_t d = 0; d < D; ++d) kt_[d * np + j] = src[d];
+        float *vrow = v_ + j * Dp;
+        LoadRow(p_.qkv_dtype, buf_.value, kvseq + t.group * p_.kv.head + (j0 + j) * p_.kv.row, D, vrow);
+        for (int64_t d = D; d < Dp; ++d) vrow[d] = 0.f;
+      }
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t j = n; j < np; ++j) kt_[d * np + j] = 0.f;
+      // 3. Scores, then online softmax per row.
+      simd::Gemm(M, np, D, q_, D, kt_, np, s_, np, false);
+      for (int64_t r = 0; r < M; ++r) {
+        float *srow = s_ + r * np;
+        int64_t valid = n;
+        if (p_.attrs.causal) {
+          const int64_t pos = q_off + t.q0 + r % t.nq;
+          valid = std::max<int64_t>(0, std::min(n, pos - j0 + 1));
+        }
+        for (int64_t j = valid; j < np; ++j) srow[j] = kNegInf;
+        if (valid == 0) continue;
+        simd::vf vmax = simd::Splat(kNegInf);
+        for (int64_t j = 0; j < np; j += kLanes) {
+          const simd::vf x = simd::Load(srow + j);
+          vmax = x > vmax ? x : vmax;
+        }
+        const float m_new = std::max(m_[r], simd::ReduceMax(vmax));
+        const float alpha = m_[r] == kNegInf ? 0.f : std::exp2(m_[r] - m_new);
+        simd::vf vsum = {};
+        const simd::vf vm = simd::Splat(m_new);
+        for (int64_t j = 0; j < np; j += kLanes) {
+          const simd::vf e = simd::Exp2(simd::Load(srow + j) - vm);
+          simd::Store(srow + j, e);
+          vsum += e;
+        }
+        l_[r] = l_[r] * alpha + simd::ReduceSum(vsum);
+        m_[r] = m_new;
+        if (alpha != 1.0f) {
+          float *orow = o_ + r * Dp;
+          const simd::vf va = simd::Splat(alpha);
+          for (int64_t d = 0; d < Dp; d += kLanes) simd::Store(orow + d, simd::Load(orow + d) * va);
+        }
+      }
+      simd::Gemm(M, Dp, n, s_, np, v_, Dp, o_, Dp, true);
+    }
+    if (plan_.nsplit > 1) {
+      std::memcpy(partials_->O(t.item, t.split), o_, M * Dp * sizeof(float));
+      std::memcpy(partials_->M(t.item, t.split), m_, M * sizeof(float));
+      std::memcpy(partials_->L(t.item, t.split), l_, M * sizeof(float));
+    } else {
+      Finish(t, o_, m_, l_);
+    }
+  }
+
+  // Merge the splits of one item by log-sum-exp, then write it.
+  void MergeItem(const Task &t) {
+    const int64_t M = plan_.group_size * t.nq, Dp = plan_.head_pad;
+    for (int64_t r = 0; r < M; ++r) {
+      float m = kNegInf;
+      for (int64_t s = 0; s < plan_.nsplit; ++s) m = std::max(m, partials_->M(t.item, s)[r]);
+      float l = 0.f;
+      float *orow = o_ + r * Dp;
+      std::memset(orow, 0, Dp * sizeof(float));
+      if (m != kNegInf) {
+        for (int64_t s = 0; s < plan_.nsplit; ++s) {
+          const float ms = partials_->M(t.item, s)[r];
+          if (ms == kNegInf) continue;
+          const float w = std::exp2(ms - m);
+          l += partials_->L(t.item, s)[r] * w;
+          const float *po = partials_->O(t.item, s) + r * Dp;
+          for (int64_t d = 0; d < Dp; ++d) orow[d] += po[d] * w;
+        }
+      }
+      m_[r] = m;
+      l_[r] = l;
+    }
+    Finish(t, o_, m_, l_);
+  }
+
+  // Rotated key rows of a sequence that has no query (no task visits its keys).
+  void EmitKeysOnly(int64_t seq, int64_t group) {
+    const int64_t D = p_.head_dim;
+    const int64_t base = seq * p_.kv.batch + p_.kv_start[seq] * p_.kv.row + group * p_.kv.head;
+    for (int64_t j = 0; j < p_.kv_lens[seq]; ++j) {
+      const int64_t off = base + j * p_.kv.row;
+      LoadRow(p_.qkv_dtype, buf_.key, off, D, row_);
+      Rotate(row_, tables_.Row(buf_.cos, p_.cos_dtype, j, ctmp_), tables_.Row(buf_.sin, p_.sin_dtype, j, stmp_),
+             p_.rotary_dim, D, p_.attrs.rotary_mode, 1.0f, rot_);
+      ToOriginalOrder(rot_, p_.rotary_dim, D, p_.attrs.rotary_mode, orig_);
+      StoreRow(p_.qkv_dtype, orig_, D, buf_.rotated_key, off);
+    }
+  }
+
+ private:
+  // 4. Normalise and write the output rows and their log-sum-exp.
+  void Finish(const Task &t, const float *o, const float *m, const float *l) {
+    const int64_t G = plan_.group_size, D = p_.head_dim, Dp = plan_.head_pad;
+    const int64_t qseq = t.seq * p_.q.batch + p_.q_start[t.seq] * p_.q.row;
+    for (int64_t gi = 0; gi < G; ++gi) {
+      const int64_t head = t.group * G + gi;
+      for (int64_t i = 0; i < t.nq; ++i) {
+        const int64_t r = gi * t.nq + i;
+        const float inv = l[r] > 0.f ? 1.0f / l[r] : 0.f;  // a row that saw no key is 0, not NaN
+        for (int64_t d = 0; d < D; ++d) tmp_[d] = o[r * Dp + d] * inv;
+        StoreRow(p_.qkv_dtype, tmp_, D, buf_.out, qseq + head * p_.q.head + (t.q0 + i) * p_.q.row);
+        if (buf_.lse) {
+          const int64_t idx = t.seq * p_.lse.batch + head * p_.lse.head + (p_.q_start[t.seq] + t.q0 + i) * p_.lse.row;
+          buf_.lse[idx] = l[r] > 0.f ? (m[r] + std::log2(l[r])) * kLn2 : kNegInf;
+        }
+      }
+    }
+  }
+
+  const Problem &p_;
+  const Buffers &buf_;
+  const Tiling &tiling_;
+  const Plan &plan_;
+  Partials *partials_;
+  Tables tables_;
+  float *q_ = nullptr, *kt_ = nullptr, *v_ = nullptr, *s_ = nullptr, *o_ = nullptr, *m_ = nullptr, *l_ = nullptr;
+  float *row_ = nullptr, *rot_ = nullptr, *orig_ = nullptr, *tmp_ = nullptr, *ctmp_ = nullptr, *stmp_ = nullptr;
+};
+
+thread_local Scratch tls_scratch;
+
+}  // namespace
+
+const char *Isa() { return simd::kIsa; }
+
+void Run(const Problem &p, const Buffers &buf, const Tiling &tiling) {
+  const int threads = omp_get_max_threads();
+  const Plan plan = MakePlan(p, tiling, threads);
+  Partials partials;
+  if (plan.nsplit > 1) {
+    partials.stride_item = plan.nsplit;
+    partials.rows = plan.rows_max;
+    partials.head_pad = plan.head_pad;
+    const size_t slots = static_cast<size_t>(plan.items) * plan.nsplit;
+    partials.o.resize(slots * plan.rows_max * plan.head_pad);
+    partials.m.resize(slots * plan.rows_max);
+    partials.l.resize(slots * plan.rows_max);
+  }
+  // Sequences with no query rows still owe their rotated keys.
+  std::vector<int64_t> keys_only;
+  if (buf.rotated_key && tiling.rotate)
+    for (int64_t b = 0; b < p.batch; ++b)
+      if (p.q_lens[b] == 0) keys_only.push_back(b);
+  const int64_t ntasks = static_cast<int64_t>(plan.tasks.size());
+  bool ok = true;
+#pragma omp parallel num_threads(threads) reduction(&& : ok)
+  {
+    // Every thread must reach every worksharing loop, so a thread without scratch only records it.
+    Worker worker(p, buf, tiling, plan, &partials);
+    const bool bound = worker.Bind(&tls_scratch);
+    ok = bound;
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t i = 0; i < ntasks; ++i)
+      if (bound) worker.RunTask(plan.tasks[i]);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < static_cast<int64_t>(keys_only.size()) * p.kv_heads; ++i)
+      if (bound) worker.EmitKeysOnly(keys_only[i / p.kv_heads], i % p.kv_heads);
+    if (plan.nsplit > 1) {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < ntasks; ++i)
+        if (bound && plan.tasks[i].split == 0) worker.MergeItem(plan.tasks[i]);
+    }
+  }
+  if (!ok) throw std::bad_alloc();
+}
+
+}  // namespace cpu
+}  // namespace rfa

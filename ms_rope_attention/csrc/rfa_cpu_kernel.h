@@ -1,0 +1,27 @@
+// The fused CPU kernel's entry: one call computes RoPE + FlashAttention for a validated Problem.
+#pragma once
+#include "rfa_problem.h"
+
+namespace rfa {
+namespace cpu {
+
+struct Buffers {
+  const void *query, *key, *value, *cos, *sin;
+  void *out;          // query's layout and dtype
+  float *lse;         // may be null (not requested)
+  void *rotated_key;  // key's layout and dtype; may be null (not requested)
+};
+
+// Tuning knobs; defaults are the production choice, tests shrink them to hit every tail path.
+struct Tiling {
+  int64_t rows = 64;       // target query rows per task (heads of a GQA group x query positions)
+  int64_t kv_block = 128;  // keys per tile (rounded up to the GEMM column block)
+  int64_t min_split_keys = 256;  // decode: smallest KV chunk worth its own task
+  bool rotate = true;      // false only in benchmarks, to measure what the fused rotation costs
+};
+
+void Run(const Problem &p, const Buffers &buf, const Tiling &tiling);
+const char *Isa();
+
+}  // namespace cpu
+}  // namespace rfa

@@ -1,0 +1,222 @@
+// The RotaryFlashAttention problem as a kernel sees it: attributes, geometry in (batch, head,
+// row) strides for every layout, and the validation shared by all backends (CPU kernel, Ascend
+// tiling). Header-only and free of MindSpore/CANN so it can be unit-tested anywhere.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace rfa {
+
+enum class Layout { BNSD, BSND, BSH, TND };
+enum class DType { F32, F16, BF16 };
+
+struct Attrs {
+  int64_t head_num = 0;
+  Layout layout = Layout::BNSD;
+  int64_t rotary_mode = 0;
+  int64_t rotary_dim = 0;
+  float scale = 0.0f;
+  bool causal = true;
+  bool with_lse = false;
+  bool with_rotated_key = false;
+};
+
+// One tensor's element strides: D is always contiguous.
+struct Strides {
+  int64_t batch = 0, head = 0, row = 0;
+};
+
+struct Problem {
+  Attrs attrs;
+  int64_t batch = 0, q_heads = 0, kv_heads = 0, head_dim = 0, rotary_dim = 0;
+  int64_t q_len = 0, kv_len = 0;      // per sequence (batch layouts); token totals for TND
+  int64_t table_rows = 0;
+  float scale = 0.0f;
+  DType qkv_dtype = DType::F32, cos_dtype = DType::F32, sin_dtype = DType::F32;
+  Strides q, kv, lse;                 // lse strides are (batch, head, row) in elements
+  std::vector<int64_t> q_start, q_lens, kv_start, kv_lens;  // per sequence, in rows
+};
+
+inline bool ParseLayout(const std::string &s, Layout *out) {
+  if (s == "BNSD") *out = Layout::BNSD;
+  else if (s == "BSND") *out = Layout::BSND;
+  else if (s == "BSH") *out = Layout::BSH;
+  else if (s == "TND") *out = Layout::TND;
+  else return false;
+  return true;
+}
+
+inline bool ParseDType(const std::string &s, DType *out) {
+  if (s == "float32") *out = DType::F32;
+  else if (s == "float16") *out = DType::F16;
+  else if (s == "bfloat16") *out = DType::BF16;
+  else return false;
+  return true;
+}
+
+inline std::string ShapeText(int ndim, const int64_t *shape) {
+  std::string s = "(";
+  for (int i = 0; i < ndim; ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + (ndim == 1 ? ",)" : ")");
+}
+
+// Raw view of the op's tensors: rank, shape, dtype name and (for the TND offsets) data.
+struct TensorDesc {
+  int ndim = 0;
+  const int64_t *shape = nullptr;
+  std::string dtype;
+};
+
+// Geometry of q/k/v for the batch layouts: (batch, rows, heads, head_dim) + strides.
+inline std::string SplitHeads(const char *name, const TensorDesc &t, Layout layout, int64_t heads_hint,
+                              int64_t head_dim_hint, int64_t *b, int64_t *s, int64_t *n, int64_t *d, Strides *st) {
+  const int want = (layout == Layout::BNSD || layout == Layout::BSND) ? 4 : 3;
+  if (t.ndim != want)
+    return std::string(name) + ": expected rank " + std::to_string(want) + " for this layout, got shape " +
+           ShapeText(t.ndim, t.shape);
+  for (int i = 0; i < t.ndim; ++i)
+    if (t.shape[i] < 0) return std::string(name) + ": dynamic dimension at run time " + ShapeText(t.ndim, t.shape);
+  switch (layout) {
+    case Layout::BNSD:
+      *b = t.shape[0]; *n = t.shape[1]; *s = t.shape[2]; *d = t.shape[3];
+      *st = {(*n) * (*s) * (*d), (*s) * (*d), *d};
+      break;
+    case Layout::BSND:
+      *b = t.shape[0]; *s = t.shape[1]; *n = t.shape[2]; *d = t.shape[3];
+      *st = {(*s) * (*n) * (*d), *d, (*n) * (*d)};
+      break;
+    case Layout::BSH: {
+      *b = t.shape[0]; *s = t.shape[1];
+      if (heads_hint > 0) {
+        if (t.shape[2] % heads_hint) return std::string(name) + ": hidden size not a multiple of head_num";
+        *n = heads_hint; *d = t.shape[2] / heads_hint;
+      } else {
+        if (head_dim_hint <= 0 || t.shape[2] % head_dim_hint)
+          return std::string(name) + ": hidden size not a multiple of head_dim";
+        *d = head_dim_hint; *n = t.shape[2] / head_dim_hint;
+      }
+      *st = {(*s) * t.shape[2], *d, t.shape[2]};
+      break;
+    }
+    case Layout::TND:
+      *b = 1; *s = t.shape[0]; *n = t.shape[1]; *d = t.shape[2];
+      *st = {0, *d, (*n) * (*d)};
+      break;
+  }
+  return "";
+}
+
+// Validate everything and fill `p`. Returns "" or an error naming the argument.
+// `tensors` are query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen (the last two may
+// have dtype "none"); `q_ends`/`kv_ends` point to the TND offsets' data (may be null otherwise).
+inline std::string BuildProblem(const Attrs &a, const TensorDesc *tensors, const int64_t *q_ends,
+                                const int64_t *kv_ends, Problem *p) {
+  p->attrs = a;
+  const TensorDesc &q = tensors[0], &k = tensors[1], &v = tensors[2], &c = tensors[3], &s = tensors[4];
+  if (a.rotary_mode != 0 && a.rotary_mode != 1)
+    return "rotary_mode: expected 0 (rotate-half) or 1 (interleaved), got " + std::to_string(a.rotary_mode);
+  if (!ParseDType(q.dtype, &p->qkv_dtype))
+    return "query: expected dtype float32, float16 or bfloat16, got " + q.dtype;
+  if (k.dtype != q.dtype) return "key: expected the same dtype as query (" + q.dtype + "), got " + k.dtype;
+  if (v.dtype != q.dtype) return "value: expected the same dtype as query (" + q.dtype + "), got " + v.dtype;
+  if (!ParseDType(c.dtype, &p->cos_dtype)) return "cos: expected dtype float32, float16 or bfloat16, got " + c.dtype;
+  if (!ParseDType(s.dtype, &p->sin_dtype)) return "sin: expected dtype float32, float16 or bfloat16, got " + s.dtype;
+  if (a.layout == Layout::BSH && a.head_num <= 0) return "head_num: required for input_layout BSH";
+
+  int64_t qb, qs, qn, qd, kb, ks, kn, kd;
+  std::string err = SplitHeads("query", q, a.layout, a.head_num, 0, &qb, &qs, &qn, &qd, &p->q);
+  if (!err.empty()) return err;
+  Strides vst;
+  err = SplitHeads("key", k, a.layout, 0, qd, &kb, &ks, &kn, &kd, &p->kv);
+  if (!err.empty()) return err;
+  if (v.ndim != k.ndim) return "value: expected the same shape as key " + ShapeText(k.ndim, k.shape);
+  for (int i = 0; i < k.ndim; ++i)
+    if (v.shape[i] != k.shape[i])
+      return "value: expected the same shape as key " + ShapeText(k.ndim, k.shape) + ", got " + ShapeText(v.ndim, v.shape);
+  if (a.head_num > 0 && qn != a.head_num)
+    return "head_num: " + std::to_string(a.head_num) + " does not match query's " + std::to_string(qn) + " heads";
+  if (kb != qb) return "key: batch " + std::to_string(kb) + " does not match query's batch " + std::to_string(qb);
+  if (kd != qd) return "key: head_dim " + std::to_string(kd) + " does not match query's " + std::to_string(qd);
+  if (kn < 1 || qn % kn)
+    return "key: " + std::to_string(kn) + " heads; query's " + std::to_string(qn) + " heads must be a multiple of them";
+  if (qd < 2 || qd % 2) return "query: head_dim must be even and >= 2, got " + std::to_string(qd);
+  const int64_t rd = a.rotary_dim > 0 ? a.rotary_dim : qd;
+  if (rd % 2 || rd > qd) return "rotary_dim: expected an even value <= head_dim " + std::to_string(qd) + ", got " + std::to_string(rd);
+  for (const TensorDesc *t : {&c, &s}) {
+    const char *name = t == &c ? "cos" : "sin";
+    if (t->ndim != 2 || t->shape[1] != rd)
+      return std::string(name) + ": expected shape (max_positions, " + std::to_string(rd) + "), got " + ShapeText(t->ndim, t->shape);
+  }
+  if (c.shape[0] != s.shape[0]) return "sin: expected the same shape as cos " + ShapeText(c.ndim, c.shape);
+  p->q_heads = qn; p->kv_heads = kn; p->head_dim = qd; p->rotary_dim = rd;
+  p->table_rows = c.shape[0];
+  p->scale = a.scale > 0 ? a.scale : 1.0f / std::sqrt(static_cast<float>(qd));
+  if (!std::isfinite(p->scale)) return "scale: expected a finite positive value";
+  p->q_len = qs; p->kv_len = ks;
+
+  const bool tnd = a.layout == Layout::TND;
+  const bool has_q = tensors[5].dtype != "none" && tensors[5].ndim > 0;
+  const bool has_kv = tensors[6].dtype != "none" && tensors[6].ndim > 0;
+  p->q_start.clear(); p->q_lens.clear(); p->kv_start.clear(); p->kv_lens.clear();
+  if (tnd) {
+    if (!has_q || !has_kv || !q_ends || !kv_ends)
+      return "actual_seq_qlen, actual_seq_kvlen: both required for input_layout TND";
+    for (int i = 5; i < 7; ++i)
+      if (tensors[i].ndim != 1 || tensors[i].dtype != "int64")
+        return std::string(i == 5 ? "actual_seq_qlen" : "actual_seq_kvlen") + ": expected a 1-D int64 tensor, got " +
+               tensors[i].dtype + " " + ShapeText(tensors[i].ndim, tensors[i].shape);
+    const int64_t nb = tensors[5].shape[0];
+    if (nb < 1) return "actual_seq_qlen: expected at least one sequence";
+    if (tensors[6].shape[0] != nb)
+      return "actual_seq_kvlen: expected " + std::to_string(nb) + " sequences like actual_seq_qlen";
+    int64_t prev_q = 0, prev_kv = 0;
+    for (int64_t i = 0; i < nb; ++i) {
+      const int64_t lq = q_ends[i] - prev_q, lk = kv_ends[i] - prev_kv;
+      if (lq < 0) return "actual_seq_qlen: cumulative end offsets must be non-decreasing";
+      if (lk < 0) return "actual_seq_kvlen: cumulative end offsets must be non-decreasing";
+      if (lq > lk) return "actual_seq_qlen: sequence " + std::to_string(i) + " has q_len " + std::to_string(lq) +
+                          " > kv_len " + std::to_string(lk);
+      if (lk > p->table_rows) return "cos: table has " + std::to_string(p->table_rows) + " positions, sequence " +
+                                     std::to_string(i) + " needs " + std::to_string(lk);
+      p->q_start.push_back(prev_q); p->q_lens.push_back(lq);
+      p->kv_start.push_back(prev_kv); p->kv_lens.push_back(lk);
+      prev_q = q_ends[i]; prev_kv = kv_ends[i];
+    }
+    if (prev_q != qs) return "actual_seq_qlen: last offset must equal the token count " + std::to_string(qs) + ", got " + std::to_string(prev_q);
+    if (prev_kv != ks) return "actual_seq_kvlen: last offset must equal the token count " + std::to_string(ks) + ", got " + std::to_string(prev_kv);
+    p->batch = nb;
+    p->lse = {0, 1, qn};  // (T, N)
+  } else {
+    if (has_q || has_kv) return "actual_seq_qlen, actual_seq_kvlen: only for input_layout TND";
+    if (qs > ks) return "query: q_len " + std::to_string(qs) + " must be <= kv_len " + std::to_string(ks);
+    if (ks > p->table_rows) return "cos: table has " + std::to_string(p->table_rows) + " positions, kv_len " +
+                                   std::to_string(ks) + " needs at least " + std::to_string(ks);
+    p->batch = qb;
+    for (int64_t b = 0; b < qb; ++b) {
+      p->q_start.push_back(0); p->q_lens.push_back(qs);
+      p->kv_start.push_back(0); p->kv_lens.push_back(ks);
+    }
+    p->lse = {qn * qs, qs, 1};  // (B, N, Sq)
+  }
+  return "";
+}
+
+// Output shapes of the op for given input shapes (the C++ InferShape); disabled outputs are (0,).
+inline std::vector<std::vector<int64_t>> InferShapes(const Attrs &a, int ndims_q, const int64_t *q_shape,
+                                                      int ndims_k, const int64_t *k_shape) {
+  std::vector<int64_t> out(q_shape, q_shape + ndims_q);
+  std::vector<int64_t> lse{0};
+  if (a.with_lse) {
+    if (a.layout == Layout::TND) lse = {q_shape[0], ndims_q > 1 ? q_shape[1] : -1};
+    else if (a.layout == Layout::BNSD) lse = {q_shape[0], q_shape[1], q_shape[2]};
+    else if (a.layout == Layout::BSND) lse = {q_shape[0], q_shape[2], q_shape[1]};
+    else lse = {q_shape[0], a.head_num, q_shape[1]};
+  }
+  std::vector<int64_t> rk{0};
+  if (a.with_rotated_key) rk.assign(k_shape, k_shape + ndims_k);
+  return {out, lse, rk};
+}
+
+}  // namespace rfa

@@ -1,0 +1,120 @@
+// Portable SIMD building blocks for the CPU kernel, written with GCC/Clang vector extensions so one
+// source compiles to AVX-512, AVX2/FMA or baseline SSE2 (the build compiles it once per ISA and
+// the Python loader picks the best one the CPU supports at run time).
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace rfa {
+namespace simd {
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+constexpr int kRows = 12;  // GEMM micro-tile rows: 12 x 2 accumulators + 2 B vectors of 32 zmm
+constexpr const char *kIsa = "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kLanes = 8;
+constexpr int kRows = 6;   // 6 x 2 accumulators + 2 B vectors + 1 broadcast = 15 of 16 ymm
+constexpr const char *kIsa = "avx2";
+#else
+constexpr int kLanes = 4;
+constexpr int kRows = 6;
+constexpr const char *kIsa = "generic";
+#endif
+constexpr int kVecs = 2;                    // GEMM micro-tile width in vectors
+constexpr int kCols = kVecs * kLanes;       // GEMM micro-tile width in floats
+
+typedef float vf __attribute__((vector_size(kLanes * 4)));
+typedef int32_t vi __attribute__((vector_size(kLanes * 4)));
+
+inline vf Load(const float *p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void Store(float *p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf Splat(float x) { return vf{} + x; }
+
+inline float ReduceMax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+inline float ReduceSum(vf v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// 2^x for x <= 0 (scores minus the running max). Rounds x to the nearest integer n, evaluates
+// 2^f on f in [-0.5, 0.5] with a degree-7 Taylor polynomial (relative error < 1e-8), and builds 2^n
+// in the exponent bits. x <= -127 (masked, -inf) gives exactly 0.
+inline vf Exp2(vf x) {
+  const vf lo = Splat(-127.0f);
+  x = x < lo ? lo : x;
+  const vf shifter = Splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vf r = (x + shifter) - shifter;
+  const vf f = x - r;
+  const float l = 0.6931471805599453f;
+  vf p = Splat(l * l * l * l * l * l * l / 5040.f);
+  p = p * f + l * l * l * l * l * l / 720.f;
+  p = p * f + l * l * l * l * l / 120.f;
+  p = p * f + l * l * l * l / 24.f;
+  p = p * f + l * l * l / 6.f;
+  p = p * f + l * l / 2.f;
+  p = p * f + l;
+  p = p * f + 1.0f;
+  const vi n = __builtin_convertvector(r, vi);
+  const vi bits = (n + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// C[MR x NV*kLanes] (+)= A[MR x K] * B[K x NV*kLanes]; A broadcast by element, B loaded by vector.
+template <int MR, int NV>
+inline void MicroKernel(int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb, float *C,
+                        int64_t ldc, bool accumulate) {
+  vf c[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NV; ++j) c[i][j] = accumulate ? Load(C + i * ldc + j * kLanes) : vf{};
+  for (int64_t k = 0; k < K; ++k) {
+    vf b[NV];
+    for (int j = 0; j < NV; ++j) b[j] = Load(B + k * ldb + j * kLanes);
+    for (int i = 0; i < MR; ++i) {
+      const vf a = Splat(A[i * lda + k]);
+      for (int j = 0; j < NV; ++j) c[i][j] += a * b[j];
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NV; ++j) Store(C + i * ldc + j * kLanes, c[i][j]);
+}
+
+using MicroKernelFn = void (*)(int64_t, const float *, int64_t, const float *, int64_t, float *, int64_t, bool);
+
+template <int... MRs>
+struct KernelTable {
+  static constexpr MicroKernelFn wide[] = {MicroKernel<MRs, kVecs>...};
+  static constexpr MicroKernelFn narrow[] = {MicroKernel<MRs, 1>...};
+};
+
+template <int N, int... Is>
+struct MakeTable : MakeTable<N - 1, N, Is...> {};
+template <int... Is>
+struct MakeTable<0, Is...> { using type = KernelTable<Is...>; };
+
+// C[M x N] (+)= A[M x K] * B[K x N], N a multiple of kLanes. The B panel of one column block stays
+// in L1 while the row blocks stream past it.
+inline void Gemm(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                 float *C, int64_t ldc, bool accumulate) {
+  using Table = MakeTable<kRows>::type;
+  for (int64_t n0 = 0; n0 < N;) {
+    const bool wide = N - n0 >= kCols;
+    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+      const int64_t mr = M - m0 < kRows ? M - m0 : kRows;
+      const MicroKernelFn fn = wide ? Table::wide[mr - 1] : Table::narrow[mr - 1];
+      fn(K, A + m0 * lda, lda, B + n0, ldb, C + m0 * ldc + n0, ldc, accumulate);
+    }
+    n0 += wide ? kCols : kLanes;
+  }
+}
+
+}  // namespace simd
+}  // namespace rfa

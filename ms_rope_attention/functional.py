@@ -1,0 +1,169 @@
+"""``rotary_flash_attention``: the functional op, and the backend dispatch behind it.
+
+``RotaryFlashAttentionOp`` fixes the attributes, picks a backend once (at construction, where the
+device is known) and is usable in GRAPH_MODE and PyNative. The fused kernel is preferred; a
+fallback to the unfused path is never silent: it logs a one-time warning containing
+``rotary_fusion_fallback`` and the reason, and ``strict=True`` raises instead.
+"""
+from __future__ import annotations
+
+import logging
+
+import mindspore as ms
+from mindspore import Tensor, nn, ops
+
+from . import checks
+from .unfused import unfused_rotary_flash_attention
+
+logger = logging.getLogger("ms_rope_attention")
+BACKENDS = ("auto", "fused", "unfused")
+_warned: set = set()
+
+
+class RotaryFusionFallbackError(RuntimeError):
+    """Raised under ``strict=True`` instead of falling back to the unfused path."""
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        logger.warning("rotary_fusion_fallback: %s; running the unfused RoPE + attention path", reason)
+
+
+def _device() -> str:
+    return ms.get_context("device_target")
+
+
+def _fused_factory(device: str):
+    """(factory, None) for the fused kernel of this device, or (None, reason it is unavailable)."""
+    if device == "CPU":
+        try:
+            from .cpu_kernel import make_cpu_op, select_library
+            select_library()
+            return make_cpu_op, None
+        except (RuntimeError, OSError) as exc:
+            return None, f"CPU kernel unavailable ({exc})"
+    return None, f"no fused kernel registered for device {device!r}"
+
+
+@ops.constexpr
+def _check_call(q_shape, k_shape, v_shape, cos_shape, sin_shape, q_dtype, k_dtype, v_dtype, cos_dtype, sin_dtype,
+                head_num, input_layout, rotary_mode, rotary_dim, scale, causal, has_aq, has_akv):
+    """Compile-time (GRAPH_MODE) or eager (PyNative) argument check; returns the static geometry."""
+    geo = checks.check_inputs(q_shape, k_shape, v_shape, cos_shape, sin_shape, q_dtype, k_dtype, v_dtype, cos_dtype,
+                              sin_dtype, head_num, input_layout, rotary_mode, rotary_dim, scale, causal, has_aq, has_akv)
+    return geo.q_heads, geo.kv_heads, geo.head_dim, geo.rotary_dim, geo.scale
+
+
+@ops.constexpr
+def _table_needs_cast(dtype) -> bool:
+    """Tables outside the kernel's dtypes (e.g. float64) are cast to float32: exact, and announced."""
+    name = checks.dtype_name(dtype)
+    if name in checks.TABLE_DTYPES:
+        return False
+    logger.info("ms_rope_attention: casting a %s cos/sin table to float32 (compute is float32)", name)
+    return True
+
+
+@ops.constexpr
+def _require_static(q_heads, kv_heads, head_dim):
+    if q_heads is None or kv_heads is None or head_dim is None:
+        raise ValueError("query/key: the unfused path needs static head counts and head_dim "
+                         "(only batch and sequence dimensions may be dynamic)")
+    return True
+
+
+class RotaryFlashAttentionOp(nn.Cell):
+    """The op with fixed attributes; ``construct(query, key, value, cos, sin, actual_seq_qlen=None,
+    actual_seq_kvlen=None)`` returns ``(attention_out, softmax_lse, rotated_key)`` (disabled
+    outputs are empty). ``backend_name`` tells which backend runs."""
+
+    def __init__(self, head_num=None, input_layout="BNSD", rotary_mode=0, rotary_dim=None, scale=None, causal=True,
+                 with_softmax_lse=False, with_rotated_key=False, backend="auto", strict=False):
+        super().__init__()
+        checks.check_attrs(head_num, input_layout, rotary_mode, rotary_dim, scale, causal)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
+        self.head_num = head_num
+        self.input_layout = input_layout
+        self.rotary_mode = rotary_mode
+        self.rotary_dim = rotary_dim
+        self.scale = scale
+        self.causal = causal
+        self.with_softmax_lse = bool(with_softmax_lse)
+        self.with_rotated_key = bool(with_rotated_key)
+        self.fused = None
+        self.fallback_reason = None
+        if backend != "unfused":
+            factory, reason = _fused_factory(_device())
+            if factory is None:
+                if strict or backend == "fused":
+                    raise RotaryFusionFallbackError(f"rotary_fusion_fallback refused: {reason}")
+                _warn_once(reason)
+                self.fallback_reason = reason
+            else:
+                self.fused = factory({
+                    "head_num": head_num or 0, "input_layout": input_layout, "rotary_mode": rotary_mode,
+                    "rotary_dim": rotary_dim or 0, "scale": float(scale or 0.0), "causal": causal,
+                    "with_softmax_lse": self.with_softmax_lse, "with_rotated_key": self.with_rotated_key})
+        self.use_fused = self.fused is not None
+        self.backend_name = f"fused:{_device()}" if self.use_fused else "unfused"
+
+    def construct(self, query, key, value, cos, sin, actual_seq_qlen=None, actual_seq_kvlen=None):
+        q_heads, kv_heads, head_dim, rotary_dim, scale = _check_call(
+            query.shape, key.shape, value.shape, cos.shape, sin.shape, query.dtype, key.dtype, value.dtype, cos.dtype,
+            sin.dtype, self.head_num, self.input_layout, self.rotary_mode, self.rotary_dim, self.scale, self.causal,
+            actual_seq_qlen is not None, actual_seq_kvlen is not None)
+        if _table_needs_cast(cos.dtype):
+            cos = cos.astype(ms.float32)
+        if _table_needs_cast(sin.dtype):
+            sin = sin.astype(ms.float32)
+        if self.use_fused:
+            return self.fused(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen)
+        _require_static(q_heads, kv_heads, head_dim)
+        return unfused_rotary_flash_attention(
+            query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, head_num=q_heads, kv_head_num=kv_heads,
+            head_dim=head_dim, input_layout=self.input_layout, rotary_mode=self.rotary_mode, rotary_dim=rotary_dim,
+            scale=scale, causal=self.causal, with_softmax_lse=self.with_softmax_lse,
+            with_rotated_key=self.with_rotated_key)
+
+
+_ops_cache: dict = {}
+
+
+def _as_offsets(name, value):
+    if value is None or isinstance(value, Tensor):
+        return value
+    try:
+        return Tensor([int(v) for v in value], ms.int64)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected a sequence of ints or an int64 Tensor, got {value!r}") from None
+
+
+def rotary_flash_attention(query, key, value, cos, sin, head_num=None, *, input_layout="BNSD", rotary_mode=0,
+                           rotary_dim=None, scale=None, causal=True, actual_seq_qlen=None, actual_seq_kvlen=None,
+                           return_softmax_lse=False, return_rotated_key=False, backend="auto", strict=False):
+    """RoPE(query), RoPE(key) and attention in one fused pass; returns the output in query's layout/dtype.
+
+    See the README's semantics table (generated from ``op_info``). With ``return_softmax_lse`` /
+    ``return_rotated_key`` a tuple ``(out, lse?, rotated_key?)`` is returned. For PyNative use; in
+    GRAPH_MODE hold a ``RotaryFlashAttentionOp`` or ``RotaryFlashAttention`` Cell instead.
+    """
+    for name, tensor in (("query", query), ("key", key), ("value", value), ("cos", cos), ("sin", sin)):
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"{name}: expected a mindspore Tensor, got {type(tensor).__name__}")
+    actual_seq_qlen = _as_offsets("actual_seq_qlen", actual_seq_qlen)
+    actual_seq_kvlen = _as_offsets("actual_seq_kvlen", actual_seq_kvlen)
+    key_attrs = (head_num, input_layout, rotary_mode, rotary_dim, scale, causal, bool(return_softmax_lse),
+                 bool(return_rotated_key), backend, strict, _device())
+    op = _ops_cache.get(key_attrs)
+    if op is None:
+        op = RotaryFlashAttentionOp(head_num, input_layout, rotary_mode, rotary_dim, scale, causal,
+                                    return_softmax_lse, return_rotated_key, backend, strict)
+        _ops_cache[key_attrs] = op
+    if input_layout == "TND" and actual_seq_qlen is not None and actual_seq_kvlen is not None:
+        checks.check_actual_seq(actual_seq_qlen.asnumpy(), actual_seq_kvlen.asnumpy(), query.shape[0], key.shape[0],
+                                cos.shape[0])
+    out, lse, rotated_key = op(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen)
+    extra = ((lse,) if return_softmax_lse else ()) + ((rotated_key,) if return_rotated_key else ())
+    return (out,) + extra if extra else out

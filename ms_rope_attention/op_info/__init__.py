@@ -1,0 +1,138 @@
+"""The op contract (``rotary_flash_attention.yaml``) and what is generated from it.
+
+Everything that describes the op's interface -- MindSpore ``CustomRegOp`` registrations for each
+backend, the Python argument checks and the README's semantics table -- is derived from the YAML
+file beside this module, so the backends cannot drift apart.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONTRACT_PATH = Path(__file__).with_name("rotary_flash_attention.yaml")
+
+_REG_TYPES = {"int": "int", "float": "float", "bool": "bool", "str": "str"}
+_PY_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+@dataclass(frozen=True)
+class Contract:
+    """Parsed contract: plain dictionaries straight from the YAML, plus convenient lookups."""
+
+    op_name: str
+    inputs: tuple
+    outputs: tuple
+    attrs: tuple
+    semantics: dict
+    summary: str
+
+    def attr(self, name: str) -> dict:
+        for attr in self.attrs:
+            if attr["name"] == name:
+                return attr
+        raise KeyError(name)
+
+    def input(self, name: str) -> dict:
+        for item in self.inputs:
+            if item["name"] == name:
+                return item
+        raise KeyError(name)
+
+    @property
+    def attr_defaults(self) -> dict:
+        return {a["name"]: a["default"] for a in self.attrs}
+
+
+@functools.lru_cache(maxsize=None)
+def load_contract(path: str | None = None) -> Contract:
+    """Read and sanity-check the YAML contract (a malformed contract fails loudly at import)."""
+    raw = yaml.safe_load(Path(path or CONTRACT_PATH).read_text())
+    for attr in raw["attrs"]:
+        kind = attr["type"]
+        if kind not in _PY_TYPES:
+            raise ValueError(f"op_info: attr {attr['name']!r} has unknown type {kind!r}")
+        if not isinstance(attr["default"], _PY_TYPES[kind]) and not (kind == "float" and isinstance(attr["default"], int)):
+            raise ValueError(f"op_info: default of attr {attr['name']!r} is not a {kind}")
+        if "values" in attr and attr["default"] not in attr["values"]:
+            raise ValueError(f"op_info: default of attr {attr['name']!r} is not one of {attr['values']}")
+    return Contract(op_name=raw["op_name"], inputs=tuple(raw["inputs"]), outputs=tuple(raw["outputs"]),
+                    attrs=tuple(raw["attrs"]), semantics=dict(raw["semantics"]), summary=raw["summary"])
+
+
+def _ms_dtype_formats(contract: Contract) -> list[tuple]:
+    """Every dtype combination the contract allows, as MindSpore ``DataType`` rows.
+
+    Inputs tied by ``same_dtype_as`` share one dtype; outputs follow their ``dtype`` rule.
+    """
+    from mindspore.ops import DataType
+
+    names = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64"}
+    free = [item for item in contract.inputs if "same_dtype_as" not in item]
+    rows = []
+    for combo in itertools.product(*[item["dtypes"] for item in free]):
+        chosen = dict(zip((item["name"] for item in free), combo))
+        for item in contract.inputs:
+            if "same_dtype_as" in item:
+                chosen[item["name"]] = chosen[item["same_dtype_as"]]
+        row = [chosen[item["name"]] for item in contract.inputs]
+        for out in contract.outputs:
+            rule = out["dtype"]
+            row.append(chosen[rule[len("same_as_"):]] if rule.startswith("same_as_") else rule)
+        rows.append(tuple(getattr(DataType, f"{names[d]}_Default") for d in row))
+    return rows
+
+
+def build_reg_info(target: str, attr_values: dict[str, Any], *, any_dtype: bool = False):
+    """The ``CustomRegOp`` op-info for one backend, with the attribute values of one op instance.
+
+    ``any_dtype=True`` registers ``None_None`` formats: the CPU aot kernel checks dtypes itself
+    (with clearer messages than MindSpore's kernel selection), and optional inputs arrive as "none".
+    """
+    from mindspore.ops import CustomRegOp, DataType
+
+    contract = load_contract()
+    unknown = set(attr_values) - set(contract.attr_defaults)
+    if unknown:
+        raise KeyError(f"unknown attribute(s) {sorted(unknown)}; the contract has {sorted(contract.attr_defaults)}")
+    reg = CustomRegOp(contract.op_name)
+    for index, item in enumerate(contract.inputs):
+        reg = reg.input(index, item["name"], "optional" if item.get("optional") else "required")
+    for index, item in enumerate(contract.outputs):
+        reg = reg.output(index, item["name"], "required")
+    n_tensors = len(contract.inputs) + len(contract.outputs)
+    if any_dtype:
+        reg = reg.dtype_format(*[DataType.None_None] * n_tensors)
+    else:
+        for row in _ms_dtype_formats(contract):
+            reg = reg.dtype_format(*row)
+    for attr in contract.attrs:
+        value = attr_values.get(attr["name"], attr["default"])
+        value = _PY_TYPES[attr["type"]](value)
+        reg = reg.attr(attr["name"], "required", _REG_TYPES[attr["type"]], value=value)
+    return reg.target(target).get_op_info()
+
+
+def markdown_table() -> str:
+    """The README's semantics table, generated from the contract."""
+    contract = load_contract()
+    lines = ["| kind | name | type / dtypes | default | meaning |", "|---|---|---|---|---|"]
+    for item in contract.inputs:
+        kind = "input (optional)" if item.get("optional") else "input"
+        lines.append(f"| {kind} | `{item['name']}` | {', '.join(item['dtypes'])} | | {item['doc']} |")
+    for item in contract.outputs:
+        lines.append(f"| output | `{item['name']}` | {item['dtype']} | | {item['doc']} |")
+    for attr in contract.attrs:
+        allowed = f" in {attr['values']}" if "values" in attr else ""
+        lines.append(f"| attr | `{attr['name']}` | {attr['type']}{allowed} | `{attr['default']}` | {attr['doc']} |")
+    for key, text in contract.semantics.items():
+        lines.append(f"| rule | {key} | | | {text} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

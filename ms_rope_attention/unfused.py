@@ -1,0 +1,131 @@
+"""The unfused path: standalone RoPE, then attention, from plain MindSpore ops.
+
+It runs wherever MindSpore runs (GRAPH_MODE with dynamic shapes, and PyNative), is what the
+dispatcher falls back to when no fused kernel applies, and is the baseline of every benchmark.
+It materialises rotated Q/K and the full score matrix: exactly the memory traffic the fused
+kernel avoids.  Computation is float32 whatever the input dtype.
+"""
+from __future__ import annotations
+
+import numpy as np
+from mindspore import Tensor, ops
+import mindspore as ms
+
+_NEG = -1e30  # finite "minus infinity" for masked scores, so no row becomes NaN
+
+
+def rotation_permutation(rotary_dim: int, rotary_mode: int):
+    """(index, sign) with rot(x) = x[..., index] * sign on the rotated features.
+
+    Mode 0 (rotate-half): rot(x) = [-x2, x1].  Mode 1 (interleaved): rot(x)[2i] = -x[2i+1],
+    rot(x)[2i+1] = x[2i].
+    """
+    half = rotary_dim // 2
+    if rotary_mode == 0:
+        index = np.concatenate([np.arange(half, rotary_dim), np.arange(half)])
+        sign = np.concatenate([-np.ones(half), np.ones(half)])
+    else:
+        index = np.arange(rotary_dim).reshape(-1, 2)[:, ::-1].reshape(-1)
+        sign = np.tile([-1.0, 1.0], half)
+    return index.astype(np.int32), sign.astype(np.float32)
+
+
+def _to_bnsd(x, layout, heads, head_dim):
+    """(B, N, S, D) view of one input; TND becomes a single batch of T tokens."""
+    if layout == "BNSD":
+        return x
+    if layout == "BSND":
+        return x.transpose(0, 2, 1, 3)
+    if layout == "BSH":
+        return x.reshape(x.shape[0], x.shape[1], heads, head_dim).transpose(0, 2, 1, 3)
+    return x.transpose(1, 0, 2).expand_dims(0)
+
+
+def _from_bnsd(x, layout):
+    if layout == "BNSD":
+        return x
+    if layout == "BSND":
+        return x.transpose(0, 2, 1, 3)
+    if layout == "BSH":
+        x = x.transpose(0, 2, 1, 3)
+        return x.reshape(x.shape[0], x.shape[1], -1)
+    return x.squeeze(0).transpose(1, 0, 2)
+
+
+def _segments(ends, total):
+    """Per-token sequence id, and start offset of each token's sequence, from cumulative ends."""
+    tokens = ops.arange(0, total, dtype=ms.int64)
+    seg = (tokens.expand_dims(1) >= ends.expand_dims(0)).astype(ms.int64).sum(1)
+    starts = ops.concat([ops.zeros((1,), ms.int64), ends[:-1]])
+    return seg, tokens - starts[seg], ends - starts
+
+
+def _allowed(q_pos, k_pos, same_sequence, causal):
+    """Boolean (Sq, Skv) mask of the keys each query sees."""
+    if causal:
+        allowed = k_pos.expand_dims(0) <= q_pos.expand_dims(1)
+        return allowed if same_sequence is None else ops.logical_and(allowed, same_sequence)
+    if same_sequence is None:
+        return ops.ones((q_pos.shape[0], k_pos.shape[0]), ms.bool_)
+    return same_sequence
+
+
+def _rope(x, cos, sin, positions, index, sign, rotary_dim, head_dim):
+    """x (B, N, S, D) float32, rotated on its first rotary_dim features at ``positions`` (S,)."""
+    c = ops.gather(cos, positions, 0)
+    s = ops.gather(sin, positions, 0)
+    part = x[..., :rotary_dim] if rotary_dim < head_dim else x
+    rotated = part * c + ops.gather(part, index, 3) * sign * s
+    if rotary_dim < head_dim:
+        rotated = ops.concat([rotated, x[..., rotary_dim:]], axis=-1)
+    return rotated
+
+
+def unfused_rotary_flash_attention(query, key, value, cos, sin, actual_seq_qlen=None, actual_seq_kvlen=None, *,
+                                   head_num, kv_head_num, head_dim, input_layout, rotary_mode, rotary_dim, scale,
+                                   causal, with_softmax_lse, with_rotated_key):
+    """(attention_out, softmax_lse, rotated_key) exactly as the fused op's contract.
+
+    Geometry arguments (``head_num``, ``kv_head_num``, ``head_dim``, ``rotary_dim``, ``scale``) are
+    already resolved by ``checks.check_inputs``; disabled outputs are empty (shape (0,)).
+    """
+    layout = input_layout
+    out_dtype = query.dtype
+    index_np, sign_np = rotation_permutation(rotary_dim, rotary_mode)
+    index, sign = Tensor(index_np), Tensor(sign_np)
+    cos = cos.astype(ms.float32)
+    sin = sin.astype(ms.float32)
+    q = _to_bnsd(query, layout, head_num, head_dim).astype(ms.float32)
+    k = _to_bnsd(key, layout, kv_head_num, head_dim).astype(ms.float32)
+    v = _to_bnsd(value, layout, kv_head_num, head_dim).astype(ms.float32)
+    q_len = q.shape[2]
+    kv_len = k.shape[2]
+    if layout == "TND":
+        q_seg, q_local, q_lens = _segments(actual_seq_qlen.astype(ms.int64), q_len)
+        k_seg, k_pos, kv_lens = _segments(actual_seq_kvlen.astype(ms.int64), kv_len)
+        q_pos = q_local + (kv_lens - q_lens)[q_seg]
+        same_sequence = q_seg.expand_dims(1) == k_seg.expand_dims(0)
+    else:
+        q_pos = ops.arange(0, q_len, dtype=ms.int64) + (kv_len - q_len)
+        k_pos = ops.arange(0, kv_len, dtype=ms.int64)
+        same_sequence = None
+    qr = _rope(q, cos, sin, q_pos, index, sign, rotary_dim, head_dim)
+    kr = _rope(k, cos, sin, k_pos, index, sign, rotary_dim, head_dim)
+    group = head_num // kv_head_num
+    # GQA without copying K/V: query heads of one KV head share a broadcast batch dimension.
+    q5 = qr.reshape(qr.shape[0], kv_head_num, group, -1, head_dim)
+    scores = ops.matmul(q5, kr.expand_dims(2).swapaxes(-1, -2)) * scale
+    allowed = _allowed(q_pos, k_pos, same_sequence, causal)
+    scores = ops.where(allowed, scores, _NEG)
+    row_sees_a_key = allowed.any(axis=-1, keep_dims=True).astype(ms.float32)
+    probs = ops.softmax(scores, axis=-1) * row_sees_a_key
+    attended = ops.matmul(probs, v.expand_dims(2)).reshape(qr.shape[0], head_num, -1, head_dim)
+    out = _from_bnsd(attended, layout).astype(out_dtype)
+    if with_softmax_lse:
+        lse = ops.where(row_sees_a_key.squeeze(-1) > 0, ops.logsumexp(scores, -1), -float("inf"))
+        lse = lse.reshape(qr.shape[0], head_num, -1)
+        lse = lse.squeeze(0).transpose(1, 0) if layout == "TND" else lse
+    else:
+        lse = ops.zeros((0,), ms.float32)
+    rotated_key = _from_bnsd(kr, layout).astype(key.dtype) if with_rotated_key else ops.zeros((0,), key.dtype)
+    return out, lse, rotated_key

@@ -1,0 +1,56 @@
+"""Installs ms_rope_attention and builds its C++ CPU kernel once per instruction set.
+
+Each build is a plain shared library loaded by MindSpore's aot Custom op (not a Python module).
+``RFA_SANITIZE=1`` builds them with AddressSanitizer + UBSan for the sanitizer test run.
+"""
+import os
+import platform
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+CSRC = "ms_rope_attention/csrc"
+SOURCES = [f"{CSRC}/rfa_cpu_kernel.cc", f"{CSRC}/rfa_cpu_aot.cc"]
+COMMON = ["-std=c++17", "-O3", "-fopenmp", "-D_GLIBCXX_USE_CXX11_ABI=0", "-fvisibility=hidden", "-Wall", "-Wextra"]
+ISA_FLAGS = {"generic": []}
+if platform.machine() in ("x86_64", "AMD64"):
+    ISA_FLAGS["avx2"] = ["-mavx2", "-mfma", "-mf16c"]
+    ISA_FLAGS["avx512"] = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]
+SANITIZE = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-O1"] if os.environ.get("RFA_SANITIZE") else []
+
+
+class BuildKernels(build_ext):
+    """build_ext with one temp directory per extension: the ISA builds share source files."""
+
+    def build_extension(self, ext):
+        base = self.build_temp
+        self.build_temp = os.path.join(base, ext.name)
+        try:
+            super().build_extension(ext)
+        finally:
+            self.build_temp = base
+
+    def get_export_symbols(self, ext):
+        return []  # not Python modules: no PyInit_ symbol to export
+
+
+extensions = [
+    Extension(f"ms_rope_attention._rfa_cpu_{isa}", sources=SOURCES, depends=[f"{CSRC}/{h}" for h in
+              ("aot_abi.h", "rfa_problem.h", "rfa_cpu_kernel.h", "simd.h")],
+              extra_compile_args=COMMON + flags + SANITIZE, extra_link_args=["-fopenmp"] + SANITIZE[:1],
+              language="c++")
+    for isa, flags in ISA_FLAGS.items()
+]
+
+setup(
+    name="ms_rope_attention",
+    version="0.1.0",
+    description="Rotary position embedding fused into FlashAttention for MindSpore (CPU kernel, Ascend C kernel)",
+    packages=find_packages(include=["ms_rope_attention", "ms_rope_attention.*", "models", "models.*"]),
+    package_data={"ms_rope_attention": ["op_info/*.yaml", "csrc/*.h", "csrc/*.cc"]},
+    ext_modules=extensions,
+    cmdclass={"build_ext": BuildKernels},
+    python_requires=">=3.9",
+    install_requires=["mindspore==2.10.0", "numpy>=1.25,<2", "pyyaml"],
+    extras_require={"test": ["pytest"], "bench": ["matplotlib", "tqdm"]},
+)

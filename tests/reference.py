@@ -1,0 +1,115 @@
+"""Independent float64 numpy reference of rotary_flash_attention, written the plainest way.
+
+Per sequence: rotate q and k with the tables at their absolute positions, then
+softmax(q k^T * scale + mask) v.  No tiling, no online softmax, no shared code with the package.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def rope_tables(rotary_dim, max_positions, theta=10000.0, mode=0):
+    """cos/sin tables (max_positions, rotary_dim) in float64, laid out for ``mode``."""
+    inv_freq = 1.0 / theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+    angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)
+    if mode == 0:
+        angles = np.concatenate([angles, angles], axis=1)
+    else:
+        angles = np.repeat(angles, 2, axis=1)
+    return np.cos(angles), np.sin(angles)
+
+
+def rotate(x, cos, sin, positions, mode, rotary_dim):
+    """x (S, N, D) rotated on its first rotary_dim features: x*cos + rot(x)*sin."""
+    x = x.astype(np.float64)
+    rd = rotary_dim
+    part = x[..., :rd]
+    if mode == 0:
+        half = rd // 2
+        rot = np.concatenate([-part[..., half:], part[..., :half]], axis=-1)
+    else:
+        rot = np.empty_like(part)
+        rot[..., 0::2] = -part[..., 1::2]
+        rot[..., 1::2] = part[..., 0::2]
+    c = np.asarray(cos, np.float64)[positions][:, None, :]
+    s = np.asarray(sin, np.float64)[positions][:, None, :]
+    return np.concatenate([part * c + rot * s, x[..., rd:]], axis=-1)
+
+
+def attention_one_sequence(q, k, v, cos, sin, mode, rotary_dim, scale, causal):
+    """q (Sq, N, D), k/v (Skv, Nkv, D) -> out (Sq, N, D), lse (Sq, N), rotated k (Skv, Nkv, D)."""
+    sq, n, d = q.shape
+    skv, nkv, _ = k.shape
+    qr = rotate(q, cos, sin, np.arange(skv - sq, skv), mode, rotary_dim)
+    kr = rotate(k, cos, sin, np.arange(skv), mode, rotary_dim)
+    group = n // nkv
+    out = np.zeros((sq, n, d))
+    lse = np.full((sq, n), -np.inf)
+    q_pos = np.arange(skv - sq, skv)[:, None]
+    allowed = (np.arange(skv)[None, :] <= q_pos) if causal else np.ones((sq, skv), bool)
+    for h in range(n):
+        scores = qr[:, h, :] @ kr[:, h // group, :].T * scale
+        scores = np.where(allowed, scores, -np.inf)
+        for i in range(sq):
+            if not allowed[i].any():
+                continue
+            m = scores[i].max()
+            p = np.exp(scores[i] - m)
+            out[i, h] = p @ v[:, h // group, :].astype(np.float64) / p.sum()
+            lse[i, h] = m + np.log(p.sum())
+    return out, lse, kr
+
+
+def to_snd(x, layout, head_num=None):
+    """One batch-major tensor as a list of (S, N, D) sequences (TND handled by the caller)."""
+    x = np.asarray(x)
+    if layout == "BNSD":
+        return [x[b].transpose(1, 0, 2) for b in range(x.shape[0])]
+    if layout == "BSND":
+        return [x[b] for b in range(x.shape[0])]
+    if layout == "BSH":
+        return [x[b].reshape(x.shape[1], head_num, -1) for b in range(x.shape[0])]
+    raise ValueError(layout)
+
+
+def from_snd(seqs, layout):
+    stacked = np.stack(seqs)
+    if layout == "BNSD":
+        return stacked.transpose(0, 2, 1, 3)
+    if layout == "BSND":
+        return stacked
+    if layout == "BSH":
+        return stacked.reshape(stacked.shape[0], stacked.shape[1], -1)
+    raise ValueError(layout)
+
+
+def reference(q, k, v, cos, sin, head_num=None, input_layout="BNSD", rotary_mode=0, rotary_dim=None,
+              scale=None, causal=True, actual_seq_qlen=None, actual_seq_kvlen=None):
+    """(out, lse, rotated_key) in float64; lse is (B, N, Sq) or (Tq, N) for TND."""
+    q, k, v = (np.asarray(t, np.float64) for t in (q, k, v))
+    if input_layout == "TND":
+        head_dim = q.shape[-1]
+    elif input_layout == "BSH":
+        head_dim = q.shape[-1] // head_num
+    else:
+        head_dim = q.shape[-1]
+    rd = rotary_dim or head_dim
+    scale = scale if scale is not None else 1.0 / np.sqrt(head_dim)
+    args = (cos, sin, rotary_mode, rd, scale, causal)
+    if input_layout == "TND":
+        out = np.zeros(q.shape)
+        lse = np.full(q.shape[:2], -np.inf)
+        kr = np.zeros(k.shape)
+        q_start = kv_start = 0
+        for q_end, kv_end in zip(actual_seq_qlen, actual_seq_kvlen):
+            o, l, r = attention_one_sequence(q[q_start:q_end], k[kv_start:kv_end], v[kv_start:kv_end], *args)
+            out[q_start:q_end], lse[q_start:q_end], kr[kv_start:kv_end] = o, l, r
+            q_start, kv_start = q_end, kv_end
+        return out, lse, kr
+    kv_heads = None if input_layout != "BSH" else k.shape[-1] // head_dim
+    results = [attention_one_sequence(qs, ks, vs, *args) for qs, ks, vs in
+               zip(to_snd(q, input_layout, head_num), to_snd(k, input_layout, kv_heads), to_snd(v, input_layout, kv_heads))]
+    out = from_snd([r[0] for r in results], input_layout)
+    lse = np.stack([r[1].T for r in results])
+    kr = from_snd([r[2] for r in results], input_layout)
+    return out, lse, kr
