@@ -47,16 +47,15 @@ def attention_one_sequence(q, k, v, cos, sin, mode, rotary_dim, scale, causal):
     lse = np.full((sq, n), -np.inf)
     q_pos = np.arange(skv - sq, skv)[:, None]
     allowed = (np.arange(skv)[None, :] <= q_pos) if causal else np.ones((sq, skv), bool)
+    sees_a_key = allowed.any(axis=1)
     for h in range(n):
         scores = qr[:, h, :] @ kr[:, h // group, :].T * scale
         scores = np.where(allowed, scores, -np.inf)
-        for i in range(sq):
-            if not allowed[i].any():
-                continue
-            m = scores[i].max()
-            p = np.exp(scores[i] - m)
-            out[i, h] = p @ v[:, h // group, :].astype(np.float64) / p.sum()
-            lse[i, h] = m + np.log(p.sum())
+        rows = np.nonzero(sees_a_key)[0]
+        m = scores[rows].max(axis=1, keepdims=True)
+        p = np.exp(scores[rows] - m)
+        out[rows, h] = p @ v[:, h // group, :].astype(np.float64) / p.sum(axis=1, keepdims=True)
+        lse[rows, h] = m[:, 0] + np.log(p.sum(axis=1))
     return out, lse, kr
 
 

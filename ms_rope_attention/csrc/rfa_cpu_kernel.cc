@@ -297,8 +297,11 @@ class Worker {
           const int64_t pos = q_off + t.q0 + r % t.nq;
           valid = std::max<int64_t>(0, std::min(n, pos - j0 + 1));
         }
+        if (valid == 0) {  // this row sees no key of the tile: contributes nothing to P V
+          std::memset(srow, 0, np * sizeof(float));
+          continue;
+        }
         for (int64_t j = valid; j < np; ++j) srow[j] = kNegInf;
-        if (valid == 0) continue;
         simd::vf vmax = simd::Splat(kNegInf);
         for (int64_t j = 0; j < np; j += kLanes) {
           const simd::vf x = simd::Load(srow + j);

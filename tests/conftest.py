@@ -1,0 +1,51 @@
+"""Shared fixtures: CPU device, execution modes, random inputs, and dtype tolerances."""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import mindspore as ms  # noqa: E402
+
+ms.set_device("CPU")
+
+# Tolerances (max abs error vs the float64 reference, unit-scale inputs). float32: 1e-5. float16 /
+# bfloat16: the reference runs on the same dtype-rounded inputs, so the budget is the output's own
+# rounding plus float32 accumulation: 2 ulp at the output's magnitude.
+EPS = {"float32": 0.0, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
+
+
+def tolerance(dtype: str, reference: np.ndarray) -> float:
+    magnitude = float(np.abs(reference).max()) if reference.size else 0.0
+    return 1e-5 + 2 * EPS[dtype] * max(magnitude, 1.0)
+
+
+MS_DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
+
+
+def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """x rounded to ``dtype`` and back to float64 (what the kernel actually receives)."""
+    return ms.Tensor(x.astype(np.float32)).astype(MS_DTYPES[dtype]).astype(ms.float32).asnumpy().astype(np.float64)
+
+
+def to_tensor(x: np.ndarray, dtype: str) -> ms.Tensor:
+    return ms.Tensor(x.astype(np.float32)).astype(MS_DTYPES[dtype])
+
+
+def to_numpy(t: ms.Tensor) -> np.ndarray:
+    return t.astype(ms.float32).asnumpy().astype(np.float64)
+
+
+@pytest.fixture(params=["pynative", "graph"])
+def mode(request):
+    previous = ms.get_context("mode")
+    ms.set_context(mode=ms.PYNATIVE_MODE if request.param == "pynative" else ms.GRAPH_MODE)
+    yield request.param
+    ms.set_context(mode=previous)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)

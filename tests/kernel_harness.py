@@ -1,0 +1,106 @@
+"""Calls the CPU kernel's C entry ``RotaryFlashAttentionRun`` directly on numpy arrays (ctypes).
+
+No MindSpore in the loop: fast enough for wide shape sweeps, lets tests shrink the tile sizes to
+reach every tail path, and is what the sanitizer run drives (``tests/sanitize.py``).
+"""
+import ctypes
+import os
+
+import numpy as np
+
+LAYOUTS = {"BNSD": 0, "BSND": 1, "BSH": 2, "TND": 3}
+
+
+class Attrs(ctypes.Structure):  # mirrors rfa::Attrs in csrc/rfa_problem.h
+    _fields_ = [("head_num", ctypes.c_int64), ("layout", ctypes.c_int), ("rotary_mode", ctypes.c_int64),
+                ("rotary_dim", ctypes.c_int64), ("scale", ctypes.c_float), ("causal", ctypes.c_bool),
+                ("with_lse", ctypes.c_bool), ("with_rotated_key", ctypes.c_bool)]
+
+
+def to_bf16_bits(x):
+    """float -> bfloat16 bit patterns (uint16), round to nearest even."""
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return bits.astype(np.uint16)
+
+
+def from_bf16_bits(b):
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def encode(x, dtype):
+    if dtype == "float32":
+        return np.ascontiguousarray(x, np.float32)
+    if dtype == "float16":
+        return np.ascontiguousarray(x, np.float16)
+    return to_bf16_bits(x)
+
+
+def decode(x, dtype):
+    return (from_bf16_bits(x) if dtype == "bfloat16" else x).astype(np.float64)
+
+
+def load(path=None):
+    if path is None:
+        from ms_rope_attention.cpu_kernel import select_library
+        path = str(select_library()[1])
+    lib = ctypes.CDLL(path)
+    lib.RotaryFlashAttentionRun.restype = ctypes.c_int
+    lib.RotaryFlashAttentionLastError.restype = ctypes.c_char_p
+    return lib
+
+
+def expected_shapes(q_shape, k_shape, layout, head_num, with_lse, with_rk):
+    if not with_lse:
+        lse = (0,)
+    elif layout == "TND":
+        lse = (q_shape[0], q_shape[1])
+    elif layout == "BNSD":
+        lse = (q_shape[0], q_shape[1], q_shape[2])
+    elif layout == "BSND":
+        lse = (q_shape[0], q_shape[2], q_shape[1])
+    else:
+        lse = (q_shape[0], head_num, q_shape[1])
+    return tuple(q_shape), lse, tuple(k_shape) if with_rk else (0,)
+
+
+def run(lib, q, k, v, cos, sin, aq=None, ak=None, *, head_num=None, input_layout="BNSD", rotary_mode=0,
+        rotary_dim=None, scale=None, causal=True, dtype="float32", table_dtype="float32", with_lse=True,
+        with_rotated_key=True, rows=0, kv_block=0, out_shapes=None):
+    """(return code, out, lse, rotated_key) with outputs decoded to float64."""
+    attrs = Attrs(head_num or 0, LAYOUTS[input_layout], rotary_mode, rotary_dim or 0, scale or 0.0, causal,
+                  with_lse, with_rotated_key)
+    inputs = [encode(q, dtype), encode(k, dtype), encode(v, dtype), encode(cos, table_dtype), encode(sin, table_dtype)]
+    dtypes = [dtype] * 3 + [table_dtype] * 2
+    for ends in (aq, ak):
+        if ends is None:
+            inputs.append(None)
+            dtypes.append("none")
+        else:
+            inputs.append(np.ascontiguousarray(ends, np.int64))
+            dtypes.append("int64")
+    shapes = out_shapes or expected_shapes(q.shape, k.shape, input_layout, head_num, with_lse, with_rotated_key)
+    out_dtypes = [dtype, "float32", dtype]
+    outputs = []
+    for shape, odt in zip(shapes, out_dtypes):
+        np_dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[odt]
+        outputs.append(np.full(shape, np.nan if odt != "bfloat16" else 0x7FC0, np_dtype))
+    arrays = inputs + outputs
+    n = len(arrays)
+    ndims = (ctypes.c_int * n)(*[0 if a is None else a.ndim for a in arrays])
+    shape_bufs = [(ctypes.c_int64 * max(1, 0 if a is None else a.ndim))(*(() if a is None else a.shape)) for a in arrays]
+    shape_ptrs = (ctypes.POINTER(ctypes.c_int64) * n)(*[ctypes.cast(b, ctypes.POINTER(ctypes.c_int64)) for b in shape_bufs])
+    dtype_ptrs = (ctypes.c_char_p * n)(*[d.encode() for d in dtypes + out_dtypes])
+    params = (ctypes.c_void_p * n)(*[None if a is None else a.ctypes.data for a in arrays])
+    code = lib.RotaryFlashAttentionRun(ctypes.byref(attrs), ndims, shape_ptrs, dtype_ptrs, params,
+                                       ctypes.c_int64(rows), ctypes.c_int64(kv_block))
+    out, lse, rk = outputs
+    return code, decode(out, dtype), lse.astype(np.float64), decode(rk, dtype)
+
+
+def last_error(lib):
+    return lib.RotaryFlashAttentionLastError().decode()
+
+
+if __name__ == "__main__":  # smoke run, used by the sanitizer script
+    print(os.environ.get("RFA_LIB", "default library"))

@@ -1,0 +1,115 @@
+"""The fused CPU kernel against the float64 reference, called directly (no MindSpore): wide shape
+sweeps, every dtype, tiny tiles so every tail and split path runs."""
+import numpy as np
+import pytest
+
+import kernel_harness as kh
+from cases import Case
+from conftest import tolerance
+from reference import reference
+
+LIB = kh.load()
+
+
+def rounded(x, dtype):
+    return kh.decode(kh.encode(x, dtype), dtype)
+
+
+def check(case, rng, dtype="float32", table_dtype="float32", rows=0, kv_block=0, scale=None):
+    q, k, v, cos, sin, aq, ak = case.make(rng)
+    q, k, v = (rounded(t, dtype) for t in (q, k, v))
+    cos, sin = rounded(cos, table_dtype), rounded(sin, table_dtype)
+    ro, rl, rk = reference(q, k, v, cos, sin, case.heads, case.layout, case.mode, case.rotary_dim, scale,
+                           case.causal, aq, ak)
+    code, out, lse, rot = kh.run(LIB, q, k, v, cos, sin, aq, ak, dtype=dtype, table_dtype=table_dtype, rows=rows,
+                                 kv_block=kv_block, scale=scale, **case.kwargs)
+    assert code == 0, kh.last_error(LIB)
+    assert np.abs(out - ro).max(initial=0) <= tolerance(dtype, ro)
+    finite = np.isfinite(rl)
+    assert (np.isfinite(lse) == finite).all()
+    assert np.abs(lse[finite] - rl[finite]).max(initial=0) <= 1e-4
+    assert np.abs(rot - rk).max(initial=0) <= tolerance(dtype, rk)
+
+
+@pytest.mark.parametrize("layout", ["BNSD", "BSND", "BSH", "TND"])
+@pytest.mark.parametrize("mode", [0, 1])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_layouts_modes_dtypes(layout, mode, causal, dtype, rng):
+    case = Case(layout=layout, mode=mode, causal=causal, heads=6, kv_heads=2, q_len=37, kv_len=53, head_dim=32,
+                rotary_dim=16, q_lens=[1, 20, 0, 33], kv_lens=[5, 20, 3, 70], random_tables=True)
+    check(case, rng, dtype=dtype, rows=8, kv_block=16)
+
+
+@pytest.mark.parametrize("q_len,kv_len", [(1, 1), (1, 700), (3, 3), (17, 17), (63, 64), (65, 129), (129, 217),
+                                          (200, 200), (5, 781)])
+def test_lengths_and_tails(q_len, kv_len, rng):
+    check(Case(q_len=q_len, kv_len=kv_len, heads=4, kv_heads=4, head_dim=64, batch=1), rng)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+def test_head_dims(head_dim, rng):
+    check(Case(head_dim=head_dim, q_len=70, kv_len=70, heads=2, kv_heads=1, batch=1), rng)
+    check(Case(head_dim=head_dim, rotary_dim=head_dim // 2, mode=1, q_len=9, kv_len=33, heads=2, kv_heads=2,
+               batch=1), rng)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(32, 8), (32, 1)])
+@pytest.mark.parametrize("q_len,kv_len", [(1, 600), (48, 48)])
+def test_gqa_mqa(heads, kv_heads, q_len, kv_len, rng):
+    check(Case(heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, head_dim=64, batch=1, layout="BSND"), rng)
+
+
+def test_tnd_mixed_lengths(rng):
+    lens = [1, 700, 37, 2, 129, 64, 511]
+    q_lens = [1, 700, 1, 2, 100, 64, 3]
+    check(Case(layout="TND", heads=8, kv_heads=2, head_dim=64, q_lens=q_lens, kv_lens=lens), rng)
+
+
+@pytest.mark.parametrize("table_dtype", ["float16", "bfloat16"])
+def test_low_precision_tables(table_dtype, rng):
+    check(Case(q_len=20, kv_len=40), rng, table_dtype=table_dtype)
+
+
+def test_explicit_scale_and_large_positions(rng):
+    # Real inverse frequencies at positions near 4096: the bf16-angle pitfall stays out of the kernel.
+    case = Case(q_len=4, kv_len=4100, heads=2, kv_heads=1, head_dim=128, batch=1)
+    check(case, rng, scale=0.05)
+
+
+def test_decode_split_kv_matches_unsplit(rng):
+    """q_len 1 over a long KV splits the KV range across threads; the merge must be exact."""
+    case = Case(q_len=1, kv_len=3000, heads=2, kv_heads=1, head_dim=64, batch=1)
+    check(case, rng)
+    check(case, rng, kv_block=32)
+
+
+def test_inputs_not_modified(rng):
+    case = Case(q_len=9, kv_len=9)
+    q, k, v, cos, sin, _, _ = case.make(rng)
+    arrays = [a.astype(np.float32) for a in (q, k, v, cos, sin)]
+    copies = [a.copy() for a in arrays]
+    code, *_ = kh.run(LIB, *arrays, **case.kwargs)
+    assert code == 0
+    for a, c in zip(arrays, copies):
+        np.testing.assert_array_equal(a, c)
+
+
+def test_output_shape_mismatch_rejected(rng):
+    q, k, v, cos, sin, _, _ = Case().make(rng)
+    code, *_ = kh.run(LIB, q, k, v, cos, sin, out_shapes=((1,), (0,), (0,)), with_lse=False, with_rotated_key=False,
+                      head_num=4)
+    assert code != 0 and "attention_out" in kh.last_error(LIB)
+
+
+@pytest.mark.parametrize("aq,ak,message", [
+    ([3, 2], [4, 7], "non-decreasing"),
+    ([3, 6], [4, 7], "last offset must equal"),
+    ([5, 5], [4, 7], "q_len 5 > kv_len 4"),
+    ([3, 5], [4, 9], "last offset must equal the token count 7"),
+    ([1, 5], [1, 7], "table has 5 positions, sequence 1 needs 6"),
+])
+def test_kernel_rejects_bad_offsets_before_reading(aq, ak, message, rng):
+    q, k, v, cos, sin, _, _ = Case(layout="TND", q_lens=[3, 2], kv_lens=[4, 3], table_rows=5).make(rng)
+    code, *_ = kh.run(LIB, q, k, v, cos, sin, aq, ak, input_layout="TND", head_num=4)
+    assert code != 0 and message in kh.last_error(LIB)
