@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 KERNEL_SOURCES := $(wildcard ms_rope_attention/csrc/*) setup.py
 
-.PHONY: test bench venv clean sanitize
+.PHONY: test bench venv clean
 
 venv: $(STAMP)
 
@@ -23,10 +23,6 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/attention.py
-
-# The kernel tests again, against kernels built with AddressSanitizer + UBSan.
-sanitize: $(STAMP)
-	$(PY) tests/sanitize.py
 
 clean:
 	rm -rf build $(VENV) ms_rope_attention/_rfa_cpu_*.so *.egg-info

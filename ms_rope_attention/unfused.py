@@ -95,9 +95,9 @@ def unfused_rotary_flash_attention(query, key, value, cos, sin, actual_seq_qlen=
     index, sign = Tensor(index_np), Tensor(sign_np)
     cos = cos.astype(ms.float32)
     sin = sin.astype(ms.float32)
-    q = _to_bnsd(query, layout, head_num, head_dim).astype(ms.float32)
-    k = _to_bnsd(key, layout, kv_head_num, head_dim).astype(ms.float32)
-    v = _to_bnsd(value, layout, kv_head_num, head_dim).astype(ms.float32)
+    q = _to_bnsd(query.astype(ms.float32), layout, head_num, head_dim)
+    k = _to_bnsd(key.astype(ms.float32), layout, kv_head_num, head_dim)
+    v = _to_bnsd(value.astype(ms.float32), layout, kv_head_num, head_dim)
     q_len = q.shape[2]
     kv_len = k.shape[2]
     if layout == "TND":

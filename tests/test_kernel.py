@@ -3,7 +3,7 @@ sweeps, every dtype, tiny tiles so every tail and split path runs."""
 import numpy as np
 import pytest
 
-import kernel_harness as kh
+from ms_rope_attention import cpu_direct as kh
 from cases import Case
 from conftest import tolerance
 from reference import reference

@@ -71,9 +71,10 @@ extern "C" RFA_EXPORT std::vector<std::vector<int64_t>> RotaryFlashAttentionInfe
   return rfa::InferShapes(a, ndims[0], shapes[0], ndims[1], shapes[1]);
 }
 
-// Validates, then runs. Shared by the MindSpore entry below and the standalone test harness.
+// Validates, then runs. Shared by the MindSpore entry below and ms_rope_attention.cpu_direct
+// (tests, sanitizer run, benchmark); rows/kv_block <= 0 keep the default tiling.
 extern "C" RFA_EXPORT int RotaryFlashAttentionRun(const rfa::Attrs *attrs, int *ndims, int64_t **shapes, const char **dtypes,
-                                       void **params, int64_t rows, int64_t kv_block) {
+                                       void **params, int64_t rows, int64_t kv_block, int rotate) {
   try {
     rfa::TensorDesc tensors[kInputs];
     for (int i = 0; i < kInputs; ++i) {
@@ -107,6 +108,7 @@ extern "C" RFA_EXPORT int RotaryFlashAttentionRun(const rfa::Attrs *attrs, int *
     rfa::cpu::Tiling tiling;
     if (rows > 0) tiling.rows = rows;
     if (kv_block > 0) tiling.kv_block = kv_block;
+    tiling.rotate = rotate != 0;
     rfa::cpu::Run(problem, buf, tiling);
     return 0;
   } catch (const std::bad_alloc &) {
@@ -122,5 +124,5 @@ extern "C" RFA_EXPORT int RotaryFlashAttention(int nparam, void **params, int *n
   auto *data = static_cast<AttrData *>(static_cast<AotExtra *>(extra)->KernelData());
   if (!data) return Fail("kernel attributes missing (Init did not run)");
   if (!data->error.empty()) return Fail(data->error);
-  return RotaryFlashAttentionRun(&data->attrs, ndims, shapes, dtypes, params, 0, 0);
+  return RotaryFlashAttentionRun(&data->attrs, ndims, shapes, dtypes, params, 0, 0, 1);
 }

@@ -14,7 +14,8 @@ struct Buffers {
 
 // Tuning knobs; defaults are the production choice, tests shrink them to hit every tail path.
 struct Tiling {
-  int64_t rows = 64;       // target query rows per task (heads of a GQA group x query positions)
+  int64_t rows = 256;      // target query rows per task (heads of a GQA group x query positions): big
+                           // enough that packing and rotating a K tile is amortised over many rows
   int64_t kv_block = 128;  // keys per tile (rounded up to the GEMM column block)
   int64_t min_split_keys = 256;  // decode: smallest KV chunk worth its own task
   bool rotate = true;      // false only in benchmarks, to measure what the fused rotation costs

@@ -133,6 +133,3 @@ def markdown_table() -> str:
         lines.append(f"| rule | {key} | | | {text} |")
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    print(markdown_table())

@@ -1,10 +1,10 @@
 """Calls the CPU kernel's C entry ``RotaryFlashAttentionRun`` directly on numpy arrays (ctypes).
 
-No MindSpore in the loop: fast enough for wide shape sweeps, lets tests shrink the tile sizes to
-reach every tail path, and is what the sanitizer run drives (``tests/sanitize.py``).
+No MindSpore in the loop: the tests use it for wide shape sweeps with shrunken tiles (every tail
+path), the sanitizer run drives it, and the benchmark uses it to switch the rotation off and
+measure what the fused RoPE costs.
 """
 import ctypes
-import os
 
 import numpy as np
 
@@ -66,7 +66,7 @@ def expected_shapes(q_shape, k_shape, layout, head_num, with_lse, with_rk):
 
 def run(lib, q, k, v, cos, sin, aq=None, ak=None, *, head_num=None, input_layout="BNSD", rotary_mode=0,
         rotary_dim=None, scale=None, causal=True, dtype="float32", table_dtype="float32", with_lse=True,
-        with_rotated_key=True, rows=0, kv_block=0, out_shapes=None):
+        with_rotated_key=True, rows=0, kv_block=0, rotate=True, out_shapes=None):
     """(return code, out, lse, rotated_key) with outputs decoded to float64."""
     attrs = Attrs(head_num or 0, LAYOUTS[input_layout], rotary_mode, rotary_dim or 0, scale or 0.0, causal,
                   with_lse, with_rotated_key)
@@ -93,7 +93,7 @@ def run(lib, q, k, v, cos, sin, aq=None, ak=None, *, head_num=None, input_layout
     dtype_ptrs = (ctypes.c_char_p * n)(*[d.encode() for d in dtypes + out_dtypes])
     params = (ctypes.c_void_p * n)(*[None if a is None else a.ctypes.data for a in arrays])
     code = lib.RotaryFlashAttentionRun(ctypes.byref(attrs), ndims, shape_ptrs, dtype_ptrs, params,
-                                       ctypes.c_int64(rows), ctypes.c_int64(kv_block))
+                                       ctypes.c_int64(rows), ctypes.c_int64(kv_block), ctypes.c_int(int(rotate)))
     out, lse, rk = outputs
     return code, decode(out, dtype), lse.astype(np.float64), decode(rk, dtype)
 
@@ -101,6 +101,3 @@ def run(lib, q, k, v, cos, sin, aq=None, ak=None, *, head_num=None, input_layout
 def last_error(lib):
     return lib.RotaryFlashAttentionLastError().decode()
 
-
-if __name__ == "__main__":  # smoke run, used by the sanitizer script
-    print(os.environ.get("RFA_LIB", "default library"))

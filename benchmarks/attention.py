@@ -1,0 +1,239 @@
+"""Kernel-level benchmark: fused RoPE+attention vs the unfused MindSpore path (and PyTorch when
+installed), side by side in one run.
+
+Reference shape: B=1, 32 query heads, D=128, causal, float32. Each competitor runs in its own child
+process (so peak memory is its own, and an out-of-memory kill is reported, not crashed on).
+Reports min and median of repeats, GFLOP/s (2*B*H*S^2*D for causal), % of a float32 GEMM peak
+measured in the same run, the fused/unfused ratio, and the in-kernel RoPE cost (same kernel with the
+rotation switched off). Writes JSON and a plot.
+
+    python benchmarks/attention.py --lengths 1024 2048 --repeats 3 --out benchmarks/results
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import resource
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _inputs(length, heads, kv_heads, head_dim, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((1, heads, length, head_dim), dtype=np.float32)
+    k = rng.standard_normal((1, kv_heads, length, head_dim), dtype=np.float32)
+    v = rng.standard_normal((1, kv_heads, length, head_dim), dtype=np.float32)
+    return q, k, v
+
+
+def _time(fn, repeats):
+    fn()  # warm-up (compilation, first-touch of buffers)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def run_mindspore(backend, length, heads, kv_heads, head_dim, dtype, repeats):
+    import mindspore as ms
+    from mindspore import Tensor, nn
+
+    import ms_rope_attention as mra
+
+    ms.set_device("CPU")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms_dtype = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}[dtype]
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.attn = mra.RotaryFlashAttention(heads, head_dim, max_position_embeddings=length, backend=backend)
+
+        def construct(self, q, k, v):
+            return self.attn(q, k, v)
+
+    net = Net()
+    q, k, v = (Tensor(x).astype(ms_dtype) for x in _inputs(length, heads, kv_heads, head_dim))
+    return _time(lambda: net(q, k, v).asnumpy(), repeats)
+
+
+def run_direct(rotate, length, heads, kv_heads, head_dim, dtype, repeats):
+    """The fused kernel called without MindSpore, with or without the rotation (RoPE cost)."""
+    from ms_rope_attention import cpu_direct
+    from ms_rope_attention.rope import rope_tables
+
+    lib = cpu_direct.load()
+    q, k, v = _inputs(length, heads, kv_heads, head_dim)
+    cos, sin = rope_tables(head_dim, length)
+    return _time(lambda: cpu_direct.run(lib, q, k, v, cos, sin, head_num=heads, dtype=dtype, with_lse=False,
+                                        with_rotated_key=False, rotate=rotate), repeats)
+
+
+def run_torch(with_rope, length, heads, kv_heads, head_dim, dtype, repeats):
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(os.cpu_count())
+    tdtype = getattr(torch, dtype)
+    q, k, v = (torch.from_numpy(x).to(tdtype) for x in _inputs(length, heads, kv_heads, head_dim))
+    inv = 1.0 / 10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    ang = torch.outer(torch.arange(length, dtype=torch.float32), inv)
+    cos = torch.cat([ang, ang], -1).cos().to(tdtype)
+    sin = torch.cat([ang, ang], -1).sin().to(tdtype)
+
+    def rope(x):  # Hugging Face style rotate-half
+        x1, x2 = x[..., : head_dim // 2], x[..., head_dim // 2:]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    def step():
+        with torch.no_grad():
+            qq, kk = (rope(q), rope(k)) if with_rope else (q, k)
+            return F.scaled_dot_product_attention(qq, kk, v, is_causal=True, enable_gqa=kv_heads != heads)
+
+    return _time(step, repeats)
+
+
+def run_gemm_peak(repeats, n=4096):
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    times = _time(lambda: a @ a, repeats)
+    return times
+
+
+COMPETITORS = {
+    "fused": lambda a: run_mindspore("fused", *a),
+    "unfused": lambda a: run_mindspore("unfused", *a),
+    "fused_direct": lambda a: run_direct(True, *a),
+    "fused_direct_no_rope": lambda a: run_direct(False, *a),
+    "torch_rope_sdpa": lambda a: run_torch(True, *a),
+    "torch_sdpa": lambda a: run_torch(False, *a),
+}
+
+
+def _child(name, args, queue):
+    try:
+        times = COMPETITORS[name](args) if name != "gemm" else run_gemm_peak(args[-1])
+        queue.put({"times": times, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+    except ImportError as exc:
+        queue.put({"skipped": f"not installed: {exc.name}"})
+    except MemoryError:
+        queue.put({"error": "out of memory"})
+
+
+def measure(name, args, timeout=1800):
+    """Run one competitor in a fresh process; a killed child (OOM killer) is reported as such."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(name, args, queue))
+    proc.start()
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        return {"error": f"timed out after {timeout} s"}
+    if not queue.empty():
+        return queue.get()
+    return {"error": f"died with exit code {proc.exitcode} (out of memory?)"}
+
+
+def summarize(result, flops):
+    if "times" not in result:
+        return result
+    times = result["times"]
+    return {**result, "min_ms": min(times) * 1e3, "median_ms": statistics.median(times) * 1e3,
+            "gflops": flops / min(times) / 1e9}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=32)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--competitors", nargs="+", default=list(COMPETITORS))
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+
+    gemm = summarize(measure("gemm", (args.repeats,)), 2 * 4096 ** 3)
+    peak = gemm.get("gflops")
+    print(f"float32 GEMM peak (numpy 4096^3, same run): {peak:.1f} GFLOP/s")
+    rows = []
+    for length in args.lengths:
+        flops = 2 * args.heads * length * length * args.head_dim
+        run_args = (length, args.heads, args.kv_heads, args.head_dim, args.dtype, args.repeats)
+        row = {"length": length}
+        for name in args.competitors:
+            row[name] = summarize(measure(name, run_args), flops)
+            if peak and "gflops" in row[name]:
+                row[name]["pct_of_gemm_peak"] = 100 * row[name]["gflops"] / peak
+        rows.append(row)
+        print(format_row(row))
+    results = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+               "config": vars(args), "gemm_peak": gemm, "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "attention.json").write_text(json.dumps(results, indent=2))
+    plot(rows, out / "attention.png")
+    print(f"wrote {out / 'attention.json'} and {out / 'attention.png'}")
+
+
+def _ratio(row, a, b):
+    if "min_ms" in row.get(a, {}) and "min_ms" in row.get(b, {}):
+        return row[b]["min_ms"] / row[a]["min_ms"]
+    return None
+
+
+def format_row(row):
+    parts = [f"S={row['length']}"]
+    for name, res in row.items():
+        if name == "length":
+            continue
+        if "min_ms" in res:
+            pct = f" {res['pct_of_gemm_peak']:.0f}%pk" if "pct_of_gemm_peak" in res else ""
+            parts.append(f"{name}: min {res['min_ms']:.1f} ms / med {res['median_ms']:.1f} ms "
+                         f"({res['gflops']:.0f} GF/s{pct}, {res['peak_rss_mb']:.0f} MB)")
+        else:
+            parts.append(f"{name}: {res.get('skipped') or res.get('error')}")
+    for label, a, b in (("fused vs unfused speedup", "fused", "unfused"),
+                        ("fused vs torch SDPA (no RoPE) speedup", "fused", "torch_sdpa"),
+                        ("RoPE cost in kernel", "fused_direct_no_rope", "fused_direct")):
+        r = _ratio(row, a, b)
+        if r is not None:
+            parts.append(f"{label}: {(r - 1) * 100:+.1f}%" if label.startswith("RoPE") else f"{label}: {r:.2f}x")
+    return "\n  ".join(parts)
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = [n for n in rows[0] if n != "length"]
+    for name in names:
+        pts = [(r["length"], r[name]["min_ms"]) for r in rows if "min_ms" in r.get(name, {})]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length")
+    ax.set_ylabel("time (ms, min of repeats)")
+    ax.set_title("RoPE + causal attention, B=1, H=32, D=128")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

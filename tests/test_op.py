@@ -1,0 +1,135 @@
+"""The MindSpore-facing op (functional and Cells) on both backends, in PyNative and GRAPH_MODE,
+against the float64 reference."""
+import logging
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Tensor, nn
+
+import ms_rope_attention as mra
+from ms_rope_attention import functional
+from cases import Case
+from conftest import round_to, to_numpy, to_tensor, tolerance
+from reference import reference
+
+BACKENDS = ["fused", "unfused"]
+
+
+class OpNet(nn.Cell):
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.op = mra.RotaryFlashAttentionOp(with_softmax_lse=True, with_rotated_key=True, **kwargs)
+
+    def construct(self, q, k, v, cos, sin, aq=None, ak=None):
+        return self.op(q, k, v, cos, sin, aq, ak)
+
+
+def run_case(case, rng, backend, dtype="float32"):
+    q, k, v, cos, sin, aq, ak = case.make(rng)
+    q, k, v = (round_to(t, dtype) for t in (q, k, v))
+    ro, rl, rk = reference(q, k, v, cos, sin, case.heads, case.layout, case.mode, case.rotary_dim, None, case.causal,
+                           aq, ak)
+    net = OpNet(backend=backend, **case.kwargs)
+    offsets = (Tensor(np.array(aq, np.int64)), Tensor(np.array(ak, np.int64))) if aq is not None else ()
+    out, lse, rot = net(*(to_tensor(t, dtype) for t in (q, k, v)), Tensor(cos.astype(np.float32)),
+                        Tensor(sin.astype(np.float32)), *offsets)
+    assert out.dtype == ms.Tensor(np.zeros(1, np.float32)).astype(
+        {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}[dtype]).dtype
+    assert np.abs(to_numpy(out) - ro).max() <= tolerance(dtype, ro)
+    assert np.abs(to_numpy(rot) - rk).max() <= tolerance(dtype, rk)
+    np.testing.assert_allclose(lse.asnumpy(), rl, atol=1e-4)
+    return net
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["BNSD", "BSND", "BSH", "TND"])
+@pytest.mark.parametrize("rotary", [(0, None), (1, 8)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_layouts_modes_causal(mode, backend, layout, rotary, causal, rng):
+    case = Case(layout=layout, mode=rotary[0], rotary_dim=rotary[1], causal=causal, q_len=5, kv_len=9,
+                q_lens=[3, 1, 4], kv_lens=[3, 6, 9])
+    run_case(case, rng, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_low_precision(mode, backend, dtype, rng):
+    run_case(Case(layout="BSND", q_len=17, kv_len=17, heads=4, kv_heads=1, head_dim=32), rng, backend, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("heads,kv_heads,q_len,kv_len", [(32, 8, 7, 7), (32, 1, 1, 33), (4, 4, 1, 1), (4, 2, 17, 31)])
+def test_gqa_and_lengths(backend, heads, kv_heads, q_len, kv_len, rng):
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    run_case(Case(heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, head_dim=16, batch=1), rng, backend)
+
+
+def test_functional_returns(rng):
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    case = Case(layout="TND", q_lens=[2, 3], kv_lens=[4, 3])
+    q, k, v, cos, sin, aq, ak = case.make(rng)
+    args = [Tensor(t.astype(np.float32)) for t in (q, k, v, cos, sin)]
+    out = mra.rotary_flash_attention(*args, 4, input_layout="TND", actual_seq_qlen=aq, actual_seq_kvlen=ak)
+    ro, rl, rk = reference(q, k, v, cos, sin, 4, "TND", 0, None, None, True, aq, ak)
+    np.testing.assert_allclose(out.asnumpy(), ro, atol=1e-5)
+    out, lse = mra.rotary_flash_attention(*args, 4, input_layout="TND", actual_seq_qlen=aq, actual_seq_kvlen=ak,
+                                          return_softmax_lse=True)
+    np.testing.assert_allclose(lse.asnumpy(), rl, atol=1e-4)
+
+
+def test_cell_owns_shared_tables_and_matches_reference(mode, rng):
+    cell = mra.RotaryFlashAttention(head_num=4, head_dim=16, max_position_embeddings=64, input_layout="BSND")
+    other = mra.RotaryFlashAttention(head_num=4, head_dim=16, max_position_embeddings=64, input_layout="BSND")
+    assert cell.cos is other.cos and cell.sin is other.sin  # one cache for every layer
+    assert cell.backend == "fused:CPU"
+    q, k, v = (rng.standard_normal((2, 11, 4, 16)) for _ in range(3))
+    cos, sin = mra.rope_tables(16, 64)
+    ro, _, _ = reference(q, k, v, cos, sin, 4, "BSND")
+    out = cell(*(Tensor(t.astype(np.float32)) for t in (q, k, v)))
+    np.testing.assert_allclose(out.asnumpy(), ro, atol=1e-5)
+
+
+def test_graph_mode_dynamic_sequence_compiles_once(rng):
+    ms.set_context(mode=ms.GRAPH_MODE)
+    cell = mra.RotaryFlashAttention(head_num=4, head_dim=16, max_position_embeddings=128, input_layout="BNSD",
+                                    return_rotated_key=True)
+    dyn = Tensor(shape=[1, 4, None, 16], dtype=ms.float32)
+    cell.set_inputs(dyn, dyn, dyn)
+    cos, sin = mra.rope_tables(16, 128)
+    for length in (5, 64, 17, 100, 5):
+        q, k, v = (rng.standard_normal((1, 4, length, 16)) for _ in range(3))
+        out, rot = cell(*(Tensor(t.astype(np.float32)) for t in (q, k, v)))
+        ro, _, rk = reference(q, k, v, cos, sin, 4)
+        np.testing.assert_allclose(out.asnumpy(), ro, atol=1e-5)
+        np.testing.assert_allclose(rot.asnumpy(), rk, atol=1e-5)
+    assert len(cell.compile_cache) == 1  # one graph for every sequence length
+
+
+def test_fallback_is_loud_and_strict_raises(monkeypatch, caplog):
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    monkeypatch.setattr(functional, "_fused_factory", lambda device: (None, "test: kernel missing"))
+    monkeypatch.setattr(functional, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="ms_rope_attention"):
+        cell = mra.RotaryFlashAttention(head_num=2, head_dim=8)
+        mra.RotaryFlashAttention(head_num=2, head_dim=8)
+    messages = [r.getMessage() for r in caplog.records if "rotary_fusion_fallback" in r.getMessage()]
+    assert len(messages) == 1 and "test: kernel missing" in messages[0]  # one-time warning, with the reason
+    assert cell.backend == "unfused"
+    with pytest.raises(mra.RotaryFusionFallbackError, match="kernel missing"):
+        mra.RotaryFlashAttention(head_num=2, head_dim=8, strict=True)
+    with pytest.raises(mra.RotaryFusionFallbackError):
+        mra.RotaryFlashAttention(head_num=2, head_dim=8, backend="fused")
+
+
+def test_table_dtypes_are_cast_not_fallen_back(mode, rng):
+    """float16 / float64 tables with float32 q: the fused kernel still runs (float32 math)."""
+    case = Case(q_len=6, kv_len=6)
+    q, k, v, cos, sin, _, _ = case.make(rng)
+    ro, _, _ = reference(q, k, v, cos, sin, 4)
+    for table_dtype, atol in ((np.float64, 1e-5), (np.float16, 3e-3)):
+        net = OpNet(head_num=4, backend="auto")
+        assert net.op.backend_name == "fused:CPU"
+        out, _, _ = net(*(Tensor(t.astype(np.float32)) for t in (q, k, v)), Tensor(cos.astype(table_dtype)),
+                        Tensor(sin.astype(table_dtype)))
+        np.testing.assert_allclose(out.asnumpy(), ro, atol=atol)
