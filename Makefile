@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 KERNEL_SOURCES := $(wildcard ms_rope_attention/csrc/*) setup.py
 
-.PHONY: test bench venv clean
+.PHONY: test bench venv clean sanitize
 
 venv: $(STAMP)
 
@@ -18,8 +18,18 @@ $(STAMP): requirements.txt $(KERNEL_SOURCES)
 	$(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) sanitize
 	$(PY) -m pytest -q tests
+
+# The kernel tests again against kernels built with AddressSanitizer + UBSan (any finding aborts),
+# for the best ISA of this CPU and the portable build.
+SANITIZE_ENV = ASAN_OPTIONS=detect_leaks=0:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so):$$(gcc -print-file-name=libubsan.so)" \
+	RFA_CPU_KERNEL_DIR=build/sanitize/ms_rope_attention
+sanitize: $(STAMP)
+	RFA_SANITIZE=1 $(PY) setup.py -q build_ext --build-lib build/sanitize --build-temp build/sanitize-tmp
+	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel.py
+	$(SANITIZE_ENV) RFA_CPU_ISA=generic $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/attention.py

@@ -25,6 +25,11 @@ _REQUIRED_FLAGS = {
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
 
+def kernel_dir() -> Path:
+    """Where the kernel builds are looked for: the package, or ``RFA_CPU_KERNEL_DIR`` (the sanitizer run)."""
+    return Path(os.environ.get("RFA_CPU_KERNEL_DIR") or _PACKAGE_DIR)
+
+
 def cpu_flags() -> set[str]:
     """The CPU feature flags of this machine (empty where /proc/cpuinfo is unavailable)."""
     try:
@@ -40,7 +45,7 @@ def built_libraries() -> dict[str, Path]:
     """ISA name -> built shared library found in the package directory."""
     found = {}
     for isa in ISAS:
-        matches = sorted(_PACKAGE_DIR.glob(f"_rfa_cpu_{isa}*.so"))
+        matches = sorted(kernel_dir().glob(f"_rfa_cpu_{isa}*.so"))
         if matches:
             found[isa] = matches[0]
     return found
@@ -50,7 +55,7 @@ def select_library() -> tuple[str, Path]:
     """(isa, path) of the best kernel build for this CPU; raises ``RuntimeError`` with the reason."""
     built = built_libraries()
     if not built:
-        raise RuntimeError(f"no built CPU kernel in {_PACKAGE_DIR} (run `pip install -e .` or `make test`)")
+        raise RuntimeError(f"no built CPU kernel in {kernel_dir()} (run `pip install -e .` or `make test`)")
     forced = os.environ.get("RFA_CPU_ISA")
     flags = cpu_flags()
     candidates = (forced,) if forced else ISAS
