@@ -8,6 +8,8 @@ import ctypes
 
 import numpy as np
 
+from .cpu_kernel import library
+
 LAYOUTS = {"BNSD": 0, "BSND": 1, "BSH": 2, "TND": 3}
 
 
@@ -40,16 +42,6 @@ def decode(x, dtype):
     return (from_bf16_bits(x) if dtype == "bfloat16" else x).astype(np.float64)
 
 
-def load(path=None):
-    if path is None:
-        from ms_rope_attention.cpu_kernel import select_library
-        path = str(select_library()[1])
-    lib = ctypes.CDLL(path)
-    lib.RotaryFlashAttentionRun.restype = ctypes.c_int
-    lib.RotaryFlashAttentionLastError.restype = ctypes.c_char_p
-    return lib
-
-
 def expected_shapes(q_shape, k_shape, layout, head_num, with_lse, with_rk):
     if not with_lse:
         lse = (0,)
@@ -64,10 +56,13 @@ def expected_shapes(q_shape, k_shape, layout, head_num, with_lse, with_rk):
     return tuple(q_shape), lse, tuple(k_shape) if with_rk else (0,)
 
 
-def run(lib, q, k, v, cos, sin, aq=None, ak=None, *, head_num=None, input_layout="BNSD", rotary_mode=0,
+def run(q, k, v, cos, sin, aq=None, ak=None, *, head_num=None, input_layout="BNSD", rotary_mode=0,
         rotary_dim=None, scale=None, causal=True, dtype="float32", table_dtype="float32", with_lse=True,
         with_rotated_key=True, rows=0, kv_block=0, rotate=True, out_shapes=None):
-    """(return code, out, lse, rotated_key) with outputs decoded to float64."""
+    """(return code, out, lse, rotated_key) with outputs decoded to float64.
+
+    A non-zero code leaves the kernel's message in ``cpu_kernel.last_error()``.
+    """
     attrs = Attrs(head_num or 0, LAYOUTS[input_layout], rotary_mode, rotary_dim or 0, scale or 0.0, causal,
                   with_lse, with_rotated_key)
     inputs = [encode(q, dtype), encode(k, dtype), encode(v, dtype), encode(cos, table_dtype), encode(sin, table_dtype)]
@@ -92,12 +87,7 @@ def run(lib, q, k, v, cos, sin, aq=None, ak=None, *, head_num=None, input_layout
     shape_ptrs = (ctypes.POINTER(ctypes.c_int64) * n)(*[ctypes.cast(b, ctypes.POINTER(ctypes.c_int64)) for b in shape_bufs])
     dtype_ptrs = (ctypes.c_char_p * n)(*[d.encode() for d in dtypes + out_dtypes])
     params = (ctypes.c_void_p * n)(*[None if a is None else a.ctypes.data for a in arrays])
-    code = lib.RotaryFlashAttentionRun(ctypes.byref(attrs), ndims, shape_ptrs, dtype_ptrs, params,
+    code = library().RotaryFlashAttentionRun(ctypes.byref(attrs), ndims, shape_ptrs, dtype_ptrs, params,
                                        ctypes.c_int64(rows), ctypes.c_int64(kv_block), ctypes.c_int(int(rotate)))
     out, lse, rk = outputs
     return code, decode(out, dtype), lse.astype(np.float64), decode(rk, dtype)
-
-
-def last_error(lib):
-    return lib.RotaryFlashAttentionLastError().decode()
-

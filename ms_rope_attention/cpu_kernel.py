@@ -62,35 +62,38 @@ def select_library() -> tuple[str, Path]:
     for isa in candidates:
         if isa not in _REQUIRED_FLAGS:
             raise RuntimeError(f"RFA_CPU_ISA: expected one of {list(ISAS)}, got {isa!r}")
-        if isa in built and _REQUIRED_FLAGS[isa] <= flags | (set() if flags else _REQUIRED_FLAGS["generic"]):
+        if isa in built and _REQUIRED_FLAGS[isa] <= flags:
             return isa, built[isa]
     raise RuntimeError(f"no CPU kernel build usable on this CPU (built: {sorted(built)}, requested: {forced or 'best'})")
 
 
 @functools.lru_cache(maxsize=None)
-def _library(path: str) -> ctypes.CDLL:
+def _open(path: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(path)
     lib.RotaryFlashAttentionLastError.restype = ctypes.c_char_p
     lib.RotaryFlashAttentionIsa.restype = ctypes.c_char_p
     return lib
 
 
+def library() -> ctypes.CDLL:
+    """The selected kernel build, opened once per process (the same handle MindSpore's dlopen gets)."""
+    return _open(str(select_library()[1]))
+
+
 def last_error() -> str:
     """The message of the CPU kernel's last failed launch ('' if none)."""
-    _, path = select_library()
-    return _library(str(path)).RotaryFlashAttentionLastError().decode()
+    return library().RotaryFlashAttentionLastError().decode()
 
 
 def kernel_isa() -> str:
     """Instruction set the loaded kernel was compiled for (as the library reports it)."""
-    _, path = select_library()
-    return _library(str(path)).RotaryFlashAttentionIsa().decode()
+    return library().RotaryFlashAttentionIsa().decode()
 
 
 def make_cpu_op(attrs: dict) -> ops.Custom:
     """The aot ``Custom`` primitive for one attribute set (attribute names as in the contract)."""
     _, path = select_library()
-    _library(str(path))  # fail here, not inside MindSpore, if the library cannot be loaded
+    _open(str(path))  # fail here, not inside MindSpore, if the library cannot be loaded
     return ops.Custom(f"{path}:{KERNEL_SYMBOL}", out_shape=None,
                       out_dtype=lambda q, k, *rest: (q, ms.float32, k), func_type="aot",
                       reg_info=build_reg_info("CPU", attrs, any_dtype=True))

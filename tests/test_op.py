@@ -10,7 +10,7 @@ from mindspore import Tensor, nn
 import ms_rope_attention as mra
 from ms_rope_attention import functional
 from cases import Case
-from conftest import round_to, to_numpy, to_tensor, tolerance
+from conftest import MS_DTYPES, round_to, to_numpy, to_tensor, tolerance
 from reference import reference
 
 BACKENDS = ["fused", "unfused"]
@@ -34,8 +34,7 @@ def run_case(case, rng, backend, dtype="float32"):
     offsets = (Tensor(np.array(aq, np.int64)), Tensor(np.array(ak, np.int64))) if aq is not None else ()
     out, lse, rot = net(*(to_tensor(t, dtype) for t in (q, k, v)), Tensor(cos.astype(np.float32)),
                         Tensor(sin.astype(np.float32)), *offsets)
-    assert out.dtype == ms.Tensor(np.zeros(1, np.float32)).astype(
-        {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}[dtype]).dtype
+    assert out.dtype == MS_DTYPES[dtype]
     assert np.abs(to_numpy(out) - ro).max() <= tolerance(dtype, ro)
     assert np.abs(to_numpy(rot) - rk).max() <= tolerance(dtype, rk)
     np.testing.assert_allclose(lse.asnumpy(), rl, atol=1e-4)
