@@ -16,7 +16,7 @@ LAYOUTS = {"BNSD": 0, "BSND": 1, "BSH": 2, "TND": 3}
 class Attrs(ctypes.Structure):  # mirrors rfa::Attrs in csrc/rfa_problem.h
     _fields_ = [("head_num", ctypes.c_int64), ("layout", ctypes.c_int), ("rotary_mode", ctypes.c_int64),
                 ("rotary_dim", ctypes.c_int64), ("scale", ctypes.c_float), ("causal", ctypes.c_bool),
-                ("with_lse", ctypes.c_bool), ("with_rotated_key", ctypes.c_bool)]
+                ("with_lse", ctypes.c_bool), ("with_rotated_key", ctypes.c_bool), ("key_rotated", ctypes.c_bool)]
 
 
 def to_bf16_bits(x):
@@ -58,13 +58,13 @@ def expected_shapes(q_shape, k_shape, layout, head_num, with_lse, with_rk):
 
 def run(q, k, v, cos, sin, aq=None, ak=None, *, head_num=None, input_layout="BNSD", rotary_mode=0,
         rotary_dim=None, scale=None, causal=True, dtype="float32", table_dtype="float32", with_lse=True,
-        with_rotated_key=True, rows=0, kv_block=0, rotate=True, out_shapes=None):
+        with_rotated_key=True, key_rotated=False, rows=0, kv_block=0, rotate=True, out_shapes=None):
     """(return code, out, lse, rotated_key) with outputs decoded to float64.
 
     A non-zero code leaves the kernel's message in ``cpu_kernel.last_error()``.
     """
     attrs = Attrs(head_num or 0, LAYOUTS[input_layout], rotary_mode, rotary_dim or 0, scale or 0.0, causal,
-                  with_lse, with_rotated_key)
+                  with_lse, with_rotated_key, key_rotated)
     inputs = [encode(q, dtype), encode(k, dtype), encode(v, dtype), encode(cos, table_dtype), encode(sin, table_dtype)]
     dtypes = [dtype] * 3 + [table_dtype] * 2
     for ends in (aq, ak):

@@ -79,7 +79,7 @@ class RotaryFlashAttentionOp(nn.Cell):
     outputs are empty). ``backend_name`` tells which backend runs."""
 
     def __init__(self, head_num=None, input_layout="BNSD", rotary_mode=0, rotary_dim=None, scale=None, causal=True,
-                 with_softmax_lse=False, with_rotated_key=False, backend="auto", strict=False):
+                 with_softmax_lse=False, with_rotated_key=False, backend="auto", strict=False, key_rotated=False):
         super().__init__()
         checks.check_attrs(head_num, input_layout, rotary_mode, rotary_dim, scale, causal)
         if backend not in BACKENDS:
@@ -92,6 +92,9 @@ class RotaryFlashAttentionOp(nn.Cell):
         self.causal = causal
         self.with_softmax_lse = bool(with_softmax_lse)
         self.with_rotated_key = bool(with_rotated_key)
+        if not isinstance(key_rotated, bool):
+            raise TypeError(f"key_rotated: expected a bool, got {key_rotated!r}")
+        self.key_rotated = key_rotated
         self.fused = None
         self.fallback_reason = None
         if backend != "unfused":
@@ -105,7 +108,8 @@ class RotaryFlashAttentionOp(nn.Cell):
                 self.fused = factory({
                     "head_num": head_num or 0, "input_layout": input_layout, "rotary_mode": rotary_mode,
                     "rotary_dim": rotary_dim or 0, "scale": float(scale or 0.0), "causal": causal,
-                    "with_softmax_lse": self.with_softmax_lse, "with_rotated_key": self.with_rotated_key})
+                    "with_softmax_lse": self.with_softmax_lse, "with_rotated_key": self.with_rotated_key,
+                    "key_rotated": key_rotated})
         self.use_fused = self.fused is not None
         self.backend_name = f"fused:{_device()}" if self.use_fused else "unfused"
 
@@ -125,7 +129,7 @@ class RotaryFlashAttentionOp(nn.Cell):
             query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, head_num=q_heads, kv_head_num=kv_heads,
             head_dim=head_dim, input_layout=self.input_layout, rotary_mode=self.rotary_mode, rotary_dim=rotary_dim,
             scale=scale, causal=self.causal, with_softmax_lse=self.with_softmax_lse,
-            with_rotated_key=self.with_rotated_key)
+            with_rotated_key=self.with_rotated_key, key_rotated=self.key_rotated)
 
 
 _ops_cache: dict = {}
@@ -142,11 +146,13 @@ def _as_offsets(name, value):
 
 def rotary_flash_attention(query, key, value, cos, sin, head_num=None, *, input_layout="BNSD", rotary_mode=0,
                            rotary_dim=None, scale=None, causal=True, actual_seq_qlen=None, actual_seq_kvlen=None,
-                           return_softmax_lse=False, return_rotated_key=False, backend="auto", strict=False):
+                           return_softmax_lse=False, return_rotated_key=False, key_rotated=False, backend="auto",
+                           strict=False):
     """RoPE(query), RoPE(key) and attention in one fused pass; returns the output in query's layout/dtype.
 
     See the README's semantics table (generated from ``op_info``). With ``return_softmax_lse`` /
-    ``return_rotated_key`` a tuple ``(out, lse?, rotated_key?)`` is returned. For PyNative use; in
+    ``return_rotated_key`` a tuple ``(out, lse?, rotated_key?)`` is returned. ``key_rotated=True``
+    says key already carries RoPE (a KV cache of earlier ``rotated_key`` outputs): only query is rotated. For PyNative use; in
     GRAPH_MODE hold a ``RotaryFlashAttentionOp`` or ``RotaryFlashAttention`` Cell instead.
     """
     for name, tensor in (("query", query), ("key", key), ("value", value), ("cos", cos), ("sin", sin)):
@@ -155,11 +161,11 @@ def rotary_flash_attention(query, key, value, cos, sin, head_num=None, *, input_
     actual_seq_qlen = _as_offsets("actual_seq_qlen", actual_seq_qlen)
     actual_seq_kvlen = _as_offsets("actual_seq_kvlen", actual_seq_kvlen)
     key_attrs = (head_num, input_layout, rotary_mode, rotary_dim, scale, causal, bool(return_softmax_lse),
-                 bool(return_rotated_key), backend, strict, _device())
+                 bool(return_rotated_key), key_rotated, backend, strict, _device())
     op = _ops_cache.get(key_attrs)
     if op is None:
         op = RotaryFlashAttentionOp(head_num, input_layout, rotary_mode, rotary_dim, scale, causal,
-                                    return_softmax_lse, return_rotated_key, backend, strict)
+                                    return_softmax_lse, return_rotated_key, backend, strict, key_rotated)
         _ops_cache[key_attrs] = op
     if input_layout == "TND" and actual_seq_qlen is not None and actual_seq_kvlen is not None:
         checks.check_actual_seq(actual_seq_qlen.asnumpy(), actual_seq_kvlen.asnumpy(), query.shape[0], key.shape[0],

@@ -20,13 +20,14 @@ class RotaryFlashAttention(nn.Cell):
     ``construct(query, key, value, actual_seq_qlen=None, actual_seq_kvlen=None)`` returns the
     attention output in query's layout and dtype, or a tuple ``(out, lse?, rotated_key?)`` when
     ``return_softmax_lse`` / ``return_rotated_key`` are set. ``backend`` says which path runs.
+    ``key_rotated=True`` is for decoding against a KV cache of rotated keys: only query is rotated.
     """
 
     def __init__(self, head_num: int, head_dim: int, *, rotary_dim: int | None = None, rope_theta: float = 10000.0,
                  max_position_embeddings: int = 4096, rotary_mode: int = 0, input_layout: str = "BNSD",
                  scale: float | None = None, causal: bool = True, return_softmax_lse: bool = False,
-                 return_rotated_key: bool = False, backend: str = "auto", strict: bool = False,
-                 cos_sin: tuple[Tensor, Tensor] | None = None):
+                 return_rotated_key: bool = False, key_rotated: bool = False, backend: str = "auto",
+                 strict: bool = False, cos_sin: tuple[Tensor, Tensor] | None = None):
         super().__init__()
         if not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
             raise ValueError(f"head_dim: expected a positive even int, got {head_dim!r}")
@@ -42,7 +43,7 @@ class RotaryFlashAttention(nn.Cell):
             cos_sin = shared_rope_tables(rd, max_position_embeddings, float(rope_theta), rotary_mode)
         self.cos, self.sin = cos_sin
         self.op = RotaryFlashAttentionOp(head_num, input_layout, rotary_mode, rd, scale, causal,
-                                         return_softmax_lse, return_rotated_key, backend, strict)
+                                         return_softmax_lse, return_rotated_key, backend, strict, key_rotated)
 
     @property
     def backend(self) -> str:

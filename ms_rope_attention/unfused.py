@@ -83,11 +83,12 @@ def _rope(x, cos, sin, positions, index, sign, rotary_dim, head_dim):
 
 def unfused_rotary_flash_attention(query, key, value, cos, sin, actual_seq_qlen=None, actual_seq_kvlen=None, *,
                                    head_num, kv_head_num, head_dim, input_layout, rotary_mode, rotary_dim, scale,
-                                   causal, with_softmax_lse, with_rotated_key):
+                                   causal, with_softmax_lse, with_rotated_key, key_rotated=False):
     """(attention_out, softmax_lse, rotated_key) exactly as the fused op's contract.
 
     Geometry arguments (``head_num``, ``kv_head_num``, ``head_dim``, ``rotary_dim``, ``scale``) are
     already resolved by ``checks.check_inputs``; disabled outputs are empty (shape (0,)).
+    ``key_rotated``: key already carries RoPE (a rotated KV cache) and is used as given.
     """
     layout = input_layout
     out_dtype = query.dtype
@@ -110,7 +111,7 @@ def unfused_rotary_flash_attention(query, key, value, cos, sin, actual_seq_qlen=
         k_pos = ops.arange(0, kv_len, dtype=ms.int64)
         same_sequence = None
     qr = _rope(q, cos, sin, q_pos, index, sign, rotary_dim, head_dim)
-    kr = _rope(k, cos, sin, k_pos, index, sign, rotary_dim, head_dim)
+    kr = k if key_rotated else _rope(k, cos, sin, k_pos, index, sign, rotary_dim, head_dim)
     group = head_num // kv_head_num
     # GQA without copying K/V: query heads of one KV head share a broadcast batch dimension.
     q5 = qr.reshape(qr.shape[0], kv_head_num, group, -1, head_dim)

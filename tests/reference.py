@@ -36,12 +36,14 @@ def rotate(x, cos, sin, positions, mode, rotary_dim):
     return np.concatenate([part * c + rot * s, x[..., rd:]], axis=-1)
 
 
-def attention_one_sequence(q, k, v, cos, sin, mode, rotary_dim, scale, causal):
-    """q (Sq, N, D), k/v (Skv, Nkv, D) -> out (Sq, N, D), lse (Sq, N), rotated k (Skv, Nkv, D)."""
+def attention_one_sequence(q, k, v, cos, sin, mode, rotary_dim, scale, causal, key_rotated=False):
+    """q (Sq, N, D), k/v (Skv, Nkv, D) -> out (Sq, N, D), lse (Sq, N), rotated k (Skv, Nkv, D).
+
+    ``key_rotated``: k already carries RoPE and is used as given."""
     sq, n, d = q.shape
     skv, nkv, _ = k.shape
     qr = rotate(q, cos, sin, np.arange(skv - sq, skv), mode, rotary_dim)
-    kr = rotate(k, cos, sin, np.arange(skv), mode, rotary_dim)
+    kr = k.astype(np.float64) if key_rotated else rotate(k, cos, sin, np.arange(skv), mode, rotary_dim)
     group = n // nkv
     out = np.zeros((sq, n, d))
     lse = np.full((sq, n), -np.inf)
@@ -83,7 +85,7 @@ def from_snd(seqs, layout):
 
 
 def reference(q, k, v, cos, sin, head_num=None, input_layout="BNSD", rotary_mode=0, rotary_dim=None,
-              scale=None, causal=True, actual_seq_qlen=None, actual_seq_kvlen=None):
+              scale=None, causal=True, actual_seq_qlen=None, actual_seq_kvlen=None, key_rotated=False):
     """(out, lse, rotated_key) in float64; lse is (B, N, Sq) or (Tq, N) for TND."""
     q, k, v = (np.asarray(t, np.float64) for t in (q, k, v))
     if input_layout == "TND":
@@ -94,7 +96,7 @@ def reference(q, k, v, cos, sin, head_num=None, input_layout="BNSD", rotary_mode
         head_dim = q.shape[-1]
     rd = rotary_dim or head_dim
     scale = scale if scale is not None else 1.0 / np.sqrt(head_dim)
-    args = (cos, sin, rotary_mode, rd, scale, causal)
+    args = (cos, sin, rotary_mode, rd, scale, causal, key_rotated)
     if input_layout == "TND":
         out = np.zeros(q.shape)
         lse = np.full(q.shape[:2], -np.inf)

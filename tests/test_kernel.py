@@ -14,14 +14,14 @@ def rounded(x, dtype):
     return kh.decode(kh.encode(x, dtype), dtype)
 
 
-def check(case, rng, dtype="float32", table_dtype="float32", rows=0, kv_block=0, scale=None):
+def check(case, rng, dtype="float32", table_dtype="float32", rows=0, kv_block=0, scale=None, key_rotated=False):
     q, k, v, cos, sin, aq, ak = case.make(rng)
     q, k, v = (rounded(t, dtype) for t in (q, k, v))
     cos, sin = rounded(cos, table_dtype), rounded(sin, table_dtype)
     ro, rl, rk = reference(q, k, v, cos, sin, case.heads, case.layout, case.mode, case.rotary_dim, scale,
-                           case.causal, aq, ak)
+                           case.causal, aq, ak, key_rotated)
     code, out, lse, rot = kh.run(q, k, v, cos, sin, aq, ak, dtype=dtype, table_dtype=table_dtype, rows=rows,
-                                 kv_block=kv_block, scale=scale, **case.kwargs)
+                                 kv_block=kv_block, scale=scale, key_rotated=key_rotated, **case.kwargs)
     assert code == 0, last_error()
     assert np.abs(out - ro).max(initial=0) <= tolerance(dtype, ro)
     finite = np.isfinite(rl)
@@ -82,6 +82,29 @@ def test_decode_split_kv_matches_unsplit(rng):
     case = Case(q_len=1, kv_len=3000, heads=2, kv_heads=1, head_dim=64, batch=1)
     check(case, rng)
     check(case, rng, kv_block=32)
+
+
+@pytest.mark.parametrize("layout", ["BSH", "TND"])
+@pytest.mark.parametrize("mode", [0, 1])
+def test_key_rotated_reads_key_as_given(layout, mode, rng):
+    case = Case(layout=layout, mode=mode, heads=4, kv_heads=2, q_len=5, kv_len=77, head_dim=32, rotary_dim=16,
+                q_lens=[1, 3, 0], kv_lens=[40, 3, 9])
+    check(case, rng, rows=4, kv_block=16, key_rotated=True)
+    check(Case(layout=layout, mode=mode, q_len=1, kv_len=2000, heads=2, kv_heads=1, q_lens=[1, 1],
+               kv_lens=[2000, 700]), rng, key_rotated=True)  # decode: split KV
+
+
+@pytest.mark.parametrize("mode", [0, 1])
+def test_decode_on_rotated_cache_equals_full_attention(mode, rng):
+    """Prefill emits rotated K; decoding the last token against that cache (key_rotated) gives the
+    same row as attending over the whole sequence with un-rotated keys."""
+    case = Case(layout="BSND", mode=mode, heads=4, kv_heads=2, q_len=65, kv_len=65, head_dim=64, batch=2)
+    q, k, v, cos, sin, _, _ = case.make(rng)
+    code, full, _, rotated = kh.run(q, k, v, cos, sin, **case.kwargs)
+    assert code == 0, last_error()
+    code, last, _, _ = kh.run(q[:, -1:], rotated, v, cos, sin, key_rotated=True, **case.kwargs)
+    assert code == 0, last_error()
+    assert np.abs(last - full[:, -1:]).max() <= 1e-5
 
 
 def test_inputs_not_modified(rng):

@@ -25,12 +25,12 @@ class OpNet(nn.Cell):
         return self.op(q, k, v, cos, sin, aq, ak)
 
 
-def run_case(case, rng, backend, dtype="float32"):
+def run_case(case, rng, backend, dtype="float32", key_rotated=False):
     q, k, v, cos, sin, aq, ak = case.make(rng)
     q, k, v = (round_to(t, dtype) for t in (q, k, v))
     ro, rl, rk = reference(q, k, v, cos, sin, case.heads, case.layout, case.mode, case.rotary_dim, None, case.causal,
-                           aq, ak)
-    net = OpNet(backend=backend, **case.kwargs)
+                           aq, ak, key_rotated)
+    net = OpNet(backend=backend, key_rotated=key_rotated, **case.kwargs)
     offsets = (Tensor(np.array(aq, np.int64)), Tensor(np.array(ak, np.int64))) if aq is not None else ()
     out, lse, rot = net(*(to_tensor(t, dtype) for t in (q, k, v)), Tensor(cos.astype(np.float32)),
                         Tensor(sin.astype(np.float32)), *offsets)
@@ -62,6 +62,13 @@ def test_low_precision(mode, backend, dtype, rng):
 def test_gqa_and_lengths(backend, heads, kv_heads, q_len, kv_len, rng):
     ms.set_context(mode=ms.PYNATIVE_MODE)
     run_case(Case(heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, head_dim=16, batch=1), rng, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["BSH", "TND"])
+def test_key_rotated(mode, backend, layout, rng):
+    case = Case(layout=layout, mode=1, rotary_dim=8, q_len=1, kv_len=9, q_lens=[1, 1, 2], kv_lens=[3, 6, 9])
+    run_case(case, rng, backend, key_rotated=True)
 
 
 def test_functional_returns(rng):

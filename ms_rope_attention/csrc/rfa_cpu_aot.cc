@@ -50,6 +50,7 @@ std::string ReadAttrs(AotExtra *extra, rfa::Attrs *a) {
   a->causal = extra->GetBool("causal");
   a->with_lse = extra->GetBool("with_softmax_lse");
   a->with_rotated_key = extra->GetBool("with_rotated_key");
+  a->key_rotated = extra->GetBool("key_rotated");
   return "";
 }
 

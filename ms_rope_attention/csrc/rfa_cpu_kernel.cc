@@ -121,6 +121,21 @@ void Rotate(const float *x, const float *c, const float *s, int64_t rd, int64_t 
   for (int64_t i = rd; i < d; ++i) y[i] = x[i] * mul;
 }
 
+// Original order -> kernel order without rotating (only mode 1 differs): an already-rotated key
+// (attrs.key_rotated) must meet Q in the same de-interleaved feature order.
+void ToKernelOrder(const float *x, int64_t rd, int64_t d, int64_t mode, float *y) {
+  if (mode == 0) {
+    std::memcpy(y, x, d * sizeof(float));
+    return;
+  }
+  const int64_t h = rd / 2;
+  for (int64_t i = 0; i < h; ++i) {
+    y[i] = x[2 * i];
+    y[i + h] = x[2 * i + 1];
+  }
+  std::memcpy(y + rd, x + rd, (d - rd) * sizeof(float));
+}
+
 // Kernel order -> original order (only mode 1 differs), for the rotated-key output.
 void ToOriginalOrder(const float *y, int64_t rd, int64_t d, int64_t mode, float *x) {
   if (mode == 0) {
@@ -269,7 +284,13 @@ class Worker {
         const int64_t off = kvhead + (j0 + j) * p_.kv.row;
         LoadRow(p_.qkv_dtype, buf_.key, off, D, row_);
         const float *src = row_;
-        if (rotate) {
+        if (rotate && p_.attrs.key_rotated) {  // a rotated KV cache: reorder only, emit as given
+          if (mode == 1) {
+            ToKernelOrder(row_, rd, D, mode, rot_);
+            src = rot_;
+          }
+          if (emit_key) StoreRow(p_.qkv_dtype, row_, D, buf_.rotated_key, off);
+        } else if (rotate) {
           const int64_t pos = j0 + j;
           Rotate(row_, tables_.Row(buf_.cos, p_.cos_dtype, pos, ctmp_), tables_.Row(buf_.sin, p_.sin_dtype, pos, stmp_),
                  rd, D, mode, 1.0f, rot_);
@@ -367,6 +388,10 @@ class Worker {
     for (int64_t j = 0; j < p_.kv_lens[seq]; ++j) {
       const int64_t off = base + j * p_.kv.row;
       LoadRow(p_.qkv_dtype, buf_.key, off, D, row_);
+      if (p_.attrs.key_rotated) {
+        StoreRow(p_.qkv_dtype, row_, D, buf_.rotated_key, off);
+        continue;
+      }
       Rotate(row_, tables_.Row(buf_.cos, p_.cos_dtype, j, ctmp_), tables_.Row(buf_.sin, p_.sin_dtype, j, stmp_),
              p_.rotary_dim, D, p_.attrs.rotary_mode, 1.0f, rot_);
       ToOriginalOrder(rot_, p_.rotary_dim, D, p_.attrs.rotary_mode, orig_);

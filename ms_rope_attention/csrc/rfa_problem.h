@@ -21,6 +21,7 @@ struct Attrs {
   bool causal = true;
   bool with_lse = false;
   bool with_rotated_key = false;
+  bool key_rotated = false;  // key already carries RoPE (a rotated KV cache): rotate query only
 };
 
 // One tensor's element strides: D is always contiguous.
