@@ -70,15 +70,23 @@ def _allowed(q_pos, k_pos, same_sequence, causal):
     return same_sequence
 
 
-def _rope(x, cos, sin, positions, index, sign, rotary_dim, head_dim):
-    """x (B, N, S, D) float32, rotated on its first rotary_dim features at ``positions`` (S,)."""
-    c = ops.gather(cos, positions, 0)
-    s = ops.gather(sin, positions, 0)
+def apply_rope(x, cos_rows, sin_rows, rotary_mode, rotary_dim):
+    """Standalone RoPE: x (..., D) float32 rotated on its first ``rotary_dim`` features, with
+    ``cos_rows``/``sin_rows`` already gathered at each row's position and broadcastable to
+    x[..., :rotary_dim]. The unfused path uses it for Q/K; a model uses it for the few new keys of
+    a decode step before appending them to its rotated KV cache."""
+    index_np, sign_np = rotation_permutation(rotary_dim, rotary_mode)
+    head_dim = x.shape[-1]
     part = x[..., :rotary_dim] if rotary_dim < head_dim else x
-    rotated = part * c + ops.gather(part, index, 3) * sign * s
+    rotated = part * cos_rows + ops.gather(part, Tensor(index_np), x.ndim - 1) * Tensor(sign_np) * sin_rows
     if rotary_dim < head_dim:
         rotated = ops.concat([rotated, x[..., rotary_dim:]], axis=-1)
     return rotated
+
+
+def _rope(x, cos, sin, positions, rotary_mode, rotary_dim):
+    """x (B, N, S, D) float32, rotated at ``positions`` (S,)."""
+    return apply_rope(x, ops.gather(cos, positions, 0), ops.gather(sin, positions, 0), rotary_mode, rotary_dim)
 
 
 def unfused_rotary_flash_attention(query, key, value, cos, sin, actual_seq_qlen=None, actual_seq_kvlen=None, *,
@@ -92,8 +100,6 @@ def unfused_rotary_flash_attention(query, key, value, cos, sin, actual_seq_qlen=
     """
     layout = input_layout
     out_dtype = query.dtype
-    index_np, sign_np = rotation_permutation(rotary_dim, rotary_mode)
-    index, sign = Tensor(index_np), Tensor(sign_np)
     cos = cos.astype(ms.float32)
     sin = sin.astype(ms.float32)
     q = _to_bnsd(query.astype(ms.float32), layout, head_num, head_dim)
@@ -110,8 +116,8 @@ def unfused_rotary_flash_attention(query, key, value, cos, sin, actual_seq_qlen=
         q_pos = ops.arange(0, q_len, dtype=ms.int64) + (kv_len - q_len)
         k_pos = ops.arange(0, kv_len, dtype=ms.int64)
         same_sequence = None
-    qr = _rope(q, cos, sin, q_pos, index, sign, rotary_dim, head_dim)
-    kr = k if key_rotated else _rope(k, cos, sin, k_pos, index, sign, rotary_dim, head_dim)
+    qr = _rope(q, cos, sin, q_pos, rotary_mode, rotary_dim)
+    kr = k if key_rotated else _rope(k, cos, sin, k_pos, rotary_mode, rotary_dim)
     group = head_num // kv_head_num
     # GQA without copying K/V: query heads of one KV head share a broadcast batch dimension.
     q5 = qr.reshape(qr.shape[0], kv_head_num, group, -1, head_dim)

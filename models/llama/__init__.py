@@ -1,0 +1,5 @@
+"""Reference Llama2 on the fused RoPE + FlashAttention op (see README, "Llama model")."""
+from .config import PRESETS, LlamaConfig, preset
+from .model import LlamaForCausalLM
+
+__all__ = ["LlamaConfig", "LlamaForCausalLM", "PRESETS", "preset"]

@@ -1,0 +1,238 @@
+"""Llama2 in MindSpore on ``RotaryFlashAttention``: RMSNorm, SwiGLU, grouped-query attention, and a
+KV cache that holds *rotated* keys.
+
+Parameter names equal Hugging Face's (``model.layers.0.self_attn.q_proj.weight``, ...), so a
+checkpoint maps onto ``parameters_dict()`` one to one. Two layouts:
+
+- ``BSH`` (a batch of equal-length sequences): projections feed the op with no reshape at all.
+- ``TND`` (variable-length batch, no padding): tokens of all sequences packed, with cumulative
+  end offsets ``actual_seq_qlen`` / ``actual_seq_kvlen``.
+
+Prefill rotates Q and K inside the fused op, which also returns the rotated K: that is what enters
+the cache. A later step (decode, or a further chunk) rotates only its new keys, appends them, and
+attends with ``key_rotated=True``: every key is rotated exactly once.
+"""
+from __future__ import annotations
+
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import Normal, initializer
+
+from ms_rope_attention import RotaryFlashAttention
+from ms_rope_attention.unfused import apply_rope
+
+from .config import LlamaConfig
+from .rope_scaling import model_rope_tables
+
+DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
+LAYOUTS = ("BSH", "TND")
+
+
+def check_device_dtype(dtype: str) -> None:
+    """MindSpore 2.10 has no CPU kernels for bfloat16 Reshape, StridedSlice, Stack, Gather or MatMul,
+    so a bfloat16 *model* cannot run on CPU (the fused attention op itself does take bfloat16)."""
+    if dtype == "bfloat16" and ms.get_context("device_target") == "CPU":
+        raise ValueError("dtype: 'bfloat16' needs a device with bfloat16 MatMul/Reshape/Gather kernels; "
+                         "MindSpore 2.10's CPU backend has none: use 'float32' or 'float16' on CPU")
+
+
+class Linear(nn.Cell):
+    """y = x W^T, W stored (out, in) as in Hugging Face checkpoints; no bias (Llama has none)."""
+
+    def __init__(self, in_features: int, out_features: int, dtype):
+        super().__init__()
+        self.weight = Parameter(initializer(Normal(0.02), (out_features, in_features), dtype), name="weight")
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, x):
+        shape = x.shape
+        return self.matmul(x.reshape(-1, shape[-1]), self.weight).reshape(shape[:-1] + (-1,))
+
+
+class Embedding(nn.Cell):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype):
+        super().__init__()
+        self.weight = Parameter(initializer(Normal(0.02), (vocab_size, hidden_size), dtype), name="weight")
+
+    def construct(self, ids):
+        return ops.gather(self.weight, ids, 0)
+
+
+class RMSNorm(nn.Cell):
+    """x / rms(x) * weight, the statistics in float32 whatever the activation dtype."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype):
+        super().__init__()
+        self.weight = Parameter(ops.ones((hidden_size,), dtype), name="weight")
+        self.eps = eps
+        self.dtype = dtype
+
+    def construct(self, x):
+        xf = x.astype(ms.float32)
+        variance = (xf * xf).mean(-1, keep_dims=True)
+        return (xf / ops.sqrt(variance + self.eps)).astype(self.dtype) * self.weight
+
+
+class LlamaMLP(nn.Cell):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: LlamaConfig, dtype):
+        super().__init__()
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, dtype)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, dtype)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, dtype)
+
+    def construct(self, x):
+        return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaAttention(nn.Cell):
+    """Projections around the fused op; returns (output, keys, values) where keys/values are this
+    layer's cache after the step (rotated keys)."""
+
+    def __init__(self, config: LlamaConfig, cos_sin, layout: str, backend: str, dtype):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
+                                                    config.dim_per_head)
+        self.q_proj = Linear(config.hidden_size, self.heads * self.head_dim, dtype)
+        self.k_proj = Linear(config.hidden_size, self.kv_heads * self.head_dim, dtype)
+        self.v_proj = Linear(config.hidden_size, self.kv_heads * self.head_dim, dtype)
+        self.o_proj = Linear(self.heads * self.head_dim, config.hidden_size, dtype)
+        self.layout = layout
+        self.rotary_mode, self.rotary_dim = config.rotary_mode, config.rotary_dim
+        self.cos, self.sin = cos_sin
+        common = dict(head_num=self.heads, head_dim=self.head_dim, rotary_dim=self.rotary_dim,
+                      rotary_mode=self.rotary_mode, input_layout=layout, backend=backend, cos_sin=cos_sin)
+        self.prefill_attention = RotaryFlashAttention(return_rotated_key=True, **common)
+        self.cached_attention = RotaryFlashAttention(key_rotated=True, **common)
+
+    def _heads(self, x, heads):
+        return x.reshape(x.shape[0], heads, self.head_dim) if self.layout == "TND" else x
+
+    def construct(self, x, past_k, past_v, positions, cache_index, aq, akv):
+        q = self._heads(self.q_proj(x), self.heads)
+        k = self._heads(self.k_proj(x), self.kv_heads)
+        v = self._heads(self.v_proj(x), self.kv_heads)
+        if past_k is None:
+            out, keys = self.prefill_attention(q, k, v, aq, akv)
+            values = v
+        else:
+            keys = self._append(past_k, self._rotate_new_keys(k, positions), cache_index)
+            values = self._append(past_v, v, cache_index)
+            out = self.cached_attention(q, keys, values, aq, akv)
+        if self.layout == "TND":
+            out = out.reshape(out.shape[0], -1)
+        return self.o_proj(out), keys, values
+
+    def _rotate_new_keys(self, k, positions):
+        """Standalone RoPE on the step's new keys only (a handful of rows), at their absolute positions."""
+        kf = k.astype(ms.float32)
+        if self.layout == "BSH":
+            kf = kf.reshape(kf.shape[0], kf.shape[1], self.kv_heads, self.head_dim)
+        c = ops.gather(self.cos.astype(ms.float32), positions, 0).expand_dims(-2)
+        s = ops.gather(self.sin.astype(ms.float32), positions, 0).expand_dims(-2)
+        rotated = apply_rope(kf, c, s, self.rotary_mode, self.rotary_dim)
+        return rotated.reshape(k.shape).astype(k.dtype)
+
+    def _append(self, past, new, cache_index):
+        if self.layout == "BSH":
+            return ops.concat((past, new), 1)
+        return ops.gather(ops.concat((past, new), 0), cache_index, 0)
+
+
+class LlamaDecoderLayer(nn.Cell):
+    def __init__(self, config: LlamaConfig, cos_sin, layout, backend, dtype):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, cos_sin, layout, backend, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def construct(self, x, past_k, past_v, positions, cache_index, aq, akv):
+        attended, keys, values = self.self_attn(self.input_layernorm(x), past_k, past_v, positions, cache_index, aq,
+                                                akv)
+        x = x + attended
+        return x + self.mlp(self.post_attention_layernorm(x)), keys, values
+
+
+class LlamaModel(nn.Cell):
+    def __init__(self, config: LlamaConfig, cos_sin, layout, backend, dtype):
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
+        self.layers = nn.CellList([LlamaDecoderLayer(config, cos_sin, layout, backend, dtype)
+                                   for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.num_layers = config.num_hidden_layers
+
+    def construct(self, input_ids, past_keys, past_values, positions, cache_index, aq, akv):
+        x = self.embed_tokens(input_ids)
+        keys = ()
+        values = ()
+        for i in range(self.num_layers):
+            past_k = None if past_keys is None else past_keys[i]
+            past_v = None if past_values is None else past_values[i]
+            x, k, v = self.layers[i](x, past_k, past_v, positions, cache_index, aq, akv)
+            keys = keys + (k,)
+            values = values + (v,)
+        return self.norm(x), ops.stack(keys), ops.stack(values)
+
+
+class LlamaForCausalLM(nn.Cell):
+    """The causal LM. ``construct(input_ids, past_keys=None, past_values=None, positions=None,
+    cache_index=None, actual_seq_qlen=None, actual_seq_kvlen=None)`` returns
+    ``(logits float32, keys, values)``; keys/values are the whole cache after this step, stacked over
+    layers: (L, B, S, Nkv*D) for BSH, (L, T, Nkv, D) for TND.
+
+    - input_ids: (B, S) int32 for BSH; (T,) for TND with cumulative ends ``actual_seq_qlen`` of the
+      new tokens and ``actual_seq_kvlen`` of the whole sequences (cache + new).
+    - With a cache: ``positions`` gives each new token's absolute position ((S,) for BSH, (T,) for
+      TND); for TND ``cache_index`` reorders concat(past, new) so each sequence's new rows follow
+      its cached rows.
+    - ``logits="last"`` computes logits only at each sequence's last new token (what generation
+      needs; at 7B vocab and long prompts the full (S, vocab) logits would dominate the prefill).
+
+    ``backend``: "auto" (fused where available, announced fallback otherwise), "fused" or "unfused",
+    for the whole model, so both run on identical weights.
+    """
+
+    def __init__(self, config: LlamaConfig, *, dtype: str = "float32", layout: str = "BSH", backend: str = "auto",
+                 logits: str = "all", max_positions: int | None = None):
+        super().__init__()
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {list(DTYPES)}, got {dtype!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout: expected one of {list(LAYOUTS)}, got {layout!r}")
+        if logits not in ("all", "last"):
+            raise ValueError(f"logits: expected 'all' or 'last', got {logits!r}")
+        check_device_dtype(dtype)
+        self.config = config
+        self.layout = layout
+        self.max_positions = max_positions or config.max_position_embeddings
+        ms_dtype = DTYPES[dtype]
+        cos, sin = model_rope_tables(config, self.max_positions)
+        cos_sin = (Tensor(cos), Tensor(sin))  # one pair for every layer
+        self.model = LlamaModel(config, cos_sin, layout, backend, ms_dtype)
+        self.tie_word_embeddings = config.tie_word_embeddings
+        if not self.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, ms_dtype)
+        self.matmul = ops.MatMul(transpose_b=True)
+        self.last_only = logits == "last"
+
+    @property
+    def backend(self) -> str:
+        """The attention path every layer runs: 'fused:CPU' or 'unfused'."""
+        return self.model.layers[0].self_attn.prefill_attention.backend
+
+    def construct(self, input_ids, past_keys=None, past_values=None, positions=None, cache_index=None,
+                  actual_seq_qlen=None, actual_seq_kvlen=None):
+        hidden, keys, values = self.model(input_ids, past_keys, past_values, positions, cache_index, actual_seq_qlen,
+                                          actual_seq_kvlen)
+        if self.last_only:
+            if self.layout == "TND":
+                hidden = ops.gather(hidden, actual_seq_qlen - 1, 0)
+            else:
+                hidden = hidden[:, -1:, :]
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        shape = hidden.shape
+        logits = self.matmul(hidden.reshape(-1, shape[-1]), weight)
+        return logits.astype(ms.float32).reshape(shape[:-1] + (-1,)), keys, values

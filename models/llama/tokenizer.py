@@ -1,0 +1,41 @@
+"""The checkpoint's own tokenizer: ``tokenizer.json`` (Hugging Face ``tokenizers``) or
+``tokenizer.model`` (``sentencepiece``, imported only when such a checkpoint is used)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class Tokenizer:
+    """encode(text) -> ids (with BOS, as Llama was trained), decode(ids) -> text."""
+
+    def __init__(self, encode, decode, bos_id: int | None):
+        self._encode, self._decode, self.bos_id = encode, decode, bos_id
+
+    def encode(self, text: str) -> list[int]:
+        ids = list(self._encode(text))
+        if self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def decode(self, ids) -> str:
+        return self._decode([int(i) for i in ids])
+
+    @classmethod
+    def from_directory(cls, directory: str | Path, bos_id: int | None = None) -> "Tokenizer | None":
+        """The directory's tokenizer, or None when it has none (then prompts are given as ids)."""
+        directory = Path(directory)
+        if (directory / "tokenizer.json").exists():
+            from tokenizers import Tokenizer as HFTokenizer
+
+            tok = HFTokenizer.from_file(str(directory / "tokenizer.json"))
+            return cls(lambda text: tok.encode(text).ids, lambda ids: tok.decode(ids, skip_special_tokens=True),
+                       bos_id)
+        if (directory / "tokenizer.model").exists():
+            try:
+                import sentencepiece
+            except ImportError:
+                raise ImportError(f"{directory / 'tokenizer.model'}: a sentencepiece tokenizer; "
+                                  "pip install sentencepiece, or pass prompts as token ids") from None
+            sp = sentencepiece.SentencePieceProcessor(model_file=str(directory / "tokenizer.model"))
+            return cls(sp.encode, sp.decode, sp.bos_id() if bos_id is None else bos_id)
+        return None

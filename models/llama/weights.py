@@ -1,0 +1,232 @@
+"""Checkpoint loading: Hugging Face (config.json + safetensors, sharded or not) and Meta's original
+layout (params.json + consolidated.*), tensor by tensor, memory-mapped, with a progress bar.
+
+Hugging Face checkpoints have their q/k projections permuted for rotate-half RoPE (rotary_mode 0).
+Meta's original checkpoints are not permuted: they are loaded as they are and run with interleaved
+RoPE (rotary_mode 1), which the fused kernel supports natively, so no weight is rewritten.
+Every problem (missing or unknown tensor, wrong shape or dtype, unreadable file) raises
+``CheckpointError`` naming the tensor and the file.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import ml_dtypes  # noqa: F401  (registers numpy's bfloat16 so safetensors can hand out bf16 arrays)
+import numpy as np
+from mindspore import Tensor
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+from tqdm import tqdm
+
+from .config import LlamaConfig
+from .model import DTYPES, LlamaForCausalLM
+
+FLOAT_DTYPES = ("float16", "float32", "float64", "bfloat16")
+HF_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # buffers some old exports carry; recomputed here
+META_IGNORED = re.compile(r"^rope\.freqs$")
+_META_NAMES = [
+    (r"^tok_embeddings\.weight$", "model.embed_tokens.weight", 1),
+    (r"^norm\.weight$", "model.norm.weight", None),
+    (r"^output\.weight$", "lm_head.weight", 0),
+    (r"^layers\.(\d+)\.attention\.wq\.weight$", r"model.layers.\1.self_attn.q_proj.weight", 0),
+    (r"^layers\.(\d+)\.attention\.wk\.weight$", r"model.layers.\1.self_attn.k_proj.weight", 0),
+    (r"^layers\.(\d+)\.attention\.wv\.weight$", r"model.layers.\1.self_attn.v_proj.weight", 0),
+    (r"^layers\.(\d+)\.attention\.wo\.weight$", r"model.layers.\1.self_attn.o_proj.weight", 1),
+    (r"^layers\.(\d+)\.feed_forward\.w1\.weight$", r"model.layers.\1.mlp.gate_proj.weight", 0),
+    (r"^layers\.(\d+)\.feed_forward\.w2\.weight$", r"model.layers.\1.mlp.down_proj.weight", 1),
+    (r"^layers\.(\d+)\.feed_forward\.w3\.weight$", r"model.layers.\1.mlp.up_proj.weight", 0),
+    (r"^layers\.(\d+)\.attention_norm\.weight$", r"model.layers.\1.input_layernorm.weight", None),
+    (r"^layers\.(\d+)\.ffn_norm\.weight$", r"model.layers.\1.post_attention_layernorm.weight", None),
+]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model; the message names the tensor and file."""
+
+
+def meta_to_hf_name(name: str) -> tuple[str, int | None]:
+    """(Hugging Face name, dimension Meta's model-parallel shards split it along, or None if replicated)."""
+    for pattern, target, dim in _META_NAMES:
+        if re.match(pattern, name):
+            return re.sub(pattern, target, name), dim
+    raise CheckpointError(f"unknown tensor {name!r} in a Meta checkpoint")
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources: each yields (name, file, lazy array getter) without reading data until asked.
+
+def _open_safetensors(path: Path):
+    try:
+        return safe_open(str(path), framework="numpy")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{path.name}: not a readable safetensors file ({exc})") from None
+
+
+def _read(handle, name: str, path: Path) -> np.ndarray:
+    try:
+        return handle.get_tensor(name)
+    except (SafetensorError, OSError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"tensor {name!r} in {path.name}: cannot be read ({exc})") from None
+
+
+def hf_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise CheckpointError(f"{index.name}: not a safetensors index ({exc})") from None
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if not (directory / name).exists():
+                raise CheckpointError(f"{index.name} lists {name!r}, which is missing from {directory}")
+        return [directory / f for f in files]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no *.safetensors files (and no model.safetensors.index.json)")
+    return files
+
+
+def _hf_tensors(directory: Path):
+    for path in hf_files(directory):
+        with _open_safetensors(path) as handle:
+            for name in handle.keys():
+                if not HF_IGNORED.match(name):
+                    yield name, path, (lambda h=handle, n=name, p=path: _read(h, n, p))
+
+
+def _meta_shards(directory: Path) -> list[dict[str, np.ndarray]]:
+    """Each model-parallel shard as {name: array}; safetensors memory-mapped, .pth through torch."""
+    st = sorted(directory.glob("consolidated.*.safetensors"))
+    pth = sorted(directory.glob("consolidated.*.pth"))
+    if st:
+        shards = []
+        for path in st:
+            with _open_safetensors(path) as handle:
+                shards.append({n: _read(handle, n, path) for n in handle.keys() if not META_IGNORED.match(n)})
+        return shards
+    if pth:
+        try:
+            import torch
+        except ImportError:
+            raise CheckpointError(f"{pth[0].name}: Meta .pth checkpoints need PyTorch to unpickle "
+                                  "(pip install torch), or convert them to consolidated.NN.safetensors") from None
+        shards = []
+        for path in pth:
+            try:
+                state = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+            except Exception as exc:  # torch raises many types for a corrupt file
+                raise CheckpointError(f"{path.name}: not a readable PyTorch checkpoint ({exc})") from None
+            shards.append({n: t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy()
+                           for n, t in state.items() if not META_IGNORED.match(n)})
+        return shards
+    raise CheckpointError(f"{directory}: no consolidated.*.safetensors or consolidated.*.pth files")
+
+
+def _meta_tensors(shards):
+    for name in shards[0]:
+        hf_name, dim = meta_to_hf_name(name)
+        for i, shard in enumerate(shards):
+            if name not in shard:
+                raise CheckpointError(f"tensor {name!r} is missing from model-parallel shard {i}")
+        if dim is None or len(shards) == 1:
+            getter = (lambda n=name: shards[0][n])
+        else:
+            getter = (lambda n=name, d=dim: np.concatenate([s[n] for s in shards], axis=d))
+        yield hf_name, Path(f"consolidated.*[{name}]"), getter
+
+
+# ---------------------------------------------------------------------------------------------
+
+def read_config(directory: str | Path) -> tuple[LlamaConfig, str]:
+    """(config, "hf" | "meta") of a checkpoint directory."""
+    directory = Path(directory)
+    if (directory / "config.json").exists():
+        try:
+            return LlamaConfig.from_file(directory / "config.json"), "hf"
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise CheckpointError(f"config.json: not a Llama config ({exc})") from None
+    if (directory / "params.json").exists():
+        params = json.loads((directory / "params.json").read_text())
+        vocab = None
+        if params.get("vocab_size", -1) < 1:
+            vocab = _meta_shards(directory)[0]["tok_embeddings.weight"].shape[0]
+        return LlamaConfig.from_meta(params, vocab), "meta"
+    raise CheckpointError(f"{directory}: neither config.json (Hugging Face) nor params.json (Meta) found")
+
+
+def load_weights(model: LlamaForCausalLM, directory: str | Path, source: str = "hf", progress: bool = True) -> None:
+    """Copy a checkpoint into ``model``'s parameters, converting each tensor to the model's dtype."""
+    directory = Path(directory)
+    params = model.parameters_dict()
+    expected = set(params)
+    tied = model.config.tie_word_embeddings
+    tensors = _hf_tensors(directory) if source == "hf" else _meta_tensors(_meta_shards(directory))
+    loaded = set()
+    for name, path, get in tqdm(tensors, desc=f"loading {directory.name}", unit="tensor", disable=not progress,
+                                total=len(expected)):
+        if tied and name == "lm_head.weight":
+            continue  # tied: the output projection is the embedding, whatever copy the file carries
+        if name not in expected:
+            raise CheckpointError(f"unknown tensor {name!r} in {path.name}: the model has no such parameter "
+                                  f"(config: {model.config.num_hidden_layers} layers)")
+        array = get()
+        param = params[name]
+        if tuple(array.shape) != tuple(param.shape):
+            raise CheckpointError(f"tensor {name!r} in {path.name}: shape {tuple(array.shape)}, "
+                                  f"expected {tuple(param.shape)}")
+        if str(array.dtype) not in FLOAT_DTYPES:
+            raise CheckpointError(f"tensor {name!r} in {path.name}: dtype {array.dtype}, expected one of "
+                                  f"{list(FLOAT_DTYPES)}")
+        if name in loaded:
+            raise CheckpointError(f"tensor {name!r} appears twice (again in {path.name})")
+        param.set_data(Tensor(np.asarray(array, np.float32)).astype(param.dtype))
+        loaded.add(name)
+    missing = sorted(expected - loaded)
+    if missing:
+        shown = ", ".join(repr(m) for m in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"{directory}: missing tensor(s) {shown}")
+
+
+def load_checkpoint(directory: str | Path, *, dtype: str = "float32", layout: str = "BSH", backend: str = "auto",
+                    logits: str = "all", max_positions: int | None = None,
+                    progress: bool = True) -> LlamaForCausalLM:
+    """A ``LlamaForCausalLM`` built from a checkpoint's config and filled with its weights."""
+    config, source = read_config(directory)
+    model = LlamaForCausalLM(config, dtype=dtype, layout=layout, backend=backend, logits=logits,
+                             max_positions=max_positions)
+    load_weights(model, directory, source, progress)
+    return model
+
+
+def model_state(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
+    """Parameters as float32 numpy arrays under their Hugging Face names."""
+    return {name: p.astype(DTYPES["float32"]).asnumpy() for name, p in model.parameters_dict().items()}
+
+
+def save_hf_checkpoint(state: dict[str, np.ndarray], config: LlamaConfig, directory: str | Path,
+                       max_shard_bytes: int | None = None) -> Path:
+    """Write ``state`` as a Hugging Face checkpoint (config.json, safetensors, an index when sharded)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config.to_hf(), indent=2))
+    shards, current, size = [], {}, 0
+    for name, array in state.items():
+        if max_shard_bytes and current and size + array.nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = np.ascontiguousarray(array)
+        size += array.nbytes
+    shards.append(current)
+    if len(shards) == 1:
+        save_file(shards[0], str(directory / "model.safetensors"))
+        return directory
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / file))
+        weight_map.update({name: file for name in shard})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return directory

@@ -1,0 +1,296 @@
+"""models/llama on tiny random checkpoints written by the tests: fused vs unfused, cache vs full
+forward, varlen TND vs one by one, HF vs Meta layouts, an independent float64 numpy forward, and
+checkpoint errors. Logit tolerance (float32, O(1) logits): 1e-4 absolute."""
+import json
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Tensor
+from safetensors.numpy import save_file
+
+from llama_reference import forward, hf_to_meta_qk
+from models.llama import LlamaForCausalLM, preset
+from models.llama.generate import Generator, main, sample
+from models.llama.weights import CheckpointError, load_checkpoint, save_hf_checkpoint
+
+ATOL = 1e-4
+CONFIG = preset("tiny")
+
+
+def random_state(config, rng):
+    """Weights scaled 1/sqrt(fan_in) so activations and logits are O(1)."""
+    d = config.dim_per_head
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, config.hidden_size),
+              "model.norm.weight": (config.hidden_size,), "lm_head.weight": (config.vocab_size, config.hidden_size)}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (config.num_attention_heads * d, config.hidden_size),
+            p + "self_attn.k_proj.weight": (config.num_key_value_heads * d, config.hidden_size),
+            p + "self_attn.v_proj.weight": (config.num_key_value_heads * d, config.hidden_size),
+            p + "self_attn.o_proj.weight": (config.hidden_size, config.num_attention_heads * d),
+            p + "mlp.gate_proj.weight": (config.intermediate_size, config.hidden_size),
+            p + "mlp.up_proj.weight": (config.intermediate_size, config.hidden_size),
+            p + "mlp.down_proj.weight": (config.hidden_size, config.intermediate_size),
+            p + "input_layernorm.weight": (config.hidden_size,),
+            p + "post_attention_layernorm.weight": (config.hidden_size,)})
+    state = {}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            state[name] = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            state[name] = (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
+    return state
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    state = random_state(CONFIG, np.random.default_rng(7))
+    return state, save_hf_checkpoint(state, CONFIG, tmp_path_factory.mktemp("hf"))
+
+
+@pytest.fixture
+def graph():
+    previous = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    yield
+    ms.set_context(mode=previous)
+
+
+def ids_of(rng, *lengths):
+    return [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in lengths]
+
+
+def bsh_logits(model, ids):
+    return model(Tensor(np.array([ids], np.int32)))[0].asnumpy()[0]
+
+
+@pytest.mark.parametrize("mode_name", ["graph", "pynative"])
+def test_fused_equals_unfused_equals_float64_reference(checkpoint, mode_name, rng):
+    state, path = checkpoint
+    ms.set_context(mode=ms.GRAPH_MODE if mode_name == "graph" else ms.PYNATIVE_MODE)
+    fused = load_checkpoint(path, backend="fused", progress=False)
+    unfused = load_checkpoint(path, backend="unfused", progress=False)
+    assert (fused.backend, unfused.backend) == ("fused:CPU", "unfused")
+    (ids,) = ids_of(rng, 37)
+    expected = forward(state, CONFIG, ids)
+    a, b = bsh_logits(fused, ids), bsh_logits(unfused, ids)
+    assert np.abs(a - expected).max() <= ATOL
+    assert np.abs(b - expected).max() <= ATOL
+    assert np.abs(expected).max() > 1  # the comparison is not between near-zero logits
+
+
+@pytest.mark.parametrize("backend", ["fused", "unfused"])
+def test_prefill_then_decode_equals_full_forward(checkpoint, backend, graph, rng):
+    _, path = checkpoint
+    model = load_checkpoint(path, backend=backend, progress=False)
+    (ids,) = ids_of(rng, 24)
+    full = bsh_logits(model, ids)
+    prefix = 19
+    logits, keys, values = model(Tensor(np.array([ids[:prefix]], np.int32)))
+    got = [logits.asnumpy()[0]]
+    for pos in range(prefix, len(ids)):  # decode one token at a time against the rotated cache
+        logits, keys, values = model(Tensor(np.array([[ids[pos]]], np.int32)), keys, values,
+                                     Tensor(np.array([pos], np.int64)))
+        got.append(logits.asnumpy()[0])
+    assert keys.shape == (CONFIG.num_hidden_layers, 1, len(ids), CONFIG.num_key_value_heads * CONFIG.dim_per_head)
+    assert np.abs(np.concatenate(got) - full).max() <= ATOL
+
+
+def test_chunked_prefill_equals_full_forward(checkpoint, graph, rng):
+    _, path = checkpoint
+    model = load_checkpoint(path, progress=False)
+    (ids,) = ids_of(rng, 30)
+    full = bsh_logits(model, ids)
+    first, keys, values = model(Tensor(np.array([ids[:11]], np.int32)))
+    second, _, _ = model(Tensor(np.array([ids[11:]], np.int32)), keys, values, Tensor(np.arange(11, 30)))
+    assert np.abs(np.concatenate([first.asnumpy()[0], second.asnumpy()[0]]) - full).max() <= ATOL
+
+
+@pytest.mark.parametrize("backend", ["fused", "unfused"])
+def test_varlen_tnd_batch_equals_each_sequence_alone(checkpoint, backend, graph, rng):
+    _, path = checkpoint
+    single = load_checkpoint(path, backend=backend, progress=False)
+    packed = load_checkpoint(path, backend=backend, layout="TND", progress=False)
+    prompts = ids_of(rng, 1, 23, 7, 40)
+    ends = Tensor(np.cumsum([len(p) for p in prompts]), ms.int64)
+    logits, keys, values = packed(Tensor(np.concatenate(prompts).astype(np.int32)), actual_seq_qlen=ends,
+                                  actual_seq_kvlen=ends)
+    alone = np.concatenate([bsh_logits(single, p) for p in prompts])
+    assert keys.shape == (CONFIG.num_hidden_layers, sum(map(len, prompts)), CONFIG.num_key_value_heads,
+                          CONFIG.dim_per_head)
+    assert np.abs(logits.asnumpy() - alone).max() <= ATOL
+
+
+def test_generation_tnd_equals_bsh_one_by_one(checkpoint, graph, rng):
+    """Greedy generation of a varlen batch (TND, one graph per phase) gives each prompt's own tokens,
+    and those are the argmax of a full forward over prompt + generated tokens."""
+    _, path = checkpoint
+    prompts = ids_of(rng, 5, 12, 1)
+    batch = Generator(load_checkpoint(path, layout="TND", logits="last", progress=False))
+    result = batch.generate(prompts, 6, eos_ids=())
+    single = Generator(load_checkpoint(path, logits="last", progress=False))
+    full = load_checkpoint(path, progress=False)
+    for prompt, tokens in zip(prompts, result.tokens):
+        assert single.generate([prompt], 6, eos_ids=()).tokens[0] == tokens
+        sequence = prompt + tokens
+        expected = bsh_logits(full, sequence[:-1]).argmax(-1)[len(prompt) - 1:]
+        assert tokens == expected.tolist()
+    assert result.ttft_s > 0 and result.decode_tokens_per_s > 0
+
+
+def test_prefill_compiles_once_for_varying_lengths(checkpoint, graph, rng):
+    _, path = checkpoint
+    gen = Generator(load_checkpoint(path, logits="last", progress=False))
+    for n in (3, 17, 40):
+        gen.generate(ids_of(rng, n), 3, eos_ids=())
+    assert len(gen.prefill.compile_cache) == 1
+    assert len(gen.step.compile_cache) == 1
+
+
+def test_stops_at_eos(checkpoint, graph, rng):
+    _, path = checkpoint
+    gen = Generator(load_checkpoint(path, logits="last", progress=False))
+    prompt = ids_of(rng, 6)
+    free = gen.generate(prompt, 5, eos_ids=()).tokens[0]
+    stopped = gen.generate(prompt, 5, eos_ids=(free[1],)).tokens[0]
+    assert stopped == free[:2]
+
+
+def test_sampling():
+    logits = np.array([[0.0, 5.0, 1.0, 4.0]])
+    rng = np.random.default_rng(0)
+    assert sample(logits, rng)[0] == 1
+    assert sample(logits, rng, temperature=1.0, top_k=1)[0] == 1
+    assert sample(logits, rng, temperature=1.0, top_p=0.5)[0] == 1  # token 1 alone holds > 50%
+    draws = [sample(logits, rng, temperature=1.0, top_k=2)[0] for _ in range(400)]
+    assert set(draws) == {1, 3}
+    p1 = np.exp(5) / (np.exp(5) + np.exp(4))
+    assert abs(np.mean(np.array(draws) == 1) - p1) < 0.08
+    with pytest.raises(ValueError, match="top_p"):
+        sample(logits, rng, temperature=1.0, top_p=0.0)
+
+
+def meta_checkpoint(state, config, directory, shards=1):
+    """The same weights in Meta's original layout: un-permuted wq/wk, Meta names, model-parallel shards."""
+    names = {"model.embed_tokens.weight": ("tok_embeddings.weight", 1), "model.norm.weight": ("norm.weight", None),
+             "lm_head.weight": ("output.weight", 0)}
+    for i in range(config.num_hidden_layers):
+        for hf, meta, dim in [("self_attn.q_proj", "attention.wq", 0), ("self_attn.k_proj", "attention.wk", 0),
+                              ("self_attn.v_proj", "attention.wv", 0), ("self_attn.o_proj", "attention.wo", 1),
+                              ("mlp.gate_proj", "feed_forward.w1", 0), ("mlp.down_proj", "feed_forward.w2", 1),
+                              ("mlp.up_proj", "feed_forward.w3", 0), ("input_layernorm", "attention_norm", None),
+                              ("post_attention_layernorm", "ffn_norm", None)]:
+            names[f"model.layers.{i}.{hf}.weight"] = (f"layers.{i}.{meta}.weight", dim)
+    tensors = {}
+    for hf_name, (meta_name, dim) in names.items():
+        w = state[hf_name]
+        if hf_name.endswith("q_proj.weight"):
+            w = hf_to_meta_qk(w, config.num_attention_heads)
+        elif hf_name.endswith("k_proj.weight"):
+            w = hf_to_meta_qk(w, config.num_key_value_heads)
+        tensors[meta_name] = (w, dim)
+    directory.mkdir(parents=True, exist_ok=True)
+    for s in range(shards):
+        shard = {n: np.ascontiguousarray(w if dim is None else np.split(w, shards, axis=dim)[s])
+                 for n, (w, dim) in tensors.items()}
+        save_file(shard, str(directory / f"consolidated.{s:02d}.safetensors"))
+    params = {"dim": config.hidden_size, "n_layers": config.num_hidden_layers, "n_heads": config.num_attention_heads,
+              "n_kv_heads": config.num_key_value_heads, "vocab_size": -1, "multiple_of": 32, "ffn_dim_multiplier": 0.9,
+              "norm_eps": config.rms_norm_eps, "max_seq_len": config.max_position_embeddings}
+    (directory / "params.json").write_text(json.dumps(params))
+    return directory
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_meta_layout_equals_hf_layout(checkpoint, shards, graph, tmp_path, rng):
+    state, path = checkpoint
+    meta = load_checkpoint(meta_checkpoint(state, CONFIG, tmp_path / "meta", shards), progress=False)
+    hf = load_checkpoint(path, progress=False)
+    assert meta.config.rotary_mode == 1 and hf.config.rotary_mode == 0
+    assert meta.config.intermediate_size == CONFIG.intermediate_size  # int(0.9 * int(8 * 64 / 3)) = 153, rounded up to 32: 160
+    (ids,) = ids_of(rng, 29)
+    assert np.abs(bsh_logits(meta, ids) - bsh_logits(hf, ids)).max() <= ATOL
+
+
+def test_sharded_hf_checkpoint_and_tied_embeddings(checkpoint, graph, tmp_path, rng):
+    state, path = checkpoint
+    sharded = save_hf_checkpoint(state, CONFIG, tmp_path / "sharded", max_shard_bytes=40_000)
+    assert (sharded / "model.safetensors.index.json").exists()
+    (ids,) = ids_of(rng, 9)
+    one, many = load_checkpoint(path, progress=False), load_checkpoint(sharded, progress=False)
+    assert np.abs(bsh_logits(one, ids) - bsh_logits(many, ids)).max() == 0
+    tied_config = CONFIG.replace(tie_word_embeddings=True)
+    tied_state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    tied = load_checkpoint(save_hf_checkpoint(tied_state, tied_config, tmp_path / "tied"), progress=False)
+    assert np.abs(bsh_logits(tied, ids) - forward(tied_state, tied_config, ids)).max() <= ATOL
+
+
+def broken(state, tmp_path, edit):
+    state = dict(state)
+    edit(state)
+    return save_hf_checkpoint(state, CONFIG, tmp_path / "broken")
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda s: s.pop("model.layers.1.mlp.up_proj.weight"), "missing tensor.*model.layers.1.mlp.up_proj.weight"),
+    (lambda s: s.update({"model.layers.2.mlp.up_proj.weight": np.zeros((160, 64), np.float32)}),
+     "unknown tensor 'model.layers.2.mlp.up_proj.weight'"),
+    (lambda s: s.update({"model.norm.weight": np.ones(63, np.float32)}),
+     r"'model.norm.weight'.*shape \(63,\), expected \(64,\)"),
+    (lambda s: s.update({"model.norm.weight": np.ones(64, np.int32)}), "'model.norm.weight'.*dtype int32"),
+])
+def test_checkpoint_errors_name_the_tensor(checkpoint, edit, message, tmp_path):
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(broken(checkpoint[0], tmp_path, edit), progress=False)
+
+
+def test_corrupt_and_missing_files(checkpoint, tmp_path):
+    directory = save_hf_checkpoint(checkpoint[0], CONFIG, tmp_path / "corrupt")
+    data = (directory / "model.safetensors").read_bytes()
+    (directory / "model.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_checkpoint(directory, progress=False)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="neither config.json"):
+        load_checkpoint(tmp_path / "empty", progress=False)
+
+
+def test_bfloat16_model_on_cpu_is_refused_clearly():
+    with pytest.raises(ValueError, match="dtype: 'bfloat16'.*CPU"):
+        LlamaForCausalLM(CONFIG, dtype="bfloat16")
+
+
+def test_float16_model_close_to_float32(checkpoint, graph, rng):
+    state, path = checkpoint
+    (ids,) = ids_of(rng, 21)
+    expected = forward(state, CONFIG, ids)
+    half = bsh_logits(load_checkpoint(path, dtype="float16", progress=False), ids)
+    # float16 weights and activations through 2 layers: a few float16 ulps of O(1) values.
+    assert np.abs(half - expected).max() <= 0.05 * np.abs(expected).max()
+
+
+def test_cli_with_tokenizer(checkpoint, tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    _, path = checkpoint
+    vocab = {f"w{i}": i for i in range(CONFIG.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    main(["--checkpoint", str(path), "--prompt", "w5 w9 w77", "--max-new-tokens", "4"])
+    out = capsys.readouterr().out
+    assert "prompt ids [1, 5, 9, 77] ->" in out and "TTFT" in out
+    main(["--model", "tiny", "--ids", "1,2,3", "--ids", "4,5", "--max-new-tokens", "3", "--mode", "pynative"])
+    assert capsys.readouterr().out.count("prompt ids") == 2
+    (path / "tokenizer.json").unlink()
+
+
+def test_llama2_7b_dimensions_prefill_in_graph_mode(graph, rng):
+    """The published 7B shapes (hidden 4096, 32 heads, MLP 11008, vocab 32000), one layer."""
+    model = LlamaForCausalLM(preset("7b", num_hidden_layers=1), logits="last")
+    (ids,) = ids_of(rng, 33)
+    logits, keys, values = model(Tensor(np.array([ids], np.int32)))
+    assert logits.shape == (1, 1, 32000) and keys.shape == (1, 1, 33, 4096)
+    assert np.isfinite(logits.asnumpy()).all()
