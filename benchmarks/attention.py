@@ -12,16 +12,15 @@ rotation switched off). Writes JSON and a plot.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import multiprocessing as mp
 import os
-import platform
-import resource
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
+
+from harness import machine_info, memory_total_bytes, run_isolated, timed
 
 
 def _inputs(length, heads, kv_heads, head_dim, seed=0):
@@ -30,16 +29,6 @@ def _inputs(length, heads, kv_heads, head_dim, seed=0):
     k = rng.standard_normal((1, kv_heads, length, head_dim), dtype=np.float32)
     v = rng.standard_normal((1, kv_heads, length, head_dim), dtype=np.float32)
     return q, k, v
-
-
-def _time(fn, repeats):
-    fn()  # warm-up (compilation, first-touch of buffers)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def run_mindspore(backend, length, heads, kv_heads, head_dim, dtype, repeats):
@@ -62,7 +51,7 @@ def run_mindspore(backend, length, heads, kv_heads, head_dim, dtype, repeats):
 
     net = Net()
     q, k, v = (Tensor(x).astype(ms_dtype) for x in _inputs(length, heads, kv_heads, head_dim))
-    return _time(lambda: net(q, k, v).asnumpy(), repeats)
+    return timed(lambda: net(q, k, v).asnumpy(), repeats)[1]
 
 
 def run_direct(rotate, length, heads, kv_heads, head_dim, dtype, repeats):
@@ -72,8 +61,8 @@ def run_direct(rotate, length, heads, kv_heads, head_dim, dtype, repeats):
 
     q, k, v = _inputs(length, heads, kv_heads, head_dim)
     cos, sin = rope_tables(head_dim, length)
-    return _time(lambda: cpu_direct.run(q, k, v, cos, sin, head_num=heads, dtype=dtype, with_lse=False,
-                                        with_rotated_key=False, rotate=rotate), repeats)
+    return timed(lambda: cpu_direct.run(q, k, v, cos, sin, head_num=heads, dtype=dtype, with_lse=False,
+                                        with_rotated_key=False, rotate=rotate), repeats)[1]
 
 
 def run_torch(with_rope, length, heads, kv_heads, head_dim, dtype, repeats):
@@ -96,12 +85,12 @@ def run_torch(with_rope, length, heads, kv_heads, head_dim, dtype, repeats):
             qq, kk = (rope(q), rope(k)) if with_rope else (q, k)
             return F.scaled_dot_product_attention(qq, kk, v, is_causal=True, enable_gqa=kv_heads != heads)
 
-    return _time(step, repeats)
+    return timed(step, repeats)[1]
 
 
 def run_gemm_peak(repeats, n=4096):
     a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
-    return _time(lambda: a @ a, repeats)
+    return timed(lambda: a @ a, repeats)[1]
 
 
 COMPETITORS = {
@@ -111,32 +100,21 @@ COMPETITORS = {
     "fused_direct_no_rope": lambda a: run_direct(False, *a),
     "torch_rope_sdpa": lambda a: run_torch(True, *a),
     "torch_sdpa": lambda a: run_torch(False, *a),
+    "gemm": lambda a: run_gemm_peak(a[-1]),
 }
 
 
-def _child(name, args, queue):
-    try:
-        times = COMPETITORS[name](args) if name != "gemm" else run_gemm_peak(args[-1])
-        queue.put({"times": times, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
-    except ImportError as exc:
-        queue.put({"skipped": f"not installed: {exc.name}"})
-    except MemoryError:
-        queue.put({"error": "out of memory"})
+def competitor(name, args):
+    """Child-process entry (see harness.run_isolated)."""
+    return {"times": COMPETITORS[name](args)}
 
 
-def measure(name, args, timeout=1800):
-    """Run one competitor in a fresh process; a killed child (OOM killer) is reported as such."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(name, args, queue))
-    proc.start()
-    proc.join(timeout)
-    if proc.is_alive():
-        proc.kill()
-        return {"error": f"timed out after {timeout} s"}
-    if not queue.empty():
-        return queue.get()
-    return {"error": f"died with exit code {proc.exitcode} (out of memory?)"}
+def measure(name, args, memory_limit):
+    result = run_isolated("attention", "competitor", {"name": name, "args": args}, memory_limit_bytes=memory_limit)
+    if result["status"] != "ok":
+        return {"skipped" if result["status"] == "skipped" else "error": result["error"],
+                **({"peak_rss_mb": result["peak_rss_mb"]} if "peak_rss_mb" in result else {})}
+    return result
 
 
 def summarize(result, flops):
@@ -151,34 +129,31 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, nargs="+", default=[32], help="several values sweep GQA on/off")
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--competitors", nargs="+", default=list(COMPETITORS))
+    parser.add_argument("--competitors", nargs="+", default=[n for n in COMPETITORS if n != "gemm"])
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--memory-limit-gb", type=float, default=0.85 * memory_total_bytes() / 2**30)
     args = parser.parse_args(argv)
+    limit = int(args.memory_limit_gb * 2**30)
 
-    gemm = summarize(measure("gemm", (args.repeats,)), 2 * 4096 ** 3)
+    gemm = summarize(measure("gemm", (args.repeats,), limit), 2 * 4096 ** 3)
     peak = gemm.get("gflops")
     print(f"float32 GEMM peak (numpy 4096^3, same run): {peak:.1f} GFLOP/s")
     rows = []
-    for length in args.lengths:
+    for dtype, kv_heads, length in itertools.product(args.dtypes, args.kv_heads, args.lengths):
         flops = 2 * args.heads * length * length * args.head_dim
-        run_args = (length, args.heads, args.kv_heads, args.head_dim, args.dtype, args.repeats)
-        row = {"length": length}
+        run_args = (length, args.heads, kv_heads, args.head_dim, dtype, args.repeats)
+        row = {"length": length, "dtype": dtype, "kv_heads": kv_heads}
         for name in args.competitors:
-            row[name] = summarize(measure(name, run_args), flops)
+            row[name] = summarize(measure(name, run_args, limit), flops)
             if peak and "gflops" in row[name]:
                 row[name]["pct_of_gemm_peak"] = 100 * row[name]["gflops"] / peak
         rows.append(row)
         print(format_row(row))
-    from ms_rope_attention.cpu_kernel import kernel_isa
-
-    machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-               "kernel_isa": kernel_isa()}
-    results = {"machine": machine,
-               "config": vars(args), "gemm_peak": gemm, "rows": rows}
+    results = {"machine": machine_info(), "config": vars(args), "gemm_peak": gemm, "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "attention.json").write_text(json.dumps(results, indent=2))
@@ -193,9 +168,9 @@ def _ratio(row, a, b):
 
 
 def format_row(row):
-    parts = [f"S={row['length']}"]
+    parts = [f"S={row['length']} {row['dtype']} kv_heads={row['kv_heads']}"]
     for name, res in row.items():
-        if name == "length":
+        if not isinstance(res, dict):
             continue
         if "min_ms" in res:
             pct = f" {res['pct_of_gemm_peak']:.0f}%pk" if "pct_of_gemm_peak" in res else ""
@@ -223,16 +198,18 @@ def plot(rows, path):
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    names = [n for n in rows[0] if n != "length"]
-    for name in names:
-        pts = [(r["length"], r[name]["min_ms"]) for r in rows if "min_ms" in r.get(name, {})]
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=name)
+    names = [n for n, v in rows[0].items() if isinstance(v, dict) and n != "gemm"]
+    for (dtype, kv_heads), group in itertools.groupby(rows, key=lambda r: (r["dtype"], r["kv_heads"])):
+        group = list(group)
+        for name in names:
+            pts = [(r["length"], r[name]["min_ms"]) for r in group if "min_ms" in r.get(name, {})]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{name} {dtype} kv{kv_heads}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("sequence length")
     ax.set_ylabel("time (ms, min of repeats)")
-    ax.set_title("RoPE + causal attention, B=1, H=32, D=128")
+    ax.set_title("RoPE + causal attention, B=1, D=128")
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()

@@ -42,11 +42,14 @@ class Linear(nn.Cell):
     def __init__(self, in_features: int, out_features: int, dtype):
         super().__init__()
         self.weight = Parameter(initializer(Normal(0.02), (out_features, in_features), dtype), name="weight")
+        self.in_features, self.out_features = in_features, out_features
         self.matmul = ops.MatMul(transpose_b=True)
 
     def construct(self, x):
-        shape = x.shape
-        return self.matmul(x.reshape(-1, shape[-1]), self.weight).reshape(shape[:-1] + (-1,))
+        # The static feature count (not -1) keeps the last dim static under dynamic batch/sequence
+        # shapes, so the attention op still knows its head counts at compile time.
+        y = self.matmul(x.reshape(-1, self.in_features), self.weight)
+        return y.reshape(x.shape[:-1] + (self.out_features,))
 
 
 class Embedding(nn.Cell):
@@ -233,6 +236,5 @@ class LlamaForCausalLM(nn.Cell):
             else:
                 hidden = hidden[:, -1:, :]
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        shape = hidden.shape
-        logits = self.matmul(hidden.reshape(-1, shape[-1]), weight)
-        return logits.astype(ms.float32).reshape(shape[:-1] + (-1,)), keys, values
+        logits = self.matmul(hidden.reshape(-1, self.config.hidden_size), weight)
+        return logits.astype(ms.float32).reshape(hidden.shape[:-1] + (self.config.vocab_size,)), keys, values

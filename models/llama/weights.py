@@ -24,6 +24,7 @@ from .config import LlamaConfig
 from .model import DTYPES, LlamaForCausalLM
 
 FLOAT_DTYPES = ("float16", "float32", "float64", "bfloat16")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 HF_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # buffers some old exports carry; recomputed here
 META_IGNORED = re.compile(r"^rope\.freqs$")
 _META_NAMES = [
@@ -157,8 +158,12 @@ def read_config(directory: str | Path) -> tuple[LlamaConfig, str]:
     raise CheckpointError(f"{directory}: neither config.json (Hugging Face) nor params.json (Meta) found")
 
 
-def load_weights(model: LlamaForCausalLM, directory: str | Path, source: str = "hf", progress: bool = True) -> None:
-    """Copy a checkpoint into ``model``'s parameters, converting each tensor to the model's dtype."""
+def load_weights(model: LlamaForCausalLM, directory: str | Path, source: str = "hf", progress: bool = True,
+                 first_layers_only: bool = False) -> None:
+    """Copy a checkpoint into ``model``'s parameters, converting each tensor to the model's dtype.
+
+    ``first_layers_only``: the model deliberately has fewer layers than the checkpoint (benchmarks);
+    tensors of the layers beyond are skipped instead of being reported as unknown."""
     directory = Path(directory)
     params = model.parameters_dict()
     expected = set(params)
@@ -169,6 +174,9 @@ def load_weights(model: LlamaForCausalLM, directory: str | Path, source: str = "
                                 total=len(expected)):
         if tied and name == "lm_head.weight":
             continue  # tied: the output projection is the embedding, whatever copy the file carries
+        layer = _LAYER.match(name)
+        if first_layers_only and layer and int(layer.group(1)) >= model.config.num_hidden_layers:
+            continue
         if name not in expected:
             raise CheckpointError(f"unknown tensor {name!r} in {path.name}: the model has no such parameter "
                                   f"(config: {model.config.num_hidden_layers} layers)")
@@ -191,13 +199,18 @@ def load_weights(model: LlamaForCausalLM, directory: str | Path, source: str = "
 
 
 def load_checkpoint(directory: str | Path, *, dtype: str = "float32", layout: str = "BSH", backend: str = "auto",
-                    logits: str = "all", max_positions: int | None = None,
+                    logits: str = "all", max_positions: int | None = None, num_layers: int | None = None,
                     progress: bool = True) -> LlamaForCausalLM:
-    """A ``LlamaForCausalLM`` built from a checkpoint's config and filled with its weights."""
+    """A ``LlamaForCausalLM`` built from a checkpoint's config and filled with its weights
+    (only the first ``num_layers`` decoder layers when given)."""
     config, source = read_config(directory)
+    if num_layers is not None:
+        if not 0 < num_layers <= config.num_hidden_layers:
+            raise ValueError(f"num_layers: expected 1..{config.num_hidden_layers}, got {num_layers!r}")
+        config = config.replace(num_hidden_layers=num_layers)
     model = LlamaForCausalLM(config, dtype=dtype, layout=layout, backend=backend, logits=logits,
                              max_positions=max_positions)
-    load_weights(model, directory, source, progress)
+    load_weights(model, directory, source, progress, first_layers_only=num_layers is not None)
     return model
 
 

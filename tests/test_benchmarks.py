@@ -1,0 +1,83 @@
+"""The benchmarks' pure parts (exponent fit, extrapolation, out-of-memory handling, results schema),
+and one real TTFT sweep on the tiny model, so the scripts cannot rot. No timing is asserted."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+import harness  # noqa: E402
+import ttft  # noqa: E402
+
+
+def test_fit_exponent_recovers_power_laws():
+    lengths = [512, 1024, 2048, 4096]
+    assert ttft.fit_exponent(lengths, [3e-9 * s ** 2 for s in lengths]) == pytest.approx(2.0)
+    assert ttft.fit_exponent(lengths, [0.5 * s ** 1.3 for s in lengths]) == pytest.approx(1.3)
+    assert ttft.fit_exponent([512], [1.0]) is None
+    assert ttft.fit_exponent([512, 1024], [1.0, None]) is None
+
+
+def test_extrapolation_to_full_depth():
+    per_layer, full = ttft.extrapolate(ttft_s=2.1, head_s=0.1, layers=2, full_layers=32)
+    assert per_layer == pytest.approx(1.0)
+    assert full == pytest.approx(32.1)
+
+
+def fake_run(backend, length, seconds, status="ok"):
+    if status != "ok":
+        return {"backend": backend, "length": length, "status": status, "error": "stopped at 20.0 GiB"}
+    timing = {"times_s": [seconds, seconds * 1.1], "min_s": seconds, "median_s": seconds * 1.05}
+    head = {"times_s": [0.01], "min_s": 0.01, "median_s": 0.01}
+    attention = {"times_s": [seconds / 4], "min_s": seconds / 4, "median_s": seconds / 4}
+    return {"backend": backend, "length": length, "status": "ok", "ttft": timing, "head": head,
+            "attention": attention, "compile_s": 1.0, "peak_rss_mb": 900.0, "weights_checksum": 1.5,
+            "backend_ran": "fused:CPU" if backend == "fused" else "unfused", "full_layers_of_model": 32}
+
+
+def test_summary_ratios_exponents_and_oom_rows():
+    runs = [fake_run("fused", 512, 1.0), fake_run("unfused", 512, 1.5), fake_run("fused", 1024, 2.0),
+            fake_run("unfused", 1024, 4.0), fake_run("fused", 2048, 4.0), fake_run("unfused", 2048, 0, "oom")]
+    summary = ttft.summarize(runs, layers=2, full_layers=32)
+    rows = {r["length"]: r for r in summary["rows"]}
+    assert rows[1024]["unfused_over_fused"] == pytest.approx(2.0)
+    assert rows[512]["fused"]["attention_share"] == pytest.approx(0.5)  # 2 layers x 0.25 s of 1 s
+    assert rows[2048]["unfused"] == {"status": "oom", "error": "stopped at 20.0 GiB"}
+    assert "unfused_over_fused" not in rows[2048]
+    assert summary["exponents"]["fused"] == pytest.approx(1.0, abs=0.01)
+    results = {"schema_version": 1, "machine": {}, "settings": {"model": "7b", "layers": 2, "full_layers": 32,
+                                                                  "dtype": "float32", "batch": 1, "repeats": 2},
+               "runs": runs, "summary": summary}
+    ttft.validate(results)
+    assert "out of memory" in ttft.table(results)
+    broken = dict(results, runs=[{k: v for k, v in runs[0].items() if k != "ttft"}])
+    with pytest.raises(ValueError, match=r"runs\[0\]: missing 'ttft'"):
+        ttft.validate(broken)
+    assert not ttft.same_weights([runs[0], dict(runs[1], weights_checksum=2.0)])
+
+
+def allocate(gib):
+    """Child-process target for the watchdog test: holds ``gib`` GiB resident."""
+    block = np.ones(int(gib * 2**30) // 8)
+    return {"sum": float(block[:10].sum())}
+
+
+def test_watchdog_reports_out_of_memory_instead_of_crashing():
+    result = harness.run_isolated("test_benchmarks", "allocate", {"gib": 1.0}, memory_limit_bytes=300 * 2**20)
+    assert result["status"] == "oom" and "limit" in result["error"]
+    result = harness.run_isolated("test_benchmarks", "allocate", {"gib": 0.01}, memory_limit_bytes=4 * 2**30)
+    assert result["status"] == "ok" and result["sum"] == 10.0 and result["peak_rss_mb"] > 0
+
+
+def test_tiny_sweep_end_to_end(tmp_path):
+    results = ttft.main(["--model", "tiny", "--lengths", "8", "33", "--repeats", "1", "--out", str(tmp_path)])
+    written = json.loads((tmp_path / "results.json").read_text())
+    ttft.validate(written)
+    assert (tmp_path / "ttft.png").stat().st_size > 0
+    assert {(r["backend"], r["status"]) for r in written["runs"]} == {("fused", "ok"), ("unfused", "ok")}
+    assert {r["backend_ran"] for r in written["runs"]} == {"fused:CPU", "unfused"}
+    assert ttft.same_weights(written["runs"])
+    assert results["summary"]["exponents"]["fused"] is not None
