@@ -5,7 +5,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-KERNEL_SOURCES := $(wildcard ms_rope_attention/csrc/*) setup.py
+KERNEL_SOURCES := $(wildcard ms_rope_attention/csrc/*) $(wildcard ms_rope_attention/aclnn/*/*.h) \
+	$(wildcard ms_rope_attention/aclnn/*/*.cpp) $(wildcard ms_rope_attention/aclnn/*/*.cc) setup.py
 
 .PHONY: test bench venv clean sanitize
 
@@ -31,8 +32,10 @@ sanitize: $(STAMP)
 	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel.py
 	$(SANITIZE_ENV) RFA_CPU_ISA=generic $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel.py
 
+# The main job: Llama2-7B-dimension time to first token, fused vs unfused, over prompt lengths
+# (benchmarks/results/results.json and ttft.png). The kernel-level benchmark is benchmarks/attention.py.
 bench: $(STAMP)
-	$(PY) benchmarks/attention.py
+	$(PY) benchmarks/ttft.py
 
 clean:
 	rm -rf build $(VENV) ms_rope_attention/_rfa_cpu_*.so *.egg-info

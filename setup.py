@@ -42,6 +42,20 @@ extensions = [
     for isa, flags in ISA_FLAGS.items()
 ]
 
+# The Ascend C kernel (aclnn/op_kernel) compiled for the CPU against the AscendC emulation, for the
+# tests only: the real kernel is built by CANN (ms_rope_attention/aclnn/build.sh).
+ACLNN = "ms_rope_attention/aclnn"
+extensions.append(Extension(
+    "ms_rope_attention._rfa_ascend_emulated", sources=[f"{ACLNN}/emulator/rfa_ascend_emulated.cc"],
+    include_dirs=[f"{ACLNN}/emulator", f"{ACLNN}/op_kernel", f"{ACLNN}/op_host", CSRC],
+    depends=[f"{ACLNN}/emulator/kernel_operator.h", f"{ACLNN}/emulator/lib/matmul_intf.h",
+             f"{ACLNN}/op_kernel/rotary_flash_attention.h", f"{ACLNN}/op_kernel/rotary_flash_attention.cpp",
+             f"{ACLNN}/op_kernel/rotary_flash_attention_tiling.h", f"{ACLNN}/op_host/rotary_flash_attention_plan.h",
+             f"{CSRC}/rfa_problem.h"],
+    extra_compile_args=["-std=c++17", "-O2", "-pthread", "-fvisibility=hidden", "-Wall", "-Wextra",
+                        "-D_GLIBCXX_USE_CXX11_ABI=0"] + SANITIZE,
+    extra_link_args=["-pthread"] + SANITIZE[:1], language="c++"))
+
 setup(
     name="ms_rope_attention",
     version="0.1.0",

@@ -101,6 +101,8 @@ def check_inputs(q_shape, k_shape, v_shape, cos_shape, sin_shape, q_dtype, k_dty
     for name, dtype in (("cos", cos_dtype), ("sin", sin_dtype)):
         if not dtype_name(dtype).startswith(("float", "bfloat")):
             raise TypeError(f"{name}: expected a floating dtype, got {dtype_name(dtype)}")
+    if dtype_name(sin_dtype) != dtype_name(cos_dtype):
+        raise TypeError(f"sin: expected the same dtype as cos ({dtype_name(cos_dtype)}), got {dtype_name(sin_dtype)}")
 
     layout = input_layout
     kv_head_num = None

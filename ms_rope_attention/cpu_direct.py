@@ -56,13 +56,11 @@ def expected_shapes(q_shape, k_shape, layout, head_num, with_lse, with_rk):
     return tuple(q_shape), lse, tuple(k_shape) if with_rk else (0,)
 
 
-def run(q, k, v, cos, sin, aq=None, ak=None, *, head_num=None, input_layout="BNSD", rotary_mode=0,
-        rotary_dim=None, scale=None, causal=True, dtype="float32", table_dtype="float32", with_lse=True,
-        with_rotated_key=True, key_rotated=False, rows=0, kv_block=0, rotate=True, out_shapes=None):
-    """(return code, out, lse, rotated_key) with outputs decoded to float64.
-
-    A non-zero code leaves the kernel's message in ``cpu_kernel.last_error()``.
-    """
+def prepare(q, k, v, cos, sin, aq=None, ak=None, *, head_num=None, input_layout="BNSD", rotary_mode=0,
+            rotary_dim=None, scale=None, causal=True, dtype="float32", table_dtype="float32", with_lse=True,
+            with_rotated_key=True, key_rotated=False, out_shapes=None):
+    """(C arguments of one launch: attrs, ndims, shapes, dtypes, params; output arrays). The arrays
+    must outlive the call, so the caller keeps the returned tuple alive until it is done."""
     attrs = Attrs(head_num or 0, LAYOUTS[input_layout], rotary_mode, rotary_dim or 0, scale or 0.0, causal,
                   with_lse, with_rotated_key, key_rotated)
     inputs = [encode(q, dtype), encode(k, dtype), encode(v, dtype), encode(cos, table_dtype), encode(sin, table_dtype)]
@@ -87,7 +85,20 @@ def run(q, k, v, cos, sin, aq=None, ak=None, *, head_num=None, input_layout="BNS
     shape_ptrs = (ctypes.POINTER(ctypes.c_int64) * n)(*[ctypes.cast(b, ctypes.POINTER(ctypes.c_int64)) for b in shape_bufs])
     dtype_ptrs = (ctypes.c_char_p * n)(*[d.encode() for d in dtypes + out_dtypes])
     params = (ctypes.c_void_p * n)(*[None if a is None else a.ctypes.data for a in arrays])
-    code = library().RotaryFlashAttentionRun(ctypes.byref(attrs), ndims, shape_ptrs, dtype_ptrs, params,
-                                       ctypes.c_int64(rows), ctypes.c_int64(kv_block), ctypes.c_int(int(rotate)))
-    out, lse, rk = outputs
+    args = (ctypes.byref(attrs), ndims, shape_ptrs, dtype_ptrs, params)
+    return args, outputs, (attrs, arrays, shape_bufs)
+
+
+def run(q, k, v, cos, sin, aq=None, ak=None, *, dtype="float32", rows=0, kv_block=0, rotate=True, kernel=None,
+        **kwargs):
+    """(return code, out, lse, rotated_key) with outputs decoded to float64.
+
+    Keyword arguments are those of ``prepare``. A non-zero code leaves the kernel's message in
+    ``cpu_kernel.last_error()``. ``kernel`` is another library with the same C entry (the emulated
+    Ascend kernel); by default the CPU kernel.
+    """
+    args, (out, lse, rk), keep = prepare(q, k, v, cos, sin, aq, ak, dtype=dtype, **kwargs)
+    code = (kernel or library()).RotaryFlashAttentionRun(*args, ctypes.c_int64(rows), ctypes.c_int64(kv_block),
+                                                         ctypes.c_int(int(rotate)))
+    del keep
     return code, decode(out, dtype), lse.astype(np.float64), decode(rk, dtype)

@@ -43,6 +43,10 @@ def _fused_factory(device: str):
             return make_cpu_op, None
         except (RuntimeError, OSError) as exc:
             return None, f"CPU kernel unavailable ({exc})"
+    if device == "Ascend":
+        from .ascend_kernel import make_ascend_op, package_status
+        reason = package_status()
+        return (None, reason) if reason else (make_ascend_op, None)
     return None, f"no fused kernel registered for device {device!r}"
 
 

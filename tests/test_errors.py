@@ -28,6 +28,7 @@ BAD_INPUTS = [
     (dict(cos=t((16, 4)), sin=t((16, 4))), {}, ValueError, "pass rotary_dim=4 for partial rotary"),
     (dict(cos=t((4, 8)), sin=t((4, 8))), {}, ValueError, "cos: table has 4 positions, kv_len 5 needs at least 5"),
     (dict(sin=t((12, 8))), {}, ValueError, "sin: expected the same shape as cos"),
+    (dict(sin=t((16, 8), np.float16)), {}, TypeError, "sin: expected the same dtype as cos (float32), got float16"),
     (dict(cos=t((16, 8, 1))), {}, ValueError, "cos: expected a rank-2 table"),
     ({}, dict(input_layout="SBH"), ValueError, "input_layout: expected one of"),
     ({}, dict(rotary_mode=2), ValueError, "rotary_mode: expected one of [0, 1]"),

@@ -20,8 +20,6 @@ using mindspore::AotKernelData;
 
 namespace {
 
-constexpr int kInputs = 7;
-constexpr int kOutputs = 3;
 
 struct AttrData : AotKernelData {
   rfa::Attrs attrs;
@@ -77,35 +75,12 @@ extern "C" RFA_EXPORT std::vector<std::vector<int64_t>> RotaryFlashAttentionInfe
 extern "C" RFA_EXPORT int RotaryFlashAttentionRun(const rfa::Attrs *attrs, int *ndims, int64_t **shapes, const char **dtypes,
                                        void **params, int64_t rows, int64_t kv_block, int rotate) {
   try {
-    rfa::TensorDesc tensors[kInputs];
-    for (int i = 0; i < kInputs; ++i) {
-      tensors[i].ndim = ndims[i];
-      tensors[i].shape = shapes[i];
-      tensors[i].dtype = dtypes[i] ? dtypes[i] : "none";
-    }
-    // The TND offsets are read only after their rank and dtype are known to be right.
-    const bool offsets_ok = tensors[5].dtype == "int64" && tensors[5].ndim == 1 && tensors[6].dtype == "int64" &&
-                            tensors[6].ndim == 1 && params[5] && params[6];
     rfa::Problem problem;
-    std::string err = rfa::BuildProblem(*attrs, tensors, offsets_ok ? static_cast<const int64_t *>(params[5]) : nullptr,
-                                        offsets_ok ? static_cast<const int64_t *>(params[6]) : nullptr, &problem);
+    const std::string err = rfa::ValidateCall(*attrs, ndims, shapes, dtypes, params, &problem);
     if (!err.empty()) return Fail(err);
-    // Output shapes must be what InferShape promised before the kernel writes into them.
-    const auto expect = rfa::InferShapes(*attrs, ndims[0], shapes[0], ndims[1], shapes[1]);
-    const char *names[kOutputs] = {"attention_out", "softmax_lse", "rotated_key"};
-    for (int o = 0; o < kOutputs; ++o) {
-      const int idx = kInputs + o;
-      bool same = static_cast<size_t>(ndims[idx]) == expect[o].size();
-      for (int i = 0; same && i < ndims[idx]; ++i) same = shapes[idx][i] == expect[o][i];
-      if (!same) return Fail(std::string(names[o]) + ": output buffer has shape " + rfa::ShapeText(ndims[idx], shapes[idx]));
-    }
-    if (std::string(dtypes[kInputs]) != tensors[0].dtype) return Fail("attention_out: expected query's dtype");
-    if (attrs->with_lse && std::string(dtypes[kInputs + 1]) != "float32") return Fail("softmax_lse: expected float32");
-    if (attrs->with_rotated_key && std::string(dtypes[kInputs + 2]) != tensors[1].dtype)
-      return Fail("rotated_key: expected key's dtype");
-    rfa::cpu::Buffers buf{params[0], params[1], params[2], params[3], params[4], params[kInputs],
-                          attrs->with_lse ? static_cast<float *>(params[kInputs + 1]) : nullptr,
-                          attrs->with_rotated_key ? params[kInputs + 2] : nullptr};
+    rfa::cpu::Buffers buf{params[0], params[1], params[2], params[3], params[4], params[rfa::kInputs],
+                          attrs->with_lse ? static_cast<float *>(params[rfa::kInputs + 1]) : nullptr,
+                          attrs->with_rotated_key ? params[rfa::kInputs + 2] : nullptr};
     rfa::cpu::Tiling tiling;
     if (rows > 0) tiling.rows = rows;
     if (kv_block > 0) tiling.kv_block = kv_block;
@@ -121,7 +96,7 @@ extern "C" RFA_EXPORT int RotaryFlashAttentionRun(const rfa::Attrs *attrs, int *
 
 extern "C" RFA_EXPORT int RotaryFlashAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                     void *, void *extra) {
-  if (nparam < kInputs + kOutputs) return Fail("expected 7 inputs and 3 outputs, got " + std::to_string(nparam) + " params");
+  if (nparam < rfa::kInputs + rfa::kOutputs) return Fail("expected 7 inputs and 3 outputs, got " + std::to_string(nparam) + " params");
   auto *data = static_cast<AttrData *>(static_cast<AotExtra *>(extra)->KernelData());
   if (!data) return Fail("kernel attributes missing (Init did not run)");
   if (!data->error.empty()) return Fail(data->error);

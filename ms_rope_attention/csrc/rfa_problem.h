@@ -124,6 +124,7 @@ inline std::string BuildProblem(const Attrs &a, const TensorDesc *tensors, const
   if (v.dtype != q.dtype) return "value: expected the same dtype as query (" + q.dtype + "), got " + v.dtype;
   if (!ParseDType(c.dtype, &p->cos_dtype)) return "cos: expected dtype float32, float16 or bfloat16, got " + c.dtype;
   if (!ParseDType(s.dtype, &p->sin_dtype)) return "sin: expected dtype float32, float16 or bfloat16, got " + s.dtype;
+  if (s.dtype != c.dtype) return "sin: expected the same dtype as cos (" + c.dtype + "), got " + s.dtype;
   if (a.layout == Layout::BSH && a.head_num <= 0) return "head_num: required for input_layout BSH";
 
   int64_t qb, qs, qn, qd, kb, ks, kn, kd;
@@ -218,6 +219,38 @@ inline std::vector<std::vector<int64_t>> InferShapes(const Attrs &a, int ndims_q
   std::vector<int64_t> rk{0};
   if (a.with_rotated_key) rk.assign(k_shape, k_shape + ndims_k);
   return {out, lse, rk};
+}
+
+// The whole check of one launch in the aot calling convention (7 inputs then 3 outputs: ndims,
+// shapes, dtype names, data pointers): inputs, TND offsets (read only once their rank and dtype are
+// right), and the output buffers against InferShapes. Every backend runs it before touching memory.
+constexpr int kInputs = 7, kOutputs = 3;
+inline std::string ValidateCall(const Attrs &attrs, const int *ndims, int64_t *const *shapes, const char *const *dtypes,
+                                void *const *params, Problem *problem) {
+  TensorDesc tensors[kInputs];
+  for (int i = 0; i < kInputs; ++i) {
+    tensors[i].ndim = ndims[i];
+    tensors[i].shape = shapes[i];
+    tensors[i].dtype = dtypes[i] ? dtypes[i] : "none";
+  }
+  const bool offsets_ok = tensors[5].dtype == "int64" && tensors[5].ndim == 1 && tensors[6].dtype == "int64" &&
+                          tensors[6].ndim == 1 && params[5] && params[6];
+  std::string err = BuildProblem(attrs, tensors, offsets_ok ? static_cast<const int64_t *>(params[5]) : nullptr,
+                                 offsets_ok ? static_cast<const int64_t *>(params[6]) : nullptr, problem);
+  if (!err.empty()) return err;
+  const auto expect = InferShapes(attrs, ndims[0], shapes[0], ndims[1], shapes[1]);
+  const char *names[kOutputs] = {"attention_out", "softmax_lse", "rotated_key"};
+  for (int o = 0; o < kOutputs; ++o) {
+    const int idx = kInputs + o;
+    bool same = static_cast<size_t>(ndims[idx]) == expect[o].size();
+    for (int i = 0; same && i < ndims[idx]; ++i) same = shapes[idx][i] == expect[o][i];
+    if (!same) return std::string(names[o]) + ": output buffer has shape " + ShapeText(ndims[idx], shapes[idx]);
+  }
+  if (std::string(dtypes[kInputs]) != tensors[0].dtype) return "attention_out: expected query's dtype";
+  if (attrs.with_lse && std::string(dtypes[kInputs + 1]) != "float32") return "softmax_lse: expected float32";
+  if (attrs.with_rotated_key && std::string(dtypes[kInputs + 2]) != tensors[1].dtype)
+    return "rotated_key: expected key's dtype";
+  return "";
 }
 
 }  // namespace rfa

@@ -64,14 +64,11 @@ def load_contract(path: str | None = None) -> Contract:
                     attrs=tuple(raw["attrs"]), semantics=dict(raw["semantics"]), summary=raw["summary"])
 
 
-def _ms_dtype_formats(contract: Contract) -> list[tuple]:
-    """Every dtype combination the contract allows, as MindSpore ``DataType`` rows.
+def dtype_combinations(contract: Contract) -> list[tuple[str, ...]]:
+    """Every dtype combination the contract allows: one dtype name per input then per output.
 
     Inputs tied by ``same_dtype_as`` share one dtype; outputs follow their ``dtype`` rule.
     """
-    from mindspore.ops import DataType
-
-    names = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64"}
     free = [item for item in contract.inputs if "same_dtype_as" not in item]
     rows = []
     for combo in itertools.product(*[item["dtypes"] for item in free]):
@@ -83,8 +80,50 @@ def _ms_dtype_formats(contract: Contract) -> list[tuple]:
         for out in contract.outputs:
             rule = out["dtype"]
             row.append(chosen[rule[len("same_as_"):]] if rule.startswith("same_as_") else rule)
-        rows.append(tuple(getattr(DataType, f"{names[d]}_Default") for d in row))
+        rows.append(tuple(row))
     return rows
+
+
+def _ms_dtype_formats(contract: Contract) -> list[tuple]:
+    """``dtype_combinations`` as MindSpore ``DataType`` rows."""
+    from mindspore.ops import DataType
+
+    names = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64"}
+    return [tuple(getattr(DataType, f"{names[d]}_Default") for d in row) for row in dtype_combinations(contract)]
+
+
+def opdef_source() -> str:
+    """The body of the CANN ``OpDef`` (inputs, outputs, attrs, dtype columns) for aclnn/op_host.
+
+    Column i of every DataType list is one supported combination, so the lists are generated, never
+    edited by hand (a misaligned column would silently change what the op accepts).
+    """
+    contract = load_contract()
+    ge = {"float32": "ge::DT_FLOAT", "float16": "ge::DT_FLOAT16", "bfloat16": "ge::DT_BF16", "int64": "ge::DT_INT64"}
+    rows = dtype_combinations(contract)
+    fmt = "{" + ", ".join(["ge::FORMAT_ND"] * len(rows)) + "}"
+    lines = [f"// Generated from op_info/rotary_flash_attention.yaml by `python -m ms_rope_attention.op_info --opdef`;",
+             "// do not edit (tests/test_op_info.py checks it is current)."]
+    tensors = [("Input", i, item) for i, item in enumerate(contract.inputs)]
+    tensors += [("Output", len(contract.inputs) + i, item) for i, item in enumerate(contract.outputs)]
+    for kind, column, item in tensors:
+        types = "{" + ", ".join(ge[row[column]] for row in rows) + "}"
+        param = "OPTIONAL" if item.get("optional") else "REQUIRED"
+        line = f'this->{kind}("{item["name"]}").ParamType({param}).DataType({types}).Format({fmt})'
+        line += f".UnknownShapeFormat({fmt})"
+        if item.get("optional"):
+            line += ".ValueDepend(OPTIONAL)"  # TND offsets: the tiling reads them on the host
+        elif kind == "Input":
+            line += ".AutoContiguous()"
+        lines.append(line + ";")
+    setters = {"int": "Int", "str": "String", "float": "Float", "bool": "Bool"}
+    for attr in contract.attrs:
+        default = attr["default"]
+        kind = attr["type"]
+        value = f'"{default}"' if kind == "str" else str(default).lower() if kind == "bool" else (
+            repr(float(default)) if kind == "float" else str(default))
+        lines.append(f'this->Attr("{attr["name"]}").AttrType(OPTIONAL).{setters[attr["type"]]}({value});')
+    return "\n".join(lines) + "\n"
 
 
 def build_reg_info(target: str, attr_values: dict[str, Any], *, any_dtype: bool = False):

@@ -1,4 +1,7 @@
-"""``python -m ms_rope_attention.op_info`` prints the README's semantics table."""
-from . import markdown_table
+"""``python -m ms_rope_attention.op_info`` prints the README's semantics table; with ``--opdef``, the
+CANN OpDef body included by aclnn/op_host/rotary_flash_attention.cpp (written to op_host/rotary_flash_attention_opdef.h)."""
+import sys
 
-print(markdown_table())
+from . import markdown_table, opdef_source
+
+print(opdef_source() if "--opdef" in sys.argv[1:] else markdown_table(), end="" if "--opdef" in sys.argv[1:] else "\n")

@@ -1,0 +1,115 @@
+// The Ascend tiling decision, free of CANN: validates the problem (the same rfa::BuildProblem the
+// CPU kernel uses), picks the query/KV block sizes that fit the vector core's Unified Buffer, and
+// lays out the per-core GM workspace. op_host/rotary_flash_attention_tiling.cpp calls it with the
+// device's core count and UB size; tests/test_ascend_tiling.py calls it here.
+#pragma once
+#include <algorithm>
+#include <string>
+
+#include "rfa_problem.h"
+#include "rotary_flash_attention_tiling.h"
+
+namespace rfa {
+namespace ascend {
+
+struct Platform {
+  int64_t vector_cores = kA2VectorCores;
+  int64_t ub_bytes = kA2UbBytes;
+};
+
+inline int64_t ElemBytes(DType t) { return t == DType::F32 ? 4 : 2; }
+
+// Largest M (query rows of one task, all heads of a KV group) the cube handles in one pass.
+constexpr int64_t kMaxTaskRows = 128;
+
+inline std::string PlanTiling(const Problem &p, const Platform &pf, RfaTiling *t, int64_t block_q = 0,
+                              int64_t block_kv = 0) {
+  if (pf.vector_cores < 1) return "platform: expected at least one vector core";
+  if (p.head_dim % 16)
+    return "query: head_dim " + std::to_string(p.head_dim) +
+           " is not a multiple of 16, which the Ascend kernel needs for 32-byte aligned rows (64/80/96/128/256 are)";
+  if (p.cos_dtype != p.sin_dtype) return "sin: expected the same dtype as cos on Ascend";
+  *t = RfaTiling{};
+  const int64_t group = p.q_heads / p.kv_heads, elem = ElemBytes(p.qkv_dtype), telem = ElemBytes(p.cos_dtype);
+  t->batch = p.batch;
+  t->q_heads = p.q_heads;
+  t->kv_heads = p.kv_heads;
+  t->group = group;
+  t->head_dim = p.head_dim;
+  t->head_pad = p.head_dim;  // multiple of 16: already 32-byte aligned for every dtype
+  t->rotary_dim = p.rotary_dim;
+  t->rotary_pad = RoundUp(p.rotary_dim, 16);
+  t->q_len = p.q_len;
+  t->kv_len = p.kv_len;
+  t->table_rows = p.table_rows;
+  t->layout = static_cast<int64_t>(p.attrs.layout);
+  t->rotary_mode = p.attrs.rotary_mode;
+  t->causal = p.attrs.causal;
+  t->with_lse = p.attrs.with_lse;
+  t->with_rotated_key = p.attrs.with_rotated_key;
+  t->key_rotated = p.attrs.key_rotated;
+  t->q_batch_stride = p.q.batch;
+  t->q_head_stride = p.q.head;
+  t->q_row_stride = p.q.row;
+  t->kv_batch_stride = p.kv.batch;
+  t->kv_head_stride = p.kv.head;
+  t->kv_row_stride = p.kv.row;
+  t->lse_batch_stride = p.lse.batch;
+  t->lse_head_stride = p.lse.head;
+  t->lse_row_stride = p.lse.row;
+  t->scale = p.scale;
+  t->core_num = pf.vector_cores;
+
+  // KV tile 128 (the cube's base block), or 64 if nothing fits. Query rows per head: up to 64 (enough
+  // reuse of each K/V tile), with M = group * block_q <= 128, halved until the UB plan fits.
+  const int64_t max_q = std::max<int64_t>(1, std::min<int64_t>(64, kMaxTaskRows / group));
+  const int64_t first_q = block_q > 0 ? block_q : std::min<int64_t>(max_q, std::max<int64_t>(p.q_len, 1));
+  const int64_t kv_options[2] = {block_kv > 0 ? block_kv : 128, 64};
+  for (int i = 0; i < (block_kv > 0 ? 1 : 2) && t->block_q == 0; ++i) {
+    for (int64_t bq = first_q; bq >= 1; bq = block_q > 0 ? 0 : bq / 2) {
+      const UbPlan u = PlanUb(group * bq, kv_options[i], t->head_pad, elem, telem);
+      if (u.total <= pf.ub_bytes) {
+        t->block_q = bq;
+        t->block_kv = kv_options[i];
+        t->ub_bytes = u.total;
+        break;
+      }
+    }
+  }
+  if (t->block_q == 0)
+    return "tiling: head_dim " + std::to_string(p.head_dim) + " with " + std::to_string(group) +
+           " query heads per KV head does not fit the " + std::to_string(pf.ub_bytes) + "-byte Unified Buffer";
+  if (t->block_kv % 16) return "tiling: block_kv must be a multiple of 16";
+
+  const int64_t m = group * t->block_q;
+  int64_t offset = 0;
+  auto slice = [&offset](int64_t bytes) {
+    const int64_t at = offset;
+    offset += RoundUp(bytes, 512);  // 512-byte aligned slices: whole cache lines for the cube's loads
+    return at;
+  };
+  t->ws_q = slice(m * t->head_pad * elem);
+  t->ws_k = slice(t->block_kv * t->head_pad * elem);
+  t->ws_v = slice(t->block_kv * t->head_pad * elem);
+  t->ws_p = slice(m * t->block_kv * elem);
+  t->ws_per_core = offset;
+
+  int64_t most_blocks = 0;
+  for (int64_t lq : p.q_lens) most_blocks = std::max(most_blocks, CeilDiv(lq, t->block_q));
+  t->k_prepass = !p.attrs.key_rotated && (p.attrs.with_rotated_key || most_blocks >= kPrepassMinQueryBlocks);
+  t->ws_keys = -1;
+  if (t->k_prepass && !p.attrs.with_rotated_key) t->ws_keys = t->core_num * t->ws_per_core;
+  return "";
+}
+
+inline int64_t KeyElements(const RfaTiling &t) {
+  return (t.layout == 3 ? t.kv_len : t.batch * t.kv_len) * t.kv_heads * t.head_dim;
+}
+
+inline int64_t WorkspaceBytes(const RfaTiling &t, int64_t elem) {
+  const int64_t keys = t.ws_keys >= 0 ? RoundUp(KeyElements(t) * elem, 512) : 0;
+  return kSysWorkspaceBytes + t.core_num * t.ws_per_core + keys;
+}
+
+}  // namespace ascend
+}  // namespace rfa

@@ -1,0 +1,423 @@
+// RotaryFlashAttention on an Ascend AI core (Atlas A2, MIX mode: this code runs on the vector core
+// and drives the cube through the high-level Matmul API). See ../DESIGN.md for the data flow, the
+// buffer plan and the bytes moved compared with a standalone RoPE.
+//
+// Per task (one sequence, one KV head, block_q query rows of each of the `group` query heads):
+//   1. ROTATE Q (here, once per task): each Q row is loaded GM->UB, cast to float32, rotated as
+//      y = x * cos + perm(x) * sin' (perm = swap halves or pairs via Gather, sign folded into sin'),
+//      scaled by the softmax scale, cast back and written to this core's workspace slice. The
+//      rotated Q block (<= 32 KiB) is re-read by the cube for every KV tile: it stays in L2.
+//   2. ROTATE K (here, per KV tile): K rows are rotated the same way on their way to the workspace
+//      tile the cube reads; V rows are staged beside them. The last query block of a sequence also
+//      writes the rotated K to the `rotated_key` output (for the KV cache).
+//   3. S = Q K^T on the cube into the UB (float32); online softmax per row on the vector unit;
+//      P (input dtype) to the workspace; O = O * alpha + P V on the cube.
+//   4. O / l cast to the output dtype; lse = m + ln l.
+// No rotated Q/K tensor of the problem's size is ever written to HBM: only per-core tiles that the
+// cube consumes immediately (L2-resident on A2), instead of a standalone RoPE's full read + write of
+// Q and K and the attention kernel's second read.
+#pragma once
+#include "kernel_operator.h"
+#include "lib/matmul_intf.h"
+#include "rotary_flash_attention_tiling.h"
+
+struct RotaryFlashAttentionTilingData {
+  rfa::ascend::RfaTiling rfa;
+  TCubeTiling qk;  // S = Q K^T: M = group * block_q, N = block_kv, K = head_dim
+  TCubeTiling pv;  // O += P V:  M = group * block_q, N = head_dim, K = block_kv
+};
+
+namespace rfa {
+namespace ascend {
+
+using AscendC::GlobalTensor;
+using AscendC::LocalTensor;
+using AscendC::TPosition;
+
+constexpr int64_t kLayoutTND = 3;
+constexpr float kMaskValue = -3.0e38f;  // masked score: exp(kMaskValue - m) == 0 for any finite m
+constexpr float kMinInit = -1.0e30f;    // running max before the first key (finite: no inf - inf)
+constexpr float kNegInf = -__builtin_inff();
+
+template <typename T, typename TT>
+class RotaryFlashAttentionKernel {
+  using AType = matmul::MatmulType<TPosition::GM, CubeFormat::ND, T>;
+  using BTransType = matmul::MatmulType<TPosition::GM, CubeFormat::ND, T, true>;
+  using BType = matmul::MatmulType<TPosition::GM, CubeFormat::ND, T>;
+  using CType = matmul::MatmulType<TPosition::VECCALC, CubeFormat::ND, float>;
+
+ public:
+  __aicore__ inline void Init(GM_ADDR query, GM_ADDR key, GM_ADDR value, GM_ADDR cos, GM_ADDR sin, GM_ADDR aq,
+                              GM_ADDR akv, GM_ADDR out, GM_ADDR lse, GM_ADDR rotated_key, GM_ADDR workspace,
+                              const RotaryFlashAttentionTilingData *tiling) {
+    t_ = tiling->rfa;
+    const int64_t q_elems = t_.layout == kLayoutTND ? t_.q_len * t_.q_heads * t_.head_dim
+                                                    : t_.batch * t_.q_heads * t_.q_len * t_.head_dim;
+    const int64_t kv_elems = t_.layout == kLayoutTND ? t_.kv_len * t_.kv_heads * t_.head_dim
+                                                     : t_.batch * t_.kv_heads * t_.kv_len * t_.head_dim;
+    query_.SetGlobalBuffer(reinterpret_cast<__gm__ T *>(query), q_elems);
+    key_.SetGlobalBuffer(reinterpret_cast<__gm__ T *>(key), kv_elems);
+    value_.SetGlobalBuffer(reinterpret_cast<__gm__ T *>(value), kv_elems);
+    out_.SetGlobalBuffer(reinterpret_cast<__gm__ T *>(out), q_elems);
+    cos_.SetGlobalBuffer(reinterpret_cast<__gm__ TT *>(cos), t_.table_rows * t_.rotary_dim);
+    sin_.SetGlobalBuffer(reinterpret_cast<__gm__ TT *>(sin), t_.table_rows * t_.rotary_dim);
+    if (t_.with_lse) lse_.SetGlobalBuffer(reinterpret_cast<__gm__ float *>(lse), q_elems / t_.head_dim);
+    if (t_.with_rotated_key) rk_.SetGlobalBuffer(reinterpret_cast<__gm__ T *>(rotated_key), kv_elems);
+    if (t_.layout == kLayoutTND) {
+      aq_.SetGlobalBuffer(reinterpret_cast<__gm__ int64_t *>(aq), t_.batch);
+      akv_.SetGlobalBuffer(reinterpret_cast<__gm__ int64_t *>(akv), t_.batch);
+    }
+    AscendC::SetSysWorkspace(workspace);
+    GM_ADDR user = AscendC::GetUserWorkspace(workspace);
+    GM_ADDR mine = user + AscendC::GetBlockIdx() * t_.ws_per_core;
+    // Where attention reads rotated keys from: the key itself (key_rotated), the rotated_key output
+    // or the shared workspace (K pre-pass), or nowhere (each tile rotated on the fly).
+    if (t_.key_rotated) {
+      keys_ = key_;
+    } else if (t_.k_prepass && t_.with_rotated_key) {
+      keys_ = rk_;
+    } else if (t_.k_prepass) {
+      keys_.SetGlobalBuffer(reinterpret_cast<__gm__ T *>(user + t_.ws_keys), kv_elems);
+    }
+    const int64_t m = t_.group * t_.block_q;
+    ws_q_.SetGlobalBuffer(reinterpret_cast<__gm__ T *>(mine + t_.ws_q), m * t_.head_pad);
+    ws_k_.SetGlobalBuffer(reinterpret_cast<__gm__ T *>(mine + t_.ws_k), t_.block_kv * t_.head_pad);
+    ws_v_.SetGlobalBuffer(reinterpret_cast<__gm__ T *>(mine + t_.ws_v), t_.block_kv * t_.head_pad);
+    ws_p_.SetGlobalBuffer(reinterpret_cast<__gm__ T *>(mine + t_.ws_p), m * t_.block_kv);
+
+    const UbPlan u = PlanUb(m, t_.block_kv, t_.head_pad, sizeof(T), sizeof(TT));
+    pipe_.InitBuffer(row_in_, 2, u.row_in);
+    pipe_.InitBuffer(table_in_, 2, u.table_in);
+    pipe_.InitBuffer(row_out_, 2, u.row_out);
+    pipe_.InitBuffer(x_buf_, u.f32_row);
+    pipe_.InitBuffer(perm_buf_, u.f32_row);
+    pipe_.InitBuffer(y_buf_, u.f32_row);
+    pipe_.InitBuffer(cos_buf_, u.table_f32);
+    pipe_.InitBuffer(sin_buf_, u.table_f32);
+    pipe_.InitBuffer(offsets_buf_, u.offsets);
+    pipe_.InitBuffer(scores_buf_, u.scores);
+    pipe_.InitBuffer(probs_buf_, u.probs);
+    pipe_.InitBuffer(o_buf_, u.acc);
+    pipe_.InitBuffer(pv_buf_, u.acc);
+    pipe_.InitBuffer(m_buf_, u.stats);
+    pipe_.InitBuffer(l_buf_, u.stats);
+    pipe_.InitBuffer(rowmax_buf_, u.stats);
+    pipe_.InitBuffer(rowsum_buf_, u.stats);
+    pipe_.InitBuffer(alpha_buf_, u.stats);
+    pipe_.InitBuffer(reduce_buf_, u.reduce_tmp);
+    pipe_.InitBuffer(scalar_buf_, u.scalar);
+    REGIST_MATMUL_OBJ(&pipe_, AscendC::GetSysWorkSpacePtr(), mm_qk_, &tiling->qk, mm_pv_, &tiling->pv);
+    mm_qk_.SetOrgShape(m, t_.block_kv, t_.head_pad);
+    mm_pv_.SetOrgShape(m, t_.head_pad, t_.block_kv);
+    PrepareRotation();
+  }
+
+  __aicore__ inline void Process() {
+    // Tasks are spread over the tiling's vector workers (the launch may round the core count up).
+    const int64_t me = AscendC::GetBlockIdx(), cores = t_.core_num;
+    if (me >= cores) return;
+    if (t_.k_prepass) {  // every K row rotated exactly once, then every core may read any of them
+      RotateAllKeys(me, cores);
+      AscendC::SyncAll();
+    }
+    ForEachTask(t_, [this](int64_t b) { return QLen(b); }, [&](int64_t index, const Task &task) {
+      if (CoreOfTask(index, cores) == me) RunTask(task);
+      return true;
+    });
+    if (t_.with_rotated_key && t_.layout == kLayoutTND && !t_.k_prepass) {  // sequences with no query owe rotated keys
+      int64_t index = 0;
+      for (int64_t b = 0; b < t_.batch; ++b)
+        for (int64_t g = 0; g < t_.kv_heads; ++g)
+          if (QLen(b) == 0 && CoreOfTask(index++, cores) == me) EmitKeysOnly(b, g);
+    }
+    mm_qk_.End();
+    mm_pv_.End();
+  }
+
+ private:
+  // ---- sequence geometry (TND offsets are read from GM; batch layouts are uniform) ----
+  __aicore__ inline int64_t QStart(int64_t b) { return t_.layout == kLayoutTND && b > 0 ? aq_.GetValue(b - 1) : 0; }
+  __aicore__ inline int64_t KvStart(int64_t b) { return t_.layout == kLayoutTND && b > 0 ? akv_.GetValue(b - 1) : 0; }
+  __aicore__ inline int64_t QLen(int64_t b) {
+    return t_.layout == kLayoutTND ? aq_.GetValue(b) - QStart(b) : t_.q_len;
+  }
+  __aicore__ inline int64_t KvLen(int64_t b) {
+    return t_.layout == kLayoutTND ? akv_.GetValue(b) - KvStart(b) : t_.kv_len;
+  }
+  __aicore__ inline int64_t QRow(int64_t b, int64_t head, int64_t row) {
+    return b * t_.q_batch_stride + head * t_.q_head_stride + (QStart(b) + row) * t_.q_row_stride;
+  }
+  __aicore__ inline int64_t KvRow(int64_t b, int64_t head, int64_t row) {
+    return b * t_.kv_batch_stride + head * t_.kv_head_stride + (KvStart(b) + row) * t_.kv_row_stride;
+  }
+
+  // perm(x)[i] = x[partner(i)] as Gather byte offsets; sin' carries the rotation's sign; features
+  // past rotary_dim pass through (cos 1, sin 0).
+  __aicore__ inline void PrepareRotation() {
+    LocalTensor<uint32_t> offsets = offsets_buf_.Get<uint32_t>();
+    LocalTensor<float> cosf = cos_buf_.Get<float>(), sinf = sin_buf_.Get<float>();
+    const int64_t rd = t_.rotary_dim, h = rd / 2;
+    for (int64_t i = 0; i < t_.head_pad; ++i) {
+      int64_t partner = i;
+      if (i < rd) partner = t_.rotary_mode == 0 ? (i < h ? i + h : i - h) : (i ^ 1);
+      offsets.SetValue(i, static_cast<uint32_t>(partner * sizeof(float)));
+      cosf.SetValue(i, 1.0f);
+      sinf.SetValue(i, 0.0f);
+    }
+  }
+
+  // Loads table row `pos` into cos/sin (float32, first rotary_dim features) with sin's sign folded.
+  __aicore__ inline void LoadTables(int64_t pos) {
+    LocalTensor<float> cosf = cos_buf_.Get<float>(), sinf = sin_buf_.Get<float>();
+    const int64_t rd = t_.rotary_dim;
+    const AscendC::DataCopyExtParams copy{1, static_cast<uint32_t>(rd * sizeof(TT)), 0, 0, 0};
+    for (int which = 0; which < 2; ++which) {
+      LocalTensor<TT> raw = table_in_.AllocTensor<TT>();
+      AscendC::DataCopyPad(raw, (which == 0 ? cos_ : sin_)[pos * rd], copy, AscendC::DataCopyPadExtParams<TT>{});
+      table_in_.EnQue(raw);
+      raw = table_in_.DeQue<TT>();
+      LocalTensor<float> dst = which == 0 ? cosf : sinf;
+      if constexpr (AscendC::IsSameType<TT, float>::value) {
+        for (int64_t i = 0; i < rd; ++i) dst.SetValue(i, raw.GetValue(i));  // rd may not fill 32 bytes
+      } else {
+        AscendC::Cast(dst, raw, AscendC::RoundMode::CAST_NONE, rd);
+      }
+      table_in_.FreeTensor(raw);
+    }
+    const int64_t h = rd / 2;
+    for (int64_t i = 0; i < rd; ++i) {  // rotate-half: first half negated; interleaved: even lanes
+      const bool negate = t_.rotary_mode == 0 ? i < h : (i % 2 == 0);
+      if (negate) sinf.SetValue(i, -sinf.GetValue(i));
+    }
+  }
+
+  // GM row (head_dim elements of T) -> float32 x.
+  __aicore__ inline void LoadRow(const GlobalTensor<T> &src, LocalTensor<float> x) {
+    LocalTensor<T> raw = row_in_.AllocTensor<T>();
+    AscendC::DataCopy(raw, src, static_cast<uint32_t>(t_.head_dim));
+    row_in_.EnQue(raw);
+    raw = row_in_.DeQue<T>();
+    if constexpr (AscendC::IsSameType<T, float>::value) {
+      AscendC::Muls(x, raw, 1.0f, static_cast<int32_t>(t_.head_dim));
+    } else {
+      AscendC::Cast(x, raw, AscendC::RoundMode::CAST_NONE, static_cast<int32_t>(t_.head_dim));
+    }
+    row_in_.FreeTensor(raw);
+  }
+
+  // y = (x * cos + perm(x) * sin') * mul, at the position whose tables LoadTables fetched.
+  __aicore__ inline void Rotate(LocalTensor<float> x, LocalTensor<float> y, float mul) {
+    LocalTensor<float> perm = perm_buf_.Get<float>();
+    const int32_t d = static_cast<int32_t>(t_.head_dim);
+    AscendC::Gather(perm, x, offsets_buf_.Get<uint32_t>(), 0u, static_cast<uint32_t>(d));
+    AscendC::Mul(y, x, cos_buf_.Get<float>(), d);
+    AscendC::Mul(perm, perm, sin_buf_.Get<float>(), d);
+    AscendC::Add(y, y, perm, d);
+    if (mul != 1.0f) AscendC::Muls(y, y, mul, d);
+  }
+
+  // float32 row -> T row in GM (one or two destinations).
+  __aicore__ inline void StoreRow(LocalTensor<float> y, const GlobalTensor<T> &dst, const GlobalTensor<T> *also) {
+    LocalTensor<T> row = row_out_.AllocTensor<T>();
+    if constexpr (AscendC::IsSameType<T, float>::value) {
+      AscendC::Muls(row, y, 1.0f, static_cast<int32_t>(t_.head_dim));
+    } else {
+      AscendC::Cast(row, y, AscendC::RoundMode::CAST_RINT, static_cast<int32_t>(t_.head_dim));
+    }
+    row_out_.EnQue(row);
+    row = row_out_.DeQue<T>();
+    AscendC::DataCopy(dst, row, static_cast<uint32_t>(t_.head_dim));
+    if (also != nullptr) AscendC::DataCopy(*also, row, static_cast<uint32_t>(t_.head_dim));
+    row_out_.FreeTensor(row);
+  }
+
+  __aicore__ inline void ZeroRow(const GlobalTensor<T> &dst) {
+    LocalTensor<float> y = y_buf_.Get<float>();
+    AscendC::Duplicate(y, 0.0f, static_cast<int32_t>(t_.head_pad));
+    StoreRow(y, dst, nullptr);
+  }
+
+  __aicore__ inline void RunTask(const Task &task) {
+    const int64_t g = t_.group, d = t_.head_dim, nb = t_.block_kv;
+    const int64_t m = g * task.nq, lq = QLen(task.seq), lk = KvLen(task.seq), q_off = lk - lq;
+    LocalTensor<float> x = x_buf_.Get<float>(), y = y_buf_.Get<float>();
+    // 1. Rotate the Q block once (scale folded in) into the workspace, rows ordered (head, row).
+    for (int64_t i = 0; i < task.nq; ++i) {
+      LoadTables(q_off + task.q0 + i);
+      for (int64_t gi = 0; gi < g; ++gi) {
+        LoadRow(query_[QRow(task.seq, task.group * g + gi, task.q0 + i)], x);
+        Rotate(x, y, t_.scale);
+        StoreRow(y, ws_q_[(gi * task.nq + i) * t_.head_pad], nullptr);
+      }
+    }
+    LocalTensor<float> o = o_buf_.Get<float>(), mrow = m_buf_.Get<float>(), lrow = l_buf_.Get<float>();
+    AscendC::Duplicate(o, 0.0f, static_cast<int32_t>(m * t_.head_pad));
+    AscendC::Duplicate(mrow, kMinInit, static_cast<int32_t>(m));
+    AscendC::Duplicate(lrow, 0.0f, static_cast<int32_t>(m));
+    // Without a pre-pass, the last query block (it sees every key) writes the rotated-key output.
+    const bool emit_key = t_.with_rotated_key && !t_.k_prepass && task.q0 + task.nq == lq;
+    const bool keys_ready = t_.key_rotated || t_.k_prepass;
+    const int64_t kv_end = t_.causal ? q_off + task.q0 + task.nq : lk;
+    for (int64_t j0 = 0; j0 < kv_end; j0 += nb) {
+      const int64_t n = kv_end - j0 < nb ? kv_end - j0 : nb;
+      // 2. K rows rotated into the workspace tile (and the rotated-key output); V rows beside them.
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t at = KvRow(task.seq, task.group, j0 + j);
+        LoadRow(keys_ready ? keys_[at] : key_[at], x);
+        if (!keys_ready) {
+          LoadTables(j0 + j);
+          Rotate(x, y, 1.0f);
+        } else {
+          AscendC::Muls(y, x, 1.0f, static_cast<int32_t>(d));
+        }
+        const GlobalTensor<T> rk = rk_[at];
+        StoreRow(y, ws_k_[j * t_.head_pad], emit_key ? &rk : nullptr);
+        LoadRow(value_[at], x);
+        StoreRow(x, ws_v_[j * t_.head_pad], nullptr);
+      }
+      for (int64_t j = n; j < nb; ++j) {  // tail tile: zero K and V rows, so full-size matmuls add nothing
+        ZeroRow(ws_k_[j * t_.head_pad]);
+        ZeroRow(ws_v_[j * t_.head_pad]);
+      }
+      AscendC::PipeBarrier<AscendC::PIPE_ALL>();  // workspace writes (MTE3) before the cube reads them
+      // 3. S = Q K^T (float32, in the UB).
+      LocalTensor<float> s = scores_buf_.Get<float>();
+      mm_qk_.SetTensorA(ws_q_);
+      mm_qk_.SetTensorB(ws_k_, true);
+      mm_qk_.SetTail(static_cast<int>(m), static_cast<int>(nb), static_cast<int>(d));
+      mm_qk_.IterateAll(s);
+      OnlineSoftmax(task, q_off, j0, n, m);
+      AscendC::PipeBarrier<AscendC::PIPE_ALL>();
+      // O = O * alpha + P V.
+      LocalTensor<float> pv = pv_buf_.Get<float>(), alpha = alpha_buf_.Get<float>();
+      mm_pv_.SetTensorA(ws_p_);
+      mm_pv_.SetTensorB(ws_v_);
+      mm_pv_.SetTail(static_cast<int>(m), static_cast<int>(t_.head_pad), static_cast<int>(nb));
+      mm_pv_.IterateAll(pv);
+      for (int64_t r = 0; r < m; ++r) {
+        LocalTensor<float> orow = o[r * t_.head_pad];
+        AscendC::Muls(orow, orow, alpha.GetValue(r), static_cast<int32_t>(d));
+        AscendC::Add(orow, orow, pv[r * t_.head_pad], static_cast<int32_t>(d));
+      }
+    }
+    Finish(task, m);
+  }
+
+  // Scores of one tile -> P (input dtype) in the workspace; updates m, l and alpha per row.
+  __aicore__ inline void OnlineSoftmax(const Task &task, int64_t q_off, int64_t j0, int64_t n, int64_t m) {
+    const int64_t nb = t_.block_kv;
+    LocalTensor<float> s = scores_buf_.Get<float>(), red = reduce_buf_.Get<float>();
+    LocalTensor<float> mrow = m_buf_.Get<float>(), lrow = l_buf_.Get<float>();
+    LocalTensor<float> rowmax = rowmax_buf_.Get<float>(), rowsum = rowsum_buf_.Get<float>();
+    LocalTensor<float> alpha = alpha_buf_.Get<float>(), one = scalar_buf_.Get<float>();
+    for (int64_t r = 0; r < m; ++r) {
+      LocalTensor<float> row = s[r * nb];
+      int64_t valid = n;
+      if (t_.causal) {
+        const int64_t pos = q_off + task.q0 + r % task.nq;
+        valid = pos - j0 + 1 < 0 ? 0 : (pos - j0 + 1 < n ? pos - j0 + 1 : n);
+      }
+      for (int64_t c = valid; c < nb; ++c) row.SetValue(c, kMaskValue);  // diagonal and tail tiles only
+      AscendC::ReduceMax(one, row, red, static_cast<int32_t>(nb));
+      rowmax.SetValue(r, one.GetValue(0));
+    }
+    // Vector over rows: m_new = max(m, rowmax); alpha = exp(m - m_new).
+    AscendC::Max(rowmax, rowmax, mrow, static_cast<int32_t>(m));
+    AscendC::Sub(alpha, mrow, rowmax, static_cast<int32_t>(m));
+    AscendC::Exp(alpha, alpha, static_cast<int32_t>(m));
+    AscendC::Muls(mrow, rowmax, 1.0f, static_cast<int32_t>(m));
+    LocalTensor<T> p = probs_buf_.Get<T>();
+    for (int64_t r = 0; r < m; ++r) {
+      LocalTensor<float> row = s[r * nb];
+      AscendC::Adds(row, row, -mrow.GetValue(r), static_cast<int32_t>(nb));
+      AscendC::Exp(row, row, static_cast<int32_t>(nb));
+      AscendC::ReduceSum(one, row, red, static_cast<int32_t>(nb));
+      rowsum.SetValue(r, one.GetValue(0));
+      if constexpr (AscendC::IsSameType<T, float>::value) {
+        AscendC::Muls(p[r * nb], row, 1.0f, static_cast<int32_t>(nb));
+      } else {
+        AscendC::Cast(p[r * nb], row, AscendC::RoundMode::CAST_RINT, static_cast<int32_t>(nb));
+      }
+    }
+    // l = l * alpha + rowsum.
+    AscendC::Mul(lrow, lrow, alpha, static_cast<int32_t>(m));
+    AscendC::Add(lrow, lrow, rowsum, static_cast<int32_t>(m));
+    AscendC::DataCopy(ws_p_, p, static_cast<uint32_t>(m * nb));
+  }
+
+  // 4. O / l to the output, lse = m + ln l; a row that saw no key is 0 with lse -inf.
+  __aicore__ inline void Finish(const Task &task, int64_t m) {
+    LocalTensor<float> o = o_buf_.Get<float>(), mrow = m_buf_.Get<float>(), lrow = l_buf_.Get<float>();
+    LocalTensor<float> lse = rowsum_buf_.Get<float>();
+    AscendC::Ln(lse, lrow, static_cast<int32_t>(m));
+    AscendC::Add(lse, lse, mrow, static_cast<int32_t>(m));
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t gi = r / task.nq, i = r % task.nq, head = task.group * t_.group + gi;
+      const float l = lrow.GetValue(r);
+      LocalTensor<float> orow = o[r * t_.head_pad];
+      AscendC::Muls(orow, orow, l > 0.0f ? 1.0f / l : 0.0f, static_cast<int32_t>(t_.head_dim));
+      StoreRow(orow, out_[QRow(task.seq, head, task.q0 + i)], nullptr);
+      if (t_.with_lse) {
+        const int64_t row = QStart(task.seq) + task.q0 + i;
+        const int64_t at = task.seq * t_.lse_batch_stride + head * t_.lse_head_stride + row * t_.lse_row_stride;
+        lse_.SetValue(at, l > 0.0f ? lse.GetValue(r) : kNegInf);
+      }
+    }
+  }
+
+  // K pre-pass: this core's contiguous share of all (token, KV head) rows, rotated into keys_.
+  __aicore__ inline void RotateAllKeys(int64_t me, int64_t cores) {
+    const int64_t tokens = t_.layout == kLayoutTND ? t_.kv_len : t_.batch * t_.kv_len;
+    const int64_t rows = tokens * t_.kv_heads, share = CeilDiv(rows, cores);
+    const int64_t first = me * share, last = first + share < rows ? first + share : rows;
+    LocalTensor<float> x = x_buf_.Get<float>(), y = y_buf_.Get<float>();
+    int64_t b = 0;
+    for (int64_t r = first; r < last; ++r) {
+      const int64_t token = r / t_.kv_heads, head = r % t_.kv_heads;
+      int64_t j = token;
+      if (t_.layout == kLayoutTND) {
+        while (token >= akv_.GetValue(b)) ++b;  // rows ascend: the sequence index only moves forward
+        j = token - KvStart(b);
+      } else {
+        b = token / t_.kv_len;
+        j = token % t_.kv_len;
+      }
+      const int64_t at = KvRow(b, head, j);
+      LoadRow(key_[at], x);
+      LoadTables(j);
+      Rotate(x, y, 1.0f);
+      StoreRow(y, keys_[at], nullptr);
+    }
+  }
+
+  __aicore__ inline void EmitKeysOnly(int64_t b, int64_t group) {
+    LocalTensor<float> x = x_buf_.Get<float>(), y = y_buf_.Get<float>();
+    for (int64_t j = 0; j < KvLen(b); ++j) {
+      const int64_t at = KvRow(b, group, j);
+      LoadRow(key_[at], x);
+      if (!t_.key_rotated) {
+        LoadTables(j);
+        Rotate(x, y, 1.0f);
+      } else {
+        AscendC::Muls(y, x, 1.0f, static_cast<int32_t>(t_.head_dim));
+      }
+      StoreRow(y, rk_[at], nullptr);
+    }
+  }
+
+  RfaTiling t_;
+  AscendC::TPipe pipe_;
+  AscendC::TQue<TPosition::VECIN, 2> row_in_, table_in_;
+  AscendC::TQue<TPosition::VECOUT, 2> row_out_;
+  AscendC::TBuf<TPosition::VECCALC> x_buf_, perm_buf_, y_buf_, cos_buf_, sin_buf_, offsets_buf_, scores_buf_,
+      probs_buf_, o_buf_, pv_buf_, m_buf_, l_buf_, rowmax_buf_, rowsum_buf_, alpha_buf_, reduce_buf_, scalar_buf_;
+  GlobalTensor<T> query_, key_, value_, out_, rk_, keys_, ws_q_, ws_k_, ws_v_, ws_p_;
+  GlobalTensor<TT> cos_, sin_;
+  GlobalTensor<float> lse_;
+  GlobalTensor<int64_t> aq_, akv_;
+  matmul::Matmul<AType, BTransType, CType> mm_qk_;
+  matmul::Matmul<AType, BType, CType> mm_pv_;
+};
+
+}  // namespace ascend
+}  // namespace rfa

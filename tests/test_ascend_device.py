@@ -1,0 +1,49 @@
+"""The fused op on a real Ascend NPU (run by ms_rope_attention/aclnn/verify_on_ascend.sh with
+RFA_TEST_DEVICE=Ascend): the installed CANN op against the unfused path and the float64 reference.
+Skipped everywhere else."""
+import os
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(os.environ.get("RFA_TEST_DEVICE") != "Ascend",
+                                reason="needs an Ascend NPU with the op package (set RFA_TEST_DEVICE=Ascend)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ascend():
+    import mindspore as ms
+
+    ms.set_device("Ascend")
+    ms.set_context(jit_config={"jit_level": "O0"})
+    yield
+    ms.set_device("CPU")
+
+
+@pytest.mark.parametrize("mode_name", ["pynative", "graph"])
+@pytest.mark.parametrize("layout", ["BNSD", "BSND", "BSH", "TND"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_fused_on_npu_matches_unfused_and_reference(mode_name, layout, dtype, rng):
+    import mindspore as ms
+    from mindspore import Tensor
+
+    import ms_rope_attention as mra
+    from cases import Case
+    from conftest import round_to, to_numpy, to_tensor, tolerance
+    from reference import reference
+
+    ms.set_context(mode=ms.GRAPH_MODE if mode_name == "graph" else ms.PYNATIVE_MODE)
+    case = Case(layout=layout, heads=8, kv_heads=2, head_dim=128, q_len=300, kv_len=300, q_lens=[1, 300, 77],
+                kv_lens=[1, 300, 500])
+    q, k, v, cos, sin, aq, ak = case.make(rng)
+    q, k, v = (round_to(t, dtype) for t in (q, k, v))
+    ro, _, _ = reference(q, k, v, cos, sin, case.heads, layout, 0, None, None, True, aq, ak)
+    outs = {}
+    for backend in ("fused", "unfused"):
+        op = mra.RotaryFlashAttentionOp(case.heads, layout, backend=backend)
+        offsets = (Tensor(np.array(aq, np.int64)), Tensor(np.array(ak, np.int64))) if aq is not None else ()
+        out, _, _ = op(*(to_tensor(t, dtype) for t in (q, k, v)), Tensor(cos.astype(np.float32)),
+                       Tensor(sin.astype(np.float32)), *offsets)
+        outs[backend] = to_numpy(out)
+    assert np.abs(outs["fused"] - ro).max() <= 2 * tolerance(dtype, ro)
+    assert np.abs(outs["fused"] - outs["unfused"]).max() <= 4 * tolerance(dtype, ro)
