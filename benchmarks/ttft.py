@@ -265,9 +265,10 @@ def plot(results: dict, path: Path) -> None:
             slope, icpt = np.polyfit(np.log(x), np.log(y), 1)
             xs = np.geomspace(min(x), max(x), 50)
             left.plot(xs, np.exp(icpt) * xs ** slope, "-", color=color, alpha=0.6)
-        for r in rows:
-            if r.get(backend, {}).get("status") == "oom":
-                left.annotate(f"{backend}: out of memory", (r["length"], max(y)), fontsize=8, color=color)
+        oom = [r["length"] for r in rows if r.get(backend, {}).get("status") == "oom"]
+        if oom:  # x marks at the bottom edge: measured nothing, ran out of memory
+            left.plot(oom, [min(y)] * len(oom), "x", color=color, markersize=9,
+                      label=f"{backend}: out of memory at S >= {min(oom)}")
     s = results["settings"]
     left.set(xscale="log", yscale="log", xlabel="prompt length (tokens)", ylabel="TTFT (s, min of repeats)",
              title=f"Llama2 {s['model']} TTFT, extrapolated to {s['full_layers']} layers")
@@ -277,6 +278,8 @@ def plot(results: dict, path: Path) -> None:
     if ratio:
         right.plot(*zip(*ratio), "o-", color="tab:green")
     right.axhline(1.0, color="gray", lw=0.8)
+    lengths = [r["length"] for r in rows]
+    right.set_xlim(min(lengths) / 1.2, max(lengths) * 1.2)
     right.set(xscale="log", xlabel="prompt length (tokens)", ylabel="unfused TTFT / fused TTFT",
               title="speed-up of the fused op (same weights)")
     right.grid(True, which="both", alpha=0.3)
