@@ -79,7 +79,8 @@ inline void MicroKernel(int64_t K, const float *A, int64_t lda, const float *B, 
     vf b[NV];
     for (int j = 0; j < NV; ++j) b[j] = Load(B + k * ldb + j * kLanes);
     for (int i = 0; i < MR; ++i) {
-      const vf a = Splat(A[i * lda + k]);
+      // scalar * vector: a plain broadcast (Splat's `vf{} + x` would add a scalar add per row).
+      const float a = A[i * lda + k];
       for (int j = 0; j < NV; ++j) c[i][j] += a * b[j];
     }
   }
