@@ -102,8 +102,8 @@ struct Tables {
 
 // x (original feature order) -> y in kernel order, times `mul`: rotated features first (mode 1
 // de-interleaved to [even | odd] pairs), then the pass-through features.
-void Rotate(const float *x, const float *c, const float *s, int64_t rd, int64_t d, int64_t mode, float mul,
-            float *y) {
+void Rotate(const float *__restrict x, const float *__restrict c, const float *__restrict s, int64_t rd, int64_t d,
+            int64_t mode, float mul, float *__restrict y) {
   const int64_t h = rd / 2;
   if (mode == 0) {
     for (int64_t i = 0; i < h; ++i) {
@@ -239,13 +239,14 @@ class Worker {
 
   bool Bind(Scratch *scratch) {
     const int64_t R = plan_.rows_max, D = p_.head_dim, Dp = plan_.head_pad, BK = plan_.kv_block;
-    const size_t need = R * D + D * BK + BK * Dp + R * BK + R * Dp + 2 * R + 4 * Dp + 2 * p_.rotary_dim + 64;
+    const size_t need = R * D + D * BK + BK * Dp + R * BK + R * Dp + 2 * R + 4 * Dp + kLanes * Dp +
+                        2 * p_.rotary_dim + 64;
     float *base = scratch->Get(need);
     if (!base) return false;
     auto take = [&base](int64_t n) { float *r = base; base += RoundUp(n, 16); return r; };
     q_ = take(R * D); kt_ = take(D * BK); v_ = take(BK * Dp); s_ = take(R * BK); o_ = take(R * Dp);
     m_ = take(R); l_ = take(R); row_ = take(Dp); rot_ = take(Dp); orig_ = take(Dp); tmp_ = take(Dp);
-    ctmp_ = take(p_.rotary_dim); stmp_ = take(p_.rotary_dim);
+    ctmp_ = take(p_.rotary_dim); stmp_ = take(p_.rotary_dim); stage_ = take(kLanes * Dp);
     return true;
   }
 
@@ -302,13 +303,21 @@ class Worker {
         } else if (emit_key) {
           StoreRow(p_.qkv_dtype, row_, D, buf_.rotated_key, off);
         }
-        for (int64_t d = 0; d < D; ++d) kt_[d * np + j] = src[d];
+        // Stage kLanes rotated rows, then write K^T one vector (kLanes keys of one feature) at a time:
+        // contiguous stores instead of D scattered ones per key.
+        std::memcpy(stage_ + (j % kLanes) * Dp, src, D * sizeof(float));
+        if (j % kLanes == kLanes - 1 || j == n - 1) {
+          const int64_t first = j - j % kLanes, count = j - first + 1;
+          for (int64_t d = 0; d < D; ++d) {
+            simd::vf col = {};
+            for (int64_t jj = 0; jj < count; ++jj) col[jj] = stage_[jj * Dp + d];
+            simd::Store(kt_ + d * np + first, col);
+          }
+        }
         float *vrow = v_ + j * Dp;
         LoadRow(p_.qkv_dtype, buf_.value, kvseq + t.group * p_.kv.head + (j0 + j) * p_.kv.row, D, vrow);
         for (int64_t d = D; d < Dp; ++d) vrow[d] = 0.f;
       }
-      for (int64_t d = 0; d < D; ++d)
-        for (int64_t j = n; j < np; ++j) kt_[d * np + j] = 0.f;
       // 3. Scores, then online softmax per row.
       simd::Gemm(M, np, D, q_, D, kt_, np, s_, np, false);
       for (int64_t r = 0; r < M; ++r) {
@@ -427,6 +436,7 @@ class Worker {
   Tables tables_;
   float *q_ = nullptr, *kt_ = nullptr, *v_ = nullptr, *s_ = nullptr, *o_ = nullptr, *m_ = nullptr, *l_ = nullptr;
   float *row_ = nullptr, *rot_ = nullptr, *orig_ = nullptr, *tmp_ = nullptr, *ctmp_ = nullptr, *stmp_ = nullptr;
+  float *stage_ = nullptr;  // kLanes K rows, before they are written transposed
 };
 
 thread_local Scratch tls_scratch;
