@@ -280,32 +280,31 @@ class Worker {
     const int64_t kvhead = kvseq + t.group * p_.kv.head;
     for (int64_t j0 = t.kv_lo; j0 < t.kv_hi; j0 += plan_.kv_block) {
       const int64_t n = std::min(plan_.kv_block, t.kv_hi - j0), np = RoundUp(n, kLanes);
-      // 2. Pack the K tile transposed and rotated, and the V tile.
+      // 2. Pack the K tile transposed and rotated, and the V tile (contiguous copies keep the GEMM's
+      //    B panels in cache; reading V in place with the layout's row stride measured slower).
       for (int64_t j = 0; j < n; ++j) {
         const int64_t off = kvhead + (j0 + j) * p_.kv.row;
-        LoadRow(p_.qkv_dtype, buf_.key, off, D, row_);
-        const float *src = row_;
+        // float32 keys are read in place; others are converted into row_.
+        const float *key = p_.qkv_dtype == DType::F32 ? static_cast<const float *>(buf_.key) + off : row_;
+        if (key == row_) LoadRow(p_.qkv_dtype, buf_.key, off, D, row_);
+        // Rotated rows go straight into a staging block of kLanes keys, then K^T is written one
+        // vector (kLanes keys of one feature) at a time: contiguous stores, not D scattered ones per key.
+        float *staged = stage_ + (j % kLanes) * Dp;
         if (rotate && p_.attrs.key_rotated) {  // a rotated KV cache: reorder only, emit as given
-          if (mode == 1) {
-            ToKernelOrder(row_, rd, D, mode, rot_);
-            src = rot_;
-          }
-          if (emit_key) StoreRow(p_.qkv_dtype, row_, D, buf_.rotated_key, off);
+          ToKernelOrder(key, rd, D, mode, staged);
+          if (emit_key) StoreRow(p_.qkv_dtype, key, D, buf_.rotated_key, off);
         } else if (rotate) {
           const int64_t pos = j0 + j;
-          Rotate(row_, tables_.Row(buf_.cos, p_.cos_dtype, pos, ctmp_), tables_.Row(buf_.sin, p_.sin_dtype, pos, stmp_),
-                 rd, D, mode, 1.0f, rot_);
-          src = rot_;
+          Rotate(key, tables_.Row(buf_.cos, p_.cos_dtype, pos, ctmp_), tables_.Row(buf_.sin, p_.sin_dtype, pos, stmp_),
+                 rd, D, mode, 1.0f, staged);
           if (emit_key) {
-            ToOriginalOrder(rot_, rd, D, mode, orig_);
+            ToOriginalOrder(staged, rd, D, mode, orig_);
             StoreRow(p_.qkv_dtype, orig_, D, buf_.rotated_key, off);
           }
-        } else if (emit_key) {
-          StoreRow(p_.qkv_dtype, row_, D, buf_.rotated_key, off);
+        } else {
+          std::memcpy(staged, key, D * sizeof(float));
+          if (emit_key) StoreRow(p_.qkv_dtype, key, D, buf_.rotated_key, off);
         }
-        // Stage kLanes rotated rows, then write K^T one vector (kLanes keys of one feature) at a time:
-        // contiguous stores instead of D scattered ones per key.
-        std::memcpy(stage_ + (j % kLanes) * Dp, src, D * sizeof(float));
         if (j % kLanes == kLanes - 1 || j == n - 1) {
           const int64_t first = j - j % kLanes, count = j - first + 1;
           for (int64_t d = 0; d < D; ++d) {
