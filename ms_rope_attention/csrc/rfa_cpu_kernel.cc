@@ -58,11 +58,9 @@ void LoadRow(DType t, const void *base, int64_t off, int64_t n, float *dst) {
     case DType::F32:
       std::memcpy(dst, static_cast<const float *>(base) + off, n * sizeof(float));
       break;
-    case DType::F16: {
-      const _Float16 *src = static_cast<const _Float16 *>(base) + off;
-      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+    case DType::F16:
+      simd::HalfToFloat(static_cast<const _Float16 *>(base) + off, dst, n);
       break;
-    }
     case DType::BF16: {
       const uint16_t *src = static_cast<const uint16_t *>(base) + off;
       for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToFloat(src[i]);
@@ -76,11 +74,9 @@ void StoreRow(DType t, const float *src, int64_t n, void *base, int64_t off) {
     case DType::F32:
       std::memcpy(static_cast<float *>(base) + off, src, n * sizeof(float));
       break;
-    case DType::F16: {
-      _Float16 *dst = static_cast<_Float16 *>(base) + off;
-      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<_Float16>(src[i]);
+    case DType::F16:
+      simd::FloatToHalf(src, static_cast<_Float16 *>(base) + off, n);
       break;
-    }
     case DType::BF16: {
       uint16_t *dst = static_cast<uint16_t *>(base) + off;
       for (int64_t i = 0; i < n; ++i) dst[i] = FloatToBf16(src[i]);
