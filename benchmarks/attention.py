@@ -16,6 +16,7 @@ import itertools
 import json
 import os
 import statistics
+import time
 from pathlib import Path
 
 import numpy as np
@@ -54,15 +55,35 @@ def run_mindspore(backend, length, heads, kv_heads, head_dim, dtype, repeats):
     return timed(lambda: net(q, k, v).asnumpy(), repeats)[1]
 
 
-def run_direct(rotate, length, heads, kv_heads, head_dim, dtype, repeats):
-    """The fused kernel called without MindSpore, with or without the rotation (RoPE cost)."""
+def run_direct(length, heads, kv_heads, head_dim, dtype, repeats):
+    """The fused kernel without MindSpore, with and without the rotation, alternating in one process
+    on the same prepared buffers, so the RoPE cost is a ratio of kernel times taken side by side
+    (not of two processes at different moments of a noisy machine). Returns both series."""
+    import ctypes
+
     from ms_rope_attention import cpu_direct
+    from ms_rope_attention.cpu_kernel import library
     from ms_rope_attention.rope import rope_tables
 
     q, k, v = _inputs(length, heads, kv_heads, head_dim)
     cos, sin = rope_tables(head_dim, length)
-    return timed(lambda: cpu_direct.run(q, k, v, cos, sin, head_num=heads, dtype=dtype, with_lse=False,
-                                        with_rotated_key=False, rotate=rotate), repeats)[1]
+    args, _, keep = cpu_direct.prepare(q, k, v, cos, sin, head_num=heads, dtype=dtype, with_lse=False,
+                                       with_rotated_key=False)
+    lib = library()
+
+    def call(rotate):
+        assert lib.RotaryFlashAttentionRun(*args, ctypes.c_int64(0), ctypes.c_int64(0), ctypes.c_int(rotate)) == 0
+
+    times = {True: [], False: []}
+    for rotate in (True, False):
+        call(rotate)  # warm-up: scratch allocation, first touch
+    for _ in range(repeats):
+        for rotate in (True, False):
+            start = time.perf_counter()
+            call(rotate)
+            times[rotate].append(time.perf_counter() - start)
+    del keep
+    return times[True], times[False]
 
 
 def run_torch(with_rope, length, heads, kv_heads, head_dim, dtype, repeats):
@@ -96,8 +117,7 @@ def run_gemm_peak(repeats, n=4096):
 COMPETITORS = {
     "fused": lambda a: run_mindspore("fused", *a),
     "unfused": lambda a: run_mindspore("unfused", *a),
-    "fused_direct": lambda a: run_direct(True, *a),
-    "fused_direct_no_rope": lambda a: run_direct(False, *a),
+    "fused_direct": lambda a: run_direct(*a),  # also gives "fused_direct_no_rope"
     "torch_rope_sdpa": lambda a: run_torch(True, *a),
     "torch_sdpa": lambda a: run_torch(False, *a),
     "gemm": lambda a: run_gemm_peak(a[-1]),
@@ -106,7 +126,10 @@ COMPETITORS = {
 
 def competitor(name, args):
     """Child-process entry (see harness.run_isolated)."""
-    return {"times": COMPETITORS[name](args)}
+    times = COMPETITORS[name](args)
+    if name == "fused_direct":
+        return {"times": times[0], "no_rope_times": times[1]}
+    return {"times": times}
 
 
 def measure(name, args, memory_limit):
@@ -148,9 +171,15 @@ def main(argv=None):
         run_args = (length, args.heads, kv_heads, args.head_dim, dtype, args.repeats)
         row = {"length": length, "dtype": dtype, "kv_heads": kv_heads}
         for name in args.competitors:
-            row[name] = summarize(measure(name, run_args, limit), flops)
-            if peak and "gflops" in row[name]:
-                row[name]["pct_of_gemm_peak"] = 100 * row[name]["gflops"] / peak
+            result = measure(name, run_args, limit)
+            row[name] = summarize(result, flops)
+            if "no_rope_times" in result:  # measured alternately with fused_direct, in the same process
+                row["fused_direct_no_rope"] = summarize({"times": result.pop("no_rope_times"),
+                                                         "peak_rss_mb": result["peak_rss_mb"]}, flops)
+                row[name].pop("no_rope_times", None)
+            for entry in (row[name], row.get("fused_direct_no_rope", {})):
+                if peak and "gflops" in entry:
+                    entry["pct_of_gemm_peak"] = 100 * entry["gflops"] / peak
         rows.append(row)
         print(format_row(row))
     results = {"machine": machine_info(), "config": vars(args), "gemm_peak": gemm, "rows": rows}
