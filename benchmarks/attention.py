@@ -56,9 +56,9 @@ def run_mindspore(backend, length, heads, kv_heads, head_dim, dtype, repeats):
 
 
 def run_direct(length, heads, kv_heads, head_dim, dtype, repeats):
-    """The fused kernel without MindSpore, with and without the rotation, alternating in one process
-    on the same prepared buffers, so the RoPE cost is a ratio of kernel times taken side by side
-    (not of two processes at different moments of a noisy machine). Returns both series."""
+    """The fused kernel without MindSpore, with and without the rotation, and PyTorch's SDPA when it is
+    installed, alternating in one process on prepared buffers: ratios taken side by side rather than
+    between processes run at different moments of a noisy machine. Returns {series name: times}."""
     import ctypes
 
     from ms_rope_attention import cpu_direct
@@ -71,19 +71,33 @@ def run_direct(length, heads, kv_heads, head_dim, dtype, repeats):
                                        with_rotated_key=False)
     lib = library()
 
-    def call(rotate):
-        assert lib.RotaryFlashAttentionRun(*args, ctypes.c_int64(0), ctypes.c_int64(0), ctypes.c_int(rotate)) == 0
+    def kernel(rotate):
+        return lambda: lib.RotaryFlashAttentionRun(*args, ctypes.c_int64(0), ctypes.c_int64(0), ctypes.c_int(rotate))
 
-    times = {True: [], False: []}
-    for rotate in (True, False):
-        call(rotate)  # warm-up: scratch allocation, first touch
+    series = {"fused_direct": kernel(1), "fused_direct_no_rope": kernel(0)}
+    try:
+        import torch
+        import torch.nn.functional as F
+
+        torch.set_num_threads(os.cpu_count())
+        tq, tk, tv = (torch.from_numpy(x).to(getattr(torch, dtype)) for x in (q, k, v))
+
+        def sdpa():
+            with torch.no_grad():
+                F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=kv_heads != heads)
+        series["torch_sdpa_same_process"] = sdpa
+    except ImportError:
+        pass
+    for fn in series.values():
+        fn()  # warm-up: scratch allocation, first touch
+    times = {name: [] for name in series}
     for _ in range(repeats):
-        for rotate in (True, False):
+        for name, fn in series.items():
             start = time.perf_counter()
-            call(rotate)
-            times[rotate].append(time.perf_counter() - start)
+            fn()
+            times[name].append(time.perf_counter() - start)
     del keep
-    return times[True], times[False]
+    return times
 
 
 def run_torch(with_rope, length, heads, kv_heads, head_dim, dtype, repeats):
@@ -117,7 +131,7 @@ def run_gemm_peak(repeats, n=4096):
 COMPETITORS = {
     "fused": lambda a: run_mindspore("fused", *a),
     "unfused": lambda a: run_mindspore("unfused", *a),
-    "fused_direct": lambda a: run_direct(*a),  # also gives "fused_direct_no_rope"
+    "fused_direct": lambda a: run_direct(*a),  # also fused_direct_no_rope, torch_sdpa_same_process
     "torch_rope_sdpa": lambda a: run_torch(True, *a),
     "torch_sdpa": lambda a: run_torch(False, *a),
     "gemm": lambda a: run_gemm_peak(a[-1]),
@@ -128,7 +142,7 @@ def competitor(name, args):
     """Child-process entry (see harness.run_isolated)."""
     times = COMPETITORS[name](args)
     if name == "fused_direct":
-        return {"times": times[0], "no_rope_times": times[1]}
+        return {"times": times.pop("fused_direct"), "same_process": times}
     return {"times": times}
 
 
@@ -173,13 +187,12 @@ def main(argv=None):
         for name in args.competitors:
             result = measure(name, run_args, limit)
             row[name] = summarize(result, flops)
-            if "no_rope_times" in result:  # measured alternately with fused_direct, in the same process
-                row["fused_direct_no_rope"] = summarize({"times": result.pop("no_rope_times"),
-                                                         "peak_rss_mb": result["peak_rss_mb"]}, flops)
-                row[name].pop("no_rope_times", None)
-            for entry in (row[name], row.get("fused_direct_no_rope", {})):
-                if peak and "gflops" in entry:
-                    entry["pct_of_gemm_peak"] = 100 * entry["gflops"] / peak
+            for other, times in result.get("same_process", {}).items():  # alternated with fused_direct
+                row[other] = summarize({"times": times, "peak_rss_mb": result["peak_rss_mb"]}, flops)
+            row[name].pop("same_process", None)
+        for entry in row.values():
+            if peak and isinstance(entry, dict) and "gflops" in entry:
+                entry["pct_of_gemm_peak"] = 100 * entry["gflops"] / peak
         rows.append(row)
         print(format_row(row))
     results = {"machine": machine_info(), "config": vars(args), "gemm_peak": gemm, "rows": rows}
@@ -208,7 +221,8 @@ def format_row(row):
         else:
             parts.append(f"{name}: {res.get('skipped') or res.get('error')}")
     speedups = (("fused vs unfused speedup", "fused", "unfused"),
-                ("fused vs torch SDPA (no RoPE) speedup", "fused", "torch_sdpa"))
+                ("fused vs torch SDPA (no RoPE) speedup", "fused", "torch_sdpa"),
+                ("fused kernel vs torch SDPA (no RoPE), same process", "fused_direct", "torch_sdpa_same_process"))
     for label, a, b in speedups:
         r = _ratio(row, a, b)
         if r is not None:
