@@ -124,7 +124,9 @@ class RotaryFlashAttentionKernel {
       if (CoreOfTask(index, cores) == me) RunTask(task);
       return true;
     });
-    if (t_.with_rotated_key && t_.layout == kLayoutTND && !t_.k_prepass) {  // sequences with no query owe rotated keys
+    // Sequences with no query still owe their rotated keys. Without a pre-pass that only happens with
+    // key_rotated (a requested rotated_key always takes the pre-pass), so it is a copy.
+    if (t_.with_rotated_key && t_.layout == kLayoutTND && !t_.k_prepass) {
       int64_t index = 0;
       for (int64_t b = 0; b < t_.batch; ++b)
         for (int64_t g = 0; g < t_.kv_heads; ++g)
@@ -263,13 +265,7 @@ class RotaryFlashAttentionKernel {
       // 2. K rows rotated into the workspace tile (and the rotated-key output); V rows beside them.
       for (int64_t j = 0; j < n; ++j) {
         const int64_t at = KvRow(task.seq, task.group, j0 + j);
-        LoadRow(keys_ready ? keys_[at] : key_[at], x);
-        if (!keys_ready) {
-          LoadTables(j0 + j);
-          Rotate(x, y, 1.0f);
-        } else {
-          AscendC::Muls(y, x, 1.0f, static_cast<int32_t>(d));
-        }
+        RotatedKey(at, j0 + j, keys_ready, x, y);
         const GlobalTensor<T> rk = rk_[at];
         StoreRow(y, ws_k_[j * t_.head_pad], emit_key ? &rk : nullptr);
         LoadRow(value_[at], x);
@@ -383,26 +379,31 @@ class RotaryFlashAttentionKernel {
         j = token % t_.kv_len;
       }
       const int64_t at = KvRow(b, head, j);
-      LoadRow(key_[at], x);
-      LoadTables(j);
-      Rotate(x, y, 1.0f);
+      RotatedKey(at, j, false, x, y);
       StoreRow(y, keys_[at], nullptr);
     }
   }
 
+  // Rotated keys of a sequence with no query rows (key_rotated: the keys as given).
   __aicore__ inline void EmitKeysOnly(int64_t b, int64_t group) {
     LocalTensor<float> x = x_buf_.Get<float>(), y = y_buf_.Get<float>();
     for (int64_t j = 0; j < KvLen(b); ++j) {
       const int64_t at = KvRow(b, group, j);
-      LoadRow(key_[at], x);
-      if (!t_.key_rotated) {
-        LoadTables(j);
-        Rotate(x, y, 1.0f);
-      } else {
-        AscendC::Muls(y, x, 1.0f, static_cast<int32_t>(t_.head_dim));
-      }
+      RotatedKey(at, j, true, x, y);
       StoreRow(y, rk_[at], nullptr);
     }
+  }
+
+  // Key row `at` (position `pos`) rotated, as float32 in y: read from keys_ when the keys there are
+  // already rotated (key_rotated, or after the pre-pass), else loaded and rotated here (x is scratch).
+  __aicore__ inline void RotatedKey(int64_t at, int64_t pos, bool ready, LocalTensor<float> x, LocalTensor<float> y) {
+    if (ready) {
+      LoadRow(keys_[at], y);
+      return;
+    }
+    LoadRow(key_[at], x);
+    LoadTables(pos);
+    Rotate(x, y, 1.0f);
   }
 
   RfaTiling t_;
