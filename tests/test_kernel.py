@@ -6,28 +6,12 @@ import pytest
 from ms_rope_attention import cpu_direct as kh
 from ms_rope_attention.cpu_kernel import last_error
 from cases import Case
-from conftest import tolerance
-from reference import reference
-
-
-def rounded(x, dtype):
-    return kh.decode(kh.encode(x, dtype), dtype)
+from kernel_check import check_kernel
 
 
 def check(case, rng, dtype="float32", table_dtype="float32", rows=0, kv_block=0, scale=None, key_rotated=False):
-    q, k, v, cos, sin, aq, ak = case.make(rng)
-    q, k, v = (rounded(t, dtype) for t in (q, k, v))
-    cos, sin = rounded(cos, table_dtype), rounded(sin, table_dtype)
-    ro, rl, rk = reference(q, k, v, cos, sin, case.heads, case.layout, case.mode, case.rotary_dim, scale,
-                           case.causal, aq, ak, key_rotated)
-    code, out, lse, rot = kh.run(q, k, v, cos, sin, aq, ak, dtype=dtype, table_dtype=table_dtype, rows=rows,
-                                 kv_block=kv_block, scale=scale, key_rotated=key_rotated, **case.kwargs)
-    assert code == 0, last_error()
-    assert np.abs(out - ro).max(initial=0) <= tolerance(dtype, ro)
-    finite = np.isfinite(rl)
-    assert (np.isfinite(lse) == finite).all()
-    assert np.abs(lse[finite] - rl[finite]).max(initial=0) <= 1e-4
-    assert np.abs(rot - rk).max(initial=0) <= tolerance(dtype, rk)
+    check_kernel(case, rng, kh.run, last_error, dtype=dtype, table_dtype=table_dtype, rows=rows, kv_block=kv_block,
+                 scale=scale, key_rotated=key_rotated)
 
 
 @pytest.mark.parametrize("layout", ["BNSD", "BSND", "BSH", "TND"])
