@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from contextlib import ExitStack
 from pathlib import Path
 
 import ml_dtypes  # noqa: F401  (registers numpy's bfloat16 so safetensors can hand out bf16 arrays)
@@ -98,15 +99,17 @@ def _hf_tensors(directory: Path):
                     yield name, path, (lambda h=handle, n=name, p=path: _read(h, n, p))
 
 
-def _meta_shards(directory: Path) -> list[dict[str, np.ndarray]]:
-    """Each model-parallel shard as {name: array}; safetensors memory-mapped, .pth through torch."""
+def _meta_shards(directory: Path, stack: ExitStack) -> list[dict]:
+    """Each model-parallel shard as {name: (shape, read)}, nothing read yet: safetensors files stay
+    open (memory-mapped) on ``stack``; .pth files go through torch's mmap load."""
     st = sorted(directory.glob("consolidated.*.safetensors"))
     pth = sorted(directory.glob("consolidated.*.pth"))
     if st:
         shards = []
         for path in st:
-            with _open_safetensors(path) as handle:
-                shards.append({n: _read(handle, n, path) for n in handle.keys() if not META_IGNORED.match(n)})
+            handle = stack.enter_context(_open_safetensors(path))
+            shards.append({n: (tuple(handle.get_slice(n).get_shape()), lambda h=handle, n=n, p=path: _read(h, n, p))
+                           for n in handle.keys() if not META_IGNORED.match(n)})
         return shards
     if pth:
         try:
@@ -120,23 +123,26 @@ def _meta_shards(directory: Path) -> list[dict[str, np.ndarray]]:
                 state = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
             except Exception as exc:  # torch raises many types for a corrupt file
                 raise CheckpointError(f"{path.name}: not a readable PyTorch checkpoint ({exc})") from None
-            shards.append({n: t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy()
+            shards.append({n: (tuple(t.shape), lambda t=t: t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy())
                            for n, t in state.items() if not META_IGNORED.match(n)})
         return shards
     raise CheckpointError(f"{directory}: no consolidated.*.safetensors or consolidated.*.pth files")
 
 
-def _meta_tensors(shards):
-    for name in shards[0]:
-        hf_name, dim = meta_to_hf_name(name)
-        for i, shard in enumerate(shards):
-            if name not in shard:
-                raise CheckpointError(f"tensor {name!r} is missing from model-parallel shard {i}")
-        if dim is None or len(shards) == 1:
-            getter = (lambda n=name: shards[0][n])
-        else:
-            getter = (lambda n=name, d=dim: np.concatenate([s[n] for s in shards], axis=d))
-        yield hf_name, Path(f"consolidated.*[{name}]"), getter
+def _meta_tensors(directory: Path):
+    """(HF name, where, read) per tensor; model-parallel shards are concatenated one tensor at a time."""
+    with ExitStack() as stack:
+        shards = _meta_shards(directory, stack)
+        for name in shards[0]:
+            hf_name, dim = meta_to_hf_name(name)
+            for i, shard in enumerate(shards):
+                if name not in shard:
+                    raise CheckpointError(f"tensor {name!r} is missing from model-parallel shard {i}")
+            if dim is None or len(shards) == 1:
+                getter = shards[0][name][1]
+            else:
+                getter = (lambda n=name, d=dim: np.concatenate([s[n][1]() for s in shards], axis=d))
+            yield hf_name, Path(f"consolidated.*[{name}]"), getter
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,7 +159,8 @@ def read_config(directory: str | Path) -> tuple[LlamaConfig, str]:
         params = json.loads((directory / "params.json").read_text())
         vocab = None
         if params.get("vocab_size", -1) < 1:
-            vocab = _meta_shards(directory)[0]["tok_embeddings.weight"].shape[0]
+            with ExitStack() as stack:  # the shape only: no tensor is read
+                vocab = _meta_shards(directory, stack)[0]["tok_embeddings.weight"][0][0]
         return LlamaConfig.from_meta(params, vocab), "meta"
     raise CheckpointError(f"{directory}: neither config.json (Hugging Face) nor params.json (Meta) found")
 
@@ -168,7 +175,7 @@ def load_weights(model: LlamaForCausalLM, directory: str | Path, source: str = "
     params = model.parameters_dict()
     expected = set(params)
     tied = model.config.tie_word_embeddings
-    tensors = _hf_tensors(directory) if source == "hf" else _meta_tensors(_meta_shards(directory))
+    tensors = _hf_tensors(directory) if source == "hf" else _meta_tensors(directory)
     loaded = set()
     for name, path, get in tqdm(tensors, desc=f"loading {directory.name}", unit="tensor", disable=not progress,
                                 total=len(expected)):
