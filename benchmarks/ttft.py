@@ -90,10 +90,8 @@ def ttft_point(model: str, layers: int, dtype: str, batch: int, backend: str, le
     _, attention_times = timed(lambda: attention_net(q, k, v)[0].asnumpy(), repeats)
     _, head_times = timed(lambda: head_net(ids).asnumpy(), repeats)
     probe = lm.model.layers[0].self_attn.q_proj.weight.asnumpy()
-    return {"backend_ran": lm.backend, "full_layers_of_model": (preset(model).num_hidden_layers if not checkpoint
-                                                                 else None),
-            "build_s": build_s, "compile_s": compile_s, "ttft": stats(ttft), "attention": stats(attention_times),
-            "head": stats(head_times), "weights_checksum": float(probe[:8].astype(np.float64).sum())}
+    return {"backend_ran": lm.backend, "build_s": build_s, "compile_s": compile_s, "ttft": stats(ttft),
+            "attention": stats(attention_times), "head": stats(head_times), "weights_checksum": float(probe[:8].astype(np.float64).sum())}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,11 +195,10 @@ def sweep(args, progress=True) -> dict:
         if result["status"] == "oom":
             out_of_memory.add(backend)
         runs.append({**base, **result})
-    ok = [r for r in runs if r["status"] == "ok"]
-    full_layers = next((r["full_layers_of_model"] for r in ok if r.get("full_layers_of_model")), None)
-    if full_layers is None:
-        from models.llama.weights import read_config
-        full_layers = read_config(args.checkpoint)[0].num_hidden_layers if args.checkpoint else args.layers
+    from models.llama import preset
+    from models.llama.weights import read_config
+    # Extrapolate to the depth of the model the layers come from.
+    full_layers = (read_config(args.checkpoint)[0] if args.checkpoint else preset(args.model)).num_hidden_layers
     results = {"schema_version": SCHEMA_VERSION, "machine": machine_info(),
                "settings": {**vars(args), "full_layers": full_layers}, "runs": runs,
                "summary": summarize(runs, args.layers, full_layers)}

@@ -35,7 +35,7 @@ def fake_run(backend, length, seconds, status="ok"):
     attention = {"times_s": [seconds / 4], "min_s": seconds / 4, "median_s": seconds / 4}
     return {"backend": backend, "length": length, "status": "ok", "ttft": timing, "head": head,
             "attention": attention, "compile_s": 1.0, "peak_rss_mb": 900.0, "weights_checksum": 1.5,
-            "backend_ran": "fused:CPU" if backend == "fused" else "unfused", "full_layers_of_model": 32}
+            "backend_ran": "fused:CPU" if backend == "fused" else "unfused"}
 
 
 def test_summary_ratios_exponents_and_oom_rows():
