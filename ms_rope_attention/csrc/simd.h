@@ -36,15 +36,37 @@ inline vf Load(const float *p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 inline void Store(float *p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf Splat(float x) { return vf{} + x; }
 
+// Horizontal max/sum as a halving tree (log2(kLanes) vector ops, not a chain of kLanes scalar ones:
+// the softmax reduces every score row of every tile twice).
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+typedef float v2f __attribute__((vector_size(8)));
+
+template <typename Op>
+inline float Reduce4(v4f v, Op op) {
+  const v2f h = op(__builtin_shufflevector(v, v, 0, 1), __builtin_shufflevector(v, v, 2, 3));
+  return op(h[0], h[1]);
+}
+template <typename Op>
+inline float Reduce8(v8f v, Op op) {
+  return Reduce4(op(__builtin_shufflevector(v, v, 0, 1, 2, 3), __builtin_shufflevector(v, v, 4, 5, 6, 7)), op);
+}
+template <typename Op>
+inline float Reduce(vf v, Op op) {
+#if defined(__AVX512F__)
+  return Reduce8(op(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7),
+                    __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15)), op);
+#elif defined(__AVX2__) && defined(__FMA__)
+  return Reduce8(v, op);
+#else
+  return Reduce4(v, op);
+#endif
+}
 inline float ReduceMax(vf v) {
-  float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
-  return m;
+  return Reduce(v, [](auto a, auto b) { return a > b ? a : b; });
 }
 inline float ReduceSum(vf v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
+  return Reduce(v, [](auto a, auto b) { return a + b; });
 }
 
 // float16 <-> float32 rows with the F16C conversion instructions where the build has them (GCC
