@@ -72,7 +72,8 @@ def run_direct(length, heads, kv_heads, head_dim, dtype, repeats):
     lib = library()
 
     def kernel(rotate):
-        return lambda: lib.RotaryFlashAttentionRun(*args, ctypes.c_int64(0), ctypes.c_int64(0), ctypes.c_int(rotate))
+        return lambda: lib.RotaryFlashAttentionRun(*args, ctypes.c_int64(0), ctypes.c_int64(0), ctypes.c_int64(0),
+                                                   ctypes.c_int(rotate))
 
     series = {"fused_direct": kernel(1), "fused_direct_no_rope": kernel(0)}
     try:

@@ -9,9 +9,9 @@ from cases import Case
 from kernel_check import check_kernel
 
 
-def check(case, rng, dtype="float32", table_dtype="float32", rows=0, kv_block=0, scale=None, key_rotated=False):
-    check_kernel(case, rng, kh.run, last_error, dtype=dtype, table_dtype=table_dtype, rows=rows, kv_block=kv_block,
-                 scale=scale, key_rotated=key_rotated)
+def check(case, rng, dtype="float32", table_dtype="float32", scale=None, key_rotated=False, **tiling):
+    check_kernel(case, rng, kh.run, last_error, dtype=dtype, table_dtype=table_dtype, scale=scale,
+                 key_rotated=key_rotated, **tiling)
 
 
 @pytest.mark.parametrize("layout", ["BNSD", "BSND", "BSH", "TND"])
@@ -66,6 +66,19 @@ def test_decode_split_kv_matches_unsplit(rng):
     case = Case(q_len=1, kv_len=3000, heads=2, kv_heads=1, head_dim=64, batch=1)
     check(case, rng)
     check(case, rng, kv_block=32)
+
+
+@pytest.mark.parametrize("kept_tiles", [0, 2])
+@pytest.mark.parametrize("causal", [True, False])
+def test_packed_tiles_past_the_key_cache_budget(kept_tiles, causal, rng):
+    """A thread keeps the packed (rotated) K/V tiles of the (sequence, KV head) it works on up to a
+    byte budget and packs the tiles past it again for every use: no tile kept, and 2 of up to 5
+    kept (tile bytes = (32 x 16 + 16 x 32) x 4 = 4096), must give the same answer as all kept,
+    for prefill blocks, a varlen batch and decode splits."""
+    budget = {"key_cache_bytes": kept_tiles * 4096 or 1, "rows": 8, "kv_block": 16}
+    check(Case(layout="TND", causal=causal, heads=4, kv_heads=2, head_dim=32, q_lens=[1, 33, 0, 70],
+               kv_lens=[60, 40, 3, 77]), rng, **budget)
+    check(Case(q_len=1, kv_len=300, heads=2, kv_heads=1, head_dim=32, batch=1, causal=causal), rng, **budget)
 
 
 @pytest.mark.parametrize("layout", ["BSH", "TND"])

@@ -71,9 +71,10 @@ extern "C" RFA_EXPORT std::vector<std::vector<int64_t>> RotaryFlashAttentionInfe
 }
 
 // Validates, then runs. Shared by the MindSpore entry below and ms_rope_attention.cpu_direct
-// (tests, sanitizer run, benchmark); rows/kv_block <= 0 keep the default tiling.
+// (tests, sanitizer run, benchmark); rows/kv_block/key_cache_bytes <= 0 keep the default tiling.
 extern "C" RFA_EXPORT int RotaryFlashAttentionRun(const rfa::Attrs *attrs, int *ndims, int64_t **shapes, const char **dtypes,
-                                       void **params, int64_t rows, int64_t kv_block, int rotate) {
+                                       void **params, int64_t rows, int64_t kv_block, int64_t key_cache_bytes,
+                                       int rotate) {
   try {
     rfa::Problem problem;
     const std::string err = rfa::ValidateCall(*attrs, ndims, shapes, dtypes, params, &problem);
@@ -84,6 +85,7 @@ extern "C" RFA_EXPORT int RotaryFlashAttentionRun(const rfa::Attrs *attrs, int *
     rfa::cpu::Tiling tiling;
     if (rows > 0) tiling.rows = rows;
     if (kv_block > 0) tiling.kv_block = kv_block;
+    if (key_cache_bytes > 0) tiling.key_cache_bytes = key_cache_bytes;
     tiling.rotate = rotate != 0;
     rfa::cpu::Run(problem, buf, tiling);
     return 0;
@@ -100,5 +102,5 @@ extern "C" RFA_EXPORT int RotaryFlashAttention(int nparam, void **params, int *n
   auto *data = static_cast<AttrData *>(static_cast<AotExtra *>(extra)->KernelData());
   if (!data) return Fail("kernel attributes missing (Init did not run)");
   if (!data->error.empty()) return Fail(data->error);
-  return RotaryFlashAttentionRun(&data->attrs, ndims, shapes, dtypes, params, 0, 0, 1);
+  return RotaryFlashAttentionRun(&data->attrs, ndims, shapes, dtypes, params, 0, 0, 0, 1);
 }

@@ -6,7 +6,9 @@
 //      by scale*log2(e) into a row-major tile. Rotated Q never goes back to memory.
 //   2. For each KV tile up to the causal bound: K rows are converted, rotated and written transposed
 //      into the packed K tile (the pack already touches every element, so the rotation rides along);
-//      V rows are converted into the packed V tile.
+//      V rows are converted into the packed V tile. A thread keeps its packed tiles while it works on
+//      the query blocks of one (sequence, KV head) (tasks are ordered so that the threads share one at
+//      a time), so a tile is packed once per thread rather than once per query block.
 //   3. S = Q K^T (register-blocked GEMM), online softmax in base 2 with the running max/sum per row,
 //      O = O*alpha + P V. No S x S matrix exists, only one S tile per thread.
 //   4. O / l is converted to the output dtype; lse = (m + log2 l) * ln 2.
@@ -167,6 +169,7 @@ struct Scratch {
 
 struct Task {
   int64_t seq, group, q0, nq;  // query rows [q0, q0 + nq) of sequence `seq`, KV head `group`
+  int64_t unit;                // seq * kv_heads + group: the tasks sharing one K/V
   int64_t kv_lo, kv_hi;        // KV range of this task (a split of [0, causal bound))
   int64_t split, item;         // split index, and the (seq, group, q-block) item it belongs to
   int64_t cost;
@@ -174,6 +177,7 @@ struct Task {
 
 struct Plan {
   int64_t group_size, block_q, rows_max, kv_block, head_pad, nsplit;
+  int64_t cached_tiles;  // packed K/V tiles a thread keeps per unit; one more slot streams the rest
   std::vector<Task> tasks;
   int64_t items = 0;
 };
@@ -211,11 +215,23 @@ Plan MakePlan(const Problem &p, const Tiling &t, int threads) {
     const int64_t chunk = RoundUp((it.kv_end + plan.nsplit - 1) / plan.nsplit, plan.kv_block);
     for (int64_t s = 0; s < plan.nsplit; ++s) {
       const int64_t lo = std::min(it.kv_end, s * chunk), hi = std::min(it.kv_end, lo + chunk);
-      plan.tasks.push_back({it.seq, it.group, it.q0, it.nq, lo, hi, s, i, (hi - lo + 1) * it.nq});
+      plan.tasks.push_back({it.seq, it.group, it.q0, it.nq, it.seq * p.kv_heads + it.group, lo, hi, s, i,
+                            (hi - lo + 1) * it.nq});
     }
   }
-  // Heaviest first (causal blocks near the end of a sequence see the most keys), then dynamic.
-  std::stable_sort(plan.tasks.begin(), plan.tasks.end(), [](const Task &a, const Task &b) { return a.cost > b.cost; });
+  const int64_t tile_bytes = (p.head_dim * plan.kv_block + plan.kv_block * plan.head_pad) * sizeof(float);
+  const int64_t tiles = (max_kv + plan.kv_block - 1) / plan.kv_block;
+  plan.cached_tiles = std::min(tiles, t.key_cache_bytes / tile_bytes);
+  // Unit by unit, heaviest unit first, and within a unit heaviest task first (causal blocks near the
+  // end of a sequence see the most keys), scheduled dynamically: the threads work through one
+  // unit's tasks together, so each packs that unit's tiles once, and the run ends on light tasks.
+  std::vector<int64_t> unit_cost(p.batch * p.kv_heads, 0);
+  for (const Task &task : plan.tasks) unit_cost[task.unit] += task.cost;
+  std::stable_sort(plan.tasks.begin(), plan.tasks.end(), [&unit_cost](const Task &a, const Task &b) {
+    if (a.unit != b.unit)
+      return unit_cost[a.unit] != unit_cost[b.unit] ? unit_cost[a.unit] > unit_cost[b.unit] : a.unit < b.unit;
+    return a.cost > b.cost;
+  });
   return plan;
 }
 
@@ -235,14 +251,17 @@ class Worker {
 
   bool Bind(Scratch *scratch) {
     const int64_t R = plan_.rows_max, D = p_.head_dim, Dp = plan_.head_pad, BK = plan_.kv_block;
-    const size_t need = R * D + D * BK + BK * Dp + R * BK + R * Dp + 2 * R + 4 * Dp + kLanes * Dp +
+    const int64_t slots = plan_.cached_tiles + 1;
+    const size_t need = slots * (D * BK + BK * Dp) + R * D + R * BK + R * Dp + 2 * R + 4 * Dp + kLanes * Dp +
                         2 * p_.rotary_dim + 64;
     float *base = scratch->Get(need);
     if (!base) return false;
     auto take = [&base](int64_t n) { float *r = base; base += RoundUp(n, 16); return r; };
-    q_ = take(R * D); kt_ = take(D * BK); v_ = take(BK * Dp); s_ = take(R * BK); o_ = take(R * Dp);
+    kt_ = take(slots * D * BK); v_ = take(slots * BK * Dp);
+    q_ = take(R * D); s_ = take(R * BK); o_ = take(R * Dp);
     m_ = take(R); l_ = take(R); row_ = take(Dp); rot_ = take(Dp); orig_ = take(Dp); tmp_ = take(Dp);
     ctmp_ = take(p_.rotary_dim); stmp_ = take(p_.rotary_dim); stage_ = take(kLanes * Dp);
+    packed_.assign(plan_.cached_tiles, 0);
     return true;
   }
 
@@ -271,50 +290,24 @@ class Worker {
     }
     for (int64_t r = 0; r < M; ++r) { m_[r] = kNegInf; l_[r] = 0.f; }
     std::memset(o_, 0, M * Dp * sizeof(float));
-    const bool emit_key = buf_.rotated_key && t.q0 + t.nq == lq;  // the last q-block sees every key
-    const int64_t kvseq = t.seq * p_.kv.batch + p_.kv_start[t.seq] * p_.kv.row;
-    const int64_t kvhead = kvseq + t.group * p_.kv.head;
-    for (int64_t j0 = t.kv_lo; j0 < t.kv_hi; j0 += plan_.kv_block) {
-      const int64_t n = std::min(plan_.kv_block, t.kv_hi - j0), np = RoundUp(n, kLanes);
-      // 2. Pack the K tile transposed and rotated, and the V tile (contiguous copies keep the GEMM's
-      //    B panels in cache; reading V in place with the layout's row stride measured slower).
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t off = kvhead + (j0 + j) * p_.kv.row;
-        // float32 keys are read in place; others are converted into row_.
-        const float *key = p_.qkv_dtype == DType::F32 ? static_cast<const float *>(buf_.key) + off : row_;
-        if (key == row_) LoadRow(p_.qkv_dtype, buf_.key, off, D, row_);
-        // Rotated rows go straight into a staging block of kLanes keys, then K^T is written one
-        // vector (kLanes keys of one feature) at a time: contiguous stores, not D scattered ones per key.
-        float *staged = stage_ + (j % kLanes) * Dp;
-        if (rotate && p_.attrs.key_rotated) {  // a rotated KV cache: reorder only, emit as given
-          ToKernelOrder(key, rd, D, mode, staged);
-          if (emit_key) StoreRow(p_.qkv_dtype, key, D, buf_.rotated_key, off);
-        } else if (rotate) {
-          const int64_t pos = j0 + j;
-          Rotate(key, tables_.Row(buf_.cos, p_.cos_dtype, pos, ctmp_), tables_.Row(buf_.sin, p_.sin_dtype, pos, stmp_),
-                 rd, D, mode, 1.0f, staged);
-          if (emit_key) {
-            ToOriginalOrder(staged, rd, D, mode, orig_);
-            StoreRow(p_.qkv_dtype, orig_, D, buf_.rotated_key, off);
-          }
-        } else {
-          std::memcpy(staged, key, D * sizeof(float));
-          if (emit_key) StoreRow(p_.qkv_dtype, key, D, buf_.rotated_key, off);
-        }
-        if (j % kLanes == kLanes - 1 || j == n - 1) {
-          const int64_t first = j - j % kLanes, count = j - first + 1;
-          for (int64_t d = 0; d < D; ++d) {
-            simd::vf col = {};
-            for (int64_t jj = 0; jj < count; ++jj) col[jj] = stage_[jj * Dp + d];
-            simd::Store(kt_ + d * np + first, col);
-          }
-        }
-        float *vrow = v_ + j * Dp;
-        LoadRow(p_.qkv_dtype, buf_.value, kvseq + t.group * p_.kv.head + (j0 + j) * p_.kv.row, D, vrow);
-        for (int64_t d = D; d < Dp; ++d) vrow[d] = 0.f;
+    const int64_t BK = plan_.kv_block;
+    if (t.unit != unit_) {  // a new (sequence, KV head): the kept tiles belong to another one
+      std::fill(packed_.begin(), packed_.end(), 0);
+      unit_ = t.unit;
+    }
+    for (int64_t j0 = t.kv_lo; j0 < t.kv_hi; j0 += BK) {
+      const int64_t n = std::min(BK, t.kv_hi - j0), np = RoundUp(n, kLanes);
+      // 2. The packed K^T (row stride BK) and V tiles: kept ones as they are, others packed now. A
+      //    tile is always packed whole (up to the sequence's last key), whatever this task's causal
+      //    bound, so a later task can use it; the keys past the bound are masked like any other.
+      const int64_t tile = j0 / BK, slot = std::min(tile, plan_.cached_tiles);
+      const float *kt = kt_ + slot * p_.head_dim * BK, *v = v_ + slot * BK * Dp;
+      if (slot == plan_.cached_tiles || !packed_[slot]) {
+        PackTile(t, j0, std::min(BK, lk - j0), kt_ + slot * p_.head_dim * BK, v_ + slot * BK * Dp);
+        if (slot < plan_.cached_tiles) packed_[slot] = 1;
       }
       // 3. Scores, then online softmax per row.
-      simd::Gemm(M, np, D, q_, D, kt_, np, s_, np, false);
+      simd::Gemm(M, np, D, q_, D, kt, BK, s_, np, false);
       for (int64_t r = 0; r < M; ++r) {
         float *srow = s_ + r * np;
         int64_t valid = n;
@@ -349,8 +342,10 @@ class Worker {
           for (int64_t d = 0; d < Dp; d += kLanes) simd::Store(orow + d, simd::Load(orow + d) * va);
         }
       }
-      simd::Gemm(M, Dp, n, s_, np, v_, Dp, o_, Dp, true);
+      simd::Gemm(M, Dp, n, s_, np, v, Dp, o_, Dp, true);
     }
+    // The last query block sees every key of its range: it writes them rotated (splits each their part).
+    if (buf_.rotated_key && t.q0 + t.nq == lq) EmitKeys(t.seq, t.group, t.kv_lo, t.kv_hi);
     if (plan_.nsplit > 1) {
       std::memcpy(partials_->O(t.item, t.split), o_, M * Dp * sizeof(float));
       std::memcpy(partials_->M(t.item, t.split), m_, M * sizeof(float));
@@ -385,25 +380,65 @@ class Worker {
     Finish(t, o_, m_, l_);
   }
 
-  // Rotated key rows of a sequence that has no query (no task visits its keys).
-  void EmitKeysOnly(int64_t seq, int64_t group) {
-    const int64_t D = p_.head_dim;
+  // Key rows [lo, hi) of sequence `seq`, KV head `group`, rotated (or as given when they already
+  // are, or when the rotation is switched off) into the rotated_key output.
+  void EmitKeys(int64_t seq, int64_t group, int64_t lo, int64_t hi) {
+    const int64_t D = p_.head_dim, rd = p_.rotary_dim, mode = p_.attrs.rotary_mode;
     const int64_t base = seq * p_.kv.batch + p_.kv_start[seq] * p_.kv.row + group * p_.kv.head;
-    for (int64_t j = 0; j < p_.kv_lens[seq]; ++j) {
+    for (int64_t j = lo; j < hi; ++j) {
       const int64_t off = base + j * p_.kv.row;
       LoadRow(p_.qkv_dtype, buf_.key, off, D, row_);
-      if (p_.attrs.key_rotated) {
+      if (p_.attrs.key_rotated || !tiling_.rotate) {
         StoreRow(p_.qkv_dtype, row_, D, buf_.rotated_key, off);
         continue;
       }
-      Rotate(row_, tables_.Row(buf_.cos, p_.cos_dtype, j, ctmp_), tables_.Row(buf_.sin, p_.sin_dtype, j, stmp_),
-             p_.rotary_dim, D, p_.attrs.rotary_mode, 1.0f, rot_);
-      ToOriginalOrder(rot_, p_.rotary_dim, D, p_.attrs.rotary_mode, orig_);
+      Rotate(row_, tables_.Row(buf_.cos, p_.cos_dtype, j, ctmp_), tables_.Row(buf_.sin, p_.sin_dtype, j, stmp_), rd,
+             D, mode, 1.0f, rot_);
+      ToOriginalOrder(rot_, rd, D, mode, orig_);
       StoreRow(p_.qkv_dtype, orig_, D, buf_.rotated_key, off);
     }
   }
 
  private:
+  // Keys [j0, j0 + n) of the task's KV head: rotated and transposed into kt (K^T, row stride
+  // kv_block, columns n..np zero), V rows into v (row stride head_pad, padding zero). Contiguous
+  // packed tiles keep the GEMM's B panels in cache; reading V in place with the layout's row stride
+  // measured slower.
+  void PackTile(const Task &t, int64_t j0, int64_t n, float *kt, float *v) {
+    const int64_t D = p_.head_dim, Dp = plan_.head_pad, BK = plan_.kv_block, rd = p_.rotary_dim;
+    const int64_t mode = p_.attrs.rotary_mode;
+    const int64_t kvhead = t.seq * p_.kv.batch + p_.kv_start[t.seq] * p_.kv.row + t.group * p_.kv.head;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t off = kvhead + (j0 + j) * p_.kv.row;
+      // float32 keys are read in place; others are converted into row_.
+      const float *key = p_.qkv_dtype == DType::F32 ? static_cast<const float *>(buf_.key) + off : row_;
+      if (key == row_) LoadRow(p_.qkv_dtype, buf_.key, off, D, row_);
+      // Rows go to a staging block of kLanes keys, then K^T is written one vector (kLanes keys of
+      // one feature) at a time: contiguous stores, not D scattered ones per key.
+      float *staged = stage_ + (j % kLanes) * Dp;
+      if (!tiling_.rotate) {
+        std::memcpy(staged, key, D * sizeof(float));
+      } else if (p_.attrs.key_rotated) {  // a rotated KV cache: only reordered like Q
+        ToKernelOrder(key, rd, D, mode, staged);
+      } else {
+        const int64_t pos = j0 + j;
+        Rotate(key, tables_.Row(buf_.cos, p_.cos_dtype, pos, ctmp_), tables_.Row(buf_.sin, p_.sin_dtype, pos, stmp_),
+               rd, D, mode, 1.0f, staged);
+      }
+      if (j % kLanes == kLanes - 1 || j == n - 1) {
+        const int64_t first = j - j % kLanes, count = j - first + 1;
+        for (int64_t d = 0; d < D; ++d) {
+          simd::vf col = {};
+          for (int64_t jj = 0; jj < count; ++jj) col[jj] = stage_[jj * Dp + d];
+          simd::Store(kt + d * BK + first, col);
+        }
+      }
+      float *vrow = v + j * Dp;
+      LoadRow(p_.qkv_dtype, buf_.value, off, D, vrow);
+      for (int64_t d = D; d < Dp; ++d) vrow[d] = 0.f;
+    }
+  }
+
   // 4. Normalise and write the output rows and their log-sum-exp.
   void Finish(const Task &t, const float *o, const float *m, const float *l) {
     const int64_t G = plan_.group_size, D = p_.head_dim, Dp = plan_.head_pad;
@@ -432,6 +467,8 @@ class Worker {
   float *q_ = nullptr, *kt_ = nullptr, *v_ = nullptr, *s_ = nullptr, *o_ = nullptr, *m_ = nullptr, *l_ = nullptr;
   float *row_ = nullptr, *rot_ = nullptr, *orig_ = nullptr, *tmp_ = nullptr, *ctmp_ = nullptr, *stmp_ = nullptr;
   float *stage_ = nullptr;  // kLanes K rows, before they are written transposed
+  int64_t unit_ = -1;               // the unit whose tiles kt_/v_ hold
+  std::vector<uint8_t> packed_;     // per kept tile slot: packed for unit_ yet
 };
 
 thread_local Scratch tls_scratch;
@@ -471,7 +508,10 @@ void Run(const Problem &p, const Buffers &buf, const Tiling &tiling) {
       if (bound) worker.RunTask(plan.tasks[i]);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < static_cast<int64_t>(keys_only.size()) * p.kv_heads; ++i)
-      if (bound) worker.EmitKeysOnly(keys_only[i / p.kv_heads], i % p.kv_heads);
+      if (bound) {
+        const int64_t seq = keys_only[i / p.kv_heads];
+        worker.EmitKeys(seq, i % p.kv_heads, 0, p.kv_lens[seq]);
+      }
     if (plan.nsplit > 1) {
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < ntasks; ++i)

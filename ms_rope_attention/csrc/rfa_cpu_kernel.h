@@ -18,6 +18,10 @@ struct Tiling {
                            // enough that packing and rotating a K tile is amortised over many rows
   int64_t kv_block = 128;  // keys per tile (rounded up to the GEMM column block)
   int64_t min_split_keys = 256;  // decode: smallest KV chunk worth its own task
+  int64_t key_cache_bytes = int64_t{32} << 20;  // per thread: packed (rotated, transposed) K and V
+                           // tiles kept across the query blocks of one (sequence, KV head), so each
+                           // tile is rotated and packed once per thread, not once per query block;
+                           // tiles past the budget are packed again every time they are needed
   bool rotate = true;      // false only in benchmarks, to measure what the fused rotation costs
 };
 
