@@ -186,6 +186,13 @@ Plan MakePlan(const Problem &p, const Tiling &t, int threads) {
   Plan plan;
   plan.group_size = p.q_heads / p.kv_heads;
   plan.block_q = std::max<int64_t>(1, t.rows / plan.group_size);
+  // Prefer a block whose rows fill whole GEMM micro-tiles (a short tail tile runs far below peak),
+  // giving up at most a quarter of the rows for it.
+  for (int64_t bq = plan.block_q; plan.group_size * plan.block_q > simd::kRows && 4 * bq >= 3 * plan.block_q; --bq)
+    if (plan.group_size * bq % simd::kRows == 0) {
+      plan.block_q = bq;
+      break;
+    }
   plan.rows_max = plan.group_size * plan.block_q;
   plan.kv_block = RoundUp(std::max<int64_t>(1, t.kv_block), kCols);
   plan.head_pad = RoundUp(p.head_dim, kLanes);

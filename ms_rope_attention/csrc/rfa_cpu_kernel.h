@@ -14,8 +14,9 @@ struct Buffers {
 
 // Tuning knobs; defaults are the production choice, tests shrink them to hit every tail path.
 struct Tiling {
-  int64_t rows = 256;      // target query rows per task (heads of a GQA group x query positions): big
-                           // enough that packing and rotating a K tile is amortised over many rows
+  int64_t rows = 240;      // target query rows per task (heads of a GQA group x query positions): big
+                           // enough to amortise a K/V tile's trip through the cache over many rows, and
+                           // a multiple of the GEMM micro-tile height (no short tail micro-tile)
   int64_t kv_block = 128;  // keys per tile (rounded up to the GEMM column block)
   int64_t min_split_keys = 256;  // decode: smallest KV chunk worth its own task
   int64_t key_cache_bytes = int64_t{32} << 20;  // per thread: packed (rotated, transposed) K and V
