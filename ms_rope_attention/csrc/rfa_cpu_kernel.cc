@@ -9,9 +9,11 @@
 //      V rows are converted into the packed V tile. A thread keeps its packed tiles while it works on
 //      the query blocks of one (sequence, KV head) (tasks are ordered so that the threads share one at
 //      a time), so a tile is packed once per thread rather than once per query block.
-//   3. S = Q K^T (register-blocked GEMM), online softmax in base 2 with the running max/sum per row,
+//   3. On a causal diagonal tile, the keys each block of GEMM micro-tile rows sees: the GEMMs skip
+//      what no row of a block sees.
+//   4. S = Q K^T (register-blocked GEMM), online softmax in base 2 with the running max/sum per row,
 //      O = O*alpha + P V. No S x S matrix exists, only one S tile per thread.
-//   4. O / l is converted to the output dtype; lse = (m + log2 l) * ln 2.
+//   5. O / l is converted to the output dtype; lse = (m + log2 l) * ln 2.
 // Interleaved RoPE (mode 1) de-interleaves the rotated features of Q and K identically while
 // packing, so both modes share the rotate-half arithmetic; Q K^T is invariant under the common
 // permutation. Decode-sized problems split the KV range across threads and merge by log-sum-exp.
@@ -33,6 +35,7 @@ namespace {
 
 using simd::kCols;
 using simd::kLanes;
+using simd::kRows;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -269,6 +272,9 @@ class Worker {
     m_ = take(R); l_ = take(R); row_ = take(Dp); rot_ = take(Dp); orig_ = take(Dp); tmp_ = take(Dp);
     ctmp_ = take(p_.rotary_dim); stmp_ = take(p_.rotary_dim); stage_ = take(kLanes * Dp);
     packed_.assign(plan_.cached_tiles, 0);
+    valid_.resize(R);
+    klim_.resize(R / kRows + 1);
+    nlim_.resize(R / kRows + 1);
     return true;
   }
 
@@ -313,15 +319,22 @@ class Worker {
         PackTile(t, j0, std::min(BK, lk - j0), kt_ + slot * p_.head_dim * BK, v_ + slot * BK * Dp);
         if (slot < plan_.cached_tiles) packed_[slot] = 1;
       }
-      // 3. Scores, then online softmax per row.
-      simd::Gemm(M, np, D, q_, D, kt, BK, s_, np, false);
+      // 3. Keys of the tile each row sees. On a causal diagonal tile the GEMMs cover, per micro-tile
+      //    row block, only the columns (Q K^T) and keys (P V) that some row of the block sees.
+      const bool diagonal = p_.attrs.causal && q_off + t.q0 - j0 + 1 < n;
+      for (int64_t r = 0; r < M; ++r)
+        valid_[r] = diagonal ? std::max<int64_t>(0, std::min(n, q_off + t.q0 + r % t.nq - j0 + 1)) : n;
+      if (diagonal)
+        for (int64_t b = 0; b * kRows < M; ++b) {
+          const auto first = valid_.begin() + b * kRows;
+          klim_[b] = *std::max_element(first, valid_.begin() + std::min(M, (b + 1) * kRows));
+          nlim_[b] = RoundUp(klim_[b], kLanes);
+        }
+      // 4. Scores, then online softmax per row.
+      simd::Gemm(M, np, D, q_, D, kt, BK, s_, np, false, diagonal ? nlim_.data() : nullptr);
       for (int64_t r = 0; r < M; ++r) {
         float *srow = s_ + r * np;
-        int64_t valid = n;
-        if (p_.attrs.causal) {
-          const int64_t pos = q_off + t.q0 + r % t.nq;
-          valid = std::max<int64_t>(0, std::min(n, pos - j0 + 1));
-        }
+        const int64_t valid = valid_[r];
         if (valid == 0) {  // this row sees no key of the tile: contributes nothing to P V
           std::memset(srow, 0, np * sizeof(float));
           continue;
@@ -349,7 +362,7 @@ class Worker {
           for (int64_t d = 0; d < Dp; d += kLanes) simd::Store(orow + d, simd::Load(orow + d) * va);
         }
       }
-      simd::Gemm(M, Dp, n, s_, np, v, Dp, o_, Dp, true);
+      simd::Gemm(M, Dp, n, s_, np, v, Dp, o_, Dp, true, nullptr, diagonal ? klim_.data() : nullptr);
     }
     // The last query block sees every key of its range: it writes them rotated (splits each their part).
     if (buf_.rotated_key && t.q0 + t.nq == lq) EmitKeys(t.seq, t.group, t.kv_lo, t.kv_hi);
@@ -446,7 +459,7 @@ class Worker {
     }
   }
 
-  // 4. Normalise and write the output rows and their log-sum-exp.
+  // 5. Normalise and write the output rows and their log-sum-exp.
   void Finish(const Task &t, const float *o, const float *m, const float *l) {
     const int64_t G = plan_.group_size, D = p_.head_dim, Dp = plan_.head_pad;
     const int64_t qseq = t.seq * p_.q.batch + p_.q_start[t.seq] * p_.q.row;
@@ -476,6 +489,8 @@ class Worker {
   float *stage_ = nullptr;  // kLanes K rows, before they are written transposed
   int64_t unit_ = -1;               // the unit whose tiles kt_/v_ hold
   std::vector<uint8_t> packed_;     // per kept tile slot: packed for unit_ yet
+  std::vector<int64_t> valid_;      // per row of the task: keys of the current tile it sees
+  std::vector<int64_t> klim_, nlim_;  // per micro-tile row block: keys / score columns to compute
 };
 
 thread_local Scratch tls_scratch;

@@ -157,15 +157,24 @@ struct MakeTable<0, Is...> { using type = KernelTable<Is...>; };
 
 // C[M x N] (+)= A[M x K] * B[K x N], N a multiple of kLanes. The B panel of one column block stays
 // in L1 while the row blocks stream past it.
+//
+// Causal tiles: for the row block [m0, m0 + kRows), n_limit[m0 / kRows] (when given) is how many
+// columns of C it needs (the columns past it are not written), and k_limit[m0 / kRows] how many
+// terms of the sum (a row block with none is left as it is), so the part of a diagonal tile that
+// no row of a block can see is not computed at all.
 inline void Gemm(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
-                 float *C, int64_t ldc, bool accumulate) {
+                 float *C, int64_t ldc, bool accumulate, const int64_t *n_limit = nullptr,
+                 const int64_t *k_limit = nullptr) {
   using Table = MakeTable<kRows>::type;
   for (int64_t n0 = 0; n0 < N;) {
     const bool wide = N - n0 >= kCols;
     for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+      if (n_limit && n0 >= n_limit[m0 / kRows]) continue;
+      const int64_t k = k_limit ? k_limit[m0 / kRows] : K;
+      if (k == 0 && accumulate) continue;
       const int64_t mr = M - m0 < kRows ? M - m0 : kRows;
       const MicroKernelFn fn = wide ? Table::wide[mr - 1] : Table::narrow[mr - 1];
-      fn(K, A + m0 * lda, lda, B + n0, ldb, C + m0 * ldc + n0, ldc, accumulate);
+      fn(k, A + m0 * lda, lda, B + n0, ldb, C + m0 * ldc + n0, ldc, accumulate);
     }
     n0 += wide ? kCols : kLanes;
   }
