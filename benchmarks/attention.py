@@ -92,10 +92,15 @@ def run_direct(length, heads, kv_heads, head_dim, dtype, repeats):
     for fn in series.values():
         fn()  # warm-up: scratch allocation, first touch
     times = {name: [] for name in series}
-    for _ in range(repeats):
-        for name, fn in series.items():
+    # The order turns every repeat: a thread pool still spinning after one series (OpenMP pools
+    # wait actively for a while) slows whichever runs next, so no series may always follow the
+    # same one. (Measured: right after a numpy GEMM the kernel's best time was 135 ms at S=2048,
+    # against 130-133 ms for the same call later in the round.)
+    names = list(series)
+    for i in range(repeats):
+        for name in names[i % len(names):] + names[:i % len(names)]:
             start = time.perf_counter()
-            fn()
+            series[name]()
             times[name].append(time.perf_counter() - start)
     del keep
     return times
