@@ -119,14 +119,16 @@ def unfused_rotary_flash_attention(query, key, value, cos, sin, actual_seq_qlen=
     qr = _rope(q, cos, sin, q_pos, rotary_mode, rotary_dim)
     kr = k if key_rotated else _rope(k, cos, sin, k_pos, rotary_mode, rotary_dim)
     group = head_num // kv_head_num
-    # GQA without copying K/V: query heads of one KV head share a broadcast batch dimension.
-    q5 = qr.reshape(qr.shape[0], kv_head_num, group, -1, head_dim)
-    scores = ops.matmul(q5, kr.expand_dims(2).swapaxes(-1, -2)) * scale
+    # GQA without copying K/V: query heads of one KV head share a broadcast batch dimension. The
+    # scale goes on Q and rows that see no key are zeroed on the output, not on S x S tensors:
+    # every elementwise op on the scores is one more score-sized temporary.
+    q5 = (qr * scale).reshape(qr.shape[0], kv_head_num, group, -1, head_dim)
+    scores = ops.matmul(q5, kr.expand_dims(2).swapaxes(-1, -2))
     allowed = _allowed(q_pos, k_pos, same_sequence, causal)
     scores = ops.where(allowed, scores, _NEG)
     row_sees_a_key = allowed.any(axis=-1, keep_dims=True).astype(ms.float32)
-    probs = ops.softmax(scores, axis=-1) * row_sees_a_key
-    attended = ops.matmul(probs, v.expand_dims(2)).reshape(qr.shape[0], head_num, -1, head_dim)
+    attended = ops.matmul(ops.softmax(scores, axis=-1), v.expand_dims(2)) * row_sees_a_key
+    attended = attended.reshape(qr.shape[0], head_num, -1, head_dim)
     out = _from_bnsd(attended, layout).astype(out_dtype)
     if with_softmax_lse:
         lse = ops.where(row_sees_a_key.squeeze(-1) > 0, ops.logsumexp(scores, -1), -float("inf"))
