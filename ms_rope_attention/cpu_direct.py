@@ -89,7 +89,7 @@ def prepare(q, k, v, cos, sin, aq=None, ak=None, *, head_num=None, input_layout=
     return args, outputs, (attrs, arrays, shape_bufs)
 
 
-def run(q, k, v, cos, sin, aq=None, ak=None, *, dtype="float32", rows=0, kv_block=0, key_cache_bytes=0, rotate=True,
+def run(q, k, v, cos, sin, aq=None, ak=None, *, dtype="float32", rows=0, kv_block=0, pack_bytes=0, rotate=True,
         kernel=None, **kwargs):
     """(return code, out, lse, rotated_key) with outputs decoded to float64.
 
@@ -99,7 +99,7 @@ def run(q, k, v, cos, sin, aq=None, ak=None, *, dtype="float32", rows=0, kv_bloc
     """
     args, (out, lse, rk), keep = prepare(q, k, v, cos, sin, aq, ak, dtype=dtype, **kwargs)
     code = (kernel or library()).RotaryFlashAttentionRun(*args, ctypes.c_int64(rows), ctypes.c_int64(kv_block),
-                                                         ctypes.c_int64(key_cache_bytes),
+                                                         ctypes.c_int64(pack_bytes),
                                                          ctypes.c_int(int(rotate)))
     del keep
     return code, decode(out, dtype), lse.astype(np.float64), decode(rk, dtype)

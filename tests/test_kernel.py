@@ -68,17 +68,17 @@ def test_decode_split_kv_matches_unsplit(rng):
     check(case, rng, kv_block=32)
 
 
-@pytest.mark.parametrize("kept_tiles", [0, 2])
+@pytest.mark.parametrize("pack_tiles", [1, 6])
 @pytest.mark.parametrize("causal", [True, False])
-def test_packed_tiles_past_the_key_cache_budget(kept_tiles, causal, rng):
-    """A thread keeps the packed (rotated) K/V tiles of the (sequence, KV head) it works on up to a
-    byte budget and packs the tiles past it again for every use: no tile kept, and 2 of up to 5
-    kept (tile bytes = (32 x 16 + 16 x 32) x 4 = 4096), must give the same answer as all kept,
-    for prefill blocks, a varlen batch and decode splits."""
-    budget = {"key_cache_bytes": kept_tiles * 4096 or 1, "rows": 8, "kv_block": 16}
-    check(Case(layout="TND", causal=causal, heads=4, kv_heads=2, head_dim=32, q_lens=[1, 33, 0, 70],
-               kv_lens=[60, 40, 3, 77]), rng, **budget)
-    check(Case(q_len=1, kv_len=300, heads=2, kv_heads=1, head_dim=32, batch=1, causal=causal), rng, **budget)
+def test_packing_in_chunks(pack_tiles, causal, rng):
+    """K/V are packed a chunk of (sequence, KV head) units at a time, a chunk bounded by a byte
+    budget: one unit per chunk (a budget below one tile), and chunks of several short units next to
+    units bigger than the budget (6 tiles of (32 x 16 + 16 x 32) x 4 = 4096 bytes), must give the
+    same answer as everything in one chunk, for prefill blocks, a varlen batch and decode splits."""
+    tiling = {"pack_bytes": 1 if pack_tiles == 1 else pack_tiles * 4096, "rows": 8, "kv_block": 16}
+    check(Case(layout="TND", causal=causal, heads=4, kv_heads=2, head_dim=32, q_lens=[1, 33, 0, 70, 5],
+               kv_lens=[60, 40, 3, 130, 20]), rng, **tiling)
+    check(Case(q_len=1, kv_len=300, heads=2, kv_heads=1, head_dim=32, batch=1, causal=causal), rng, **tiling)
 
 
 @pytest.mark.parametrize("layout", ["BSH", "TND"])

@@ -71,9 +71,9 @@ extern "C" RFA_EXPORT std::vector<std::vector<int64_t>> RotaryFlashAttentionInfe
 }
 
 // Validates, then runs. Shared by the MindSpore entry below and ms_rope_attention.cpu_direct
-// (tests, sanitizer run, benchmark); rows/kv_block/key_cache_bytes <= 0 keep the default tiling.
+// (tests, sanitizer run, benchmark); rows/kv_block/pack_bytes <= 0 keep the default tiling.
 extern "C" RFA_EXPORT int RotaryFlashAttentionRun(const rfa::Attrs *attrs, int *ndims, int64_t **shapes, const char **dtypes,
-                                       void **params, int64_t rows, int64_t kv_block, int64_t key_cache_bytes,
+                                       void **params, int64_t rows, int64_t kv_block, int64_t pack_bytes,
                                        int rotate) {
   try {
     rfa::Problem problem;
@@ -85,7 +85,7 @@ extern "C" RFA_EXPORT int RotaryFlashAttentionRun(const rfa::Attrs *attrs, int *
     rfa::cpu::Tiling tiling;
     if (rows > 0) tiling.rows = rows;
     if (kv_block > 0) tiling.kv_block = kv_block;
-    if (key_cache_bytes > 0) tiling.key_cache_bytes = key_cache_bytes;
+    if (pack_bytes > 0) tiling.pack_bytes = pack_bytes;
     tiling.rotate = rotate != 0;
     rfa::cpu::Run(problem, buf, tiling);
     return 0;

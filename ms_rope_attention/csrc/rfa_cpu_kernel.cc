@@ -1,16 +1,18 @@
 // Fused RoPE + FlashAttention forward on the CPU.
 //
-// Data flow per task (one sequence, one KV head, one block of query rows of every query head that
-// shares that KV head):
-//   1. Q rows are loaded once, converted to float32, rotated at their absolute positions and scaled
+// Data flow:
+//   1. Packing, by all threads, one chunk of (sequence, KV head) units at a time: K rows are
+//      converted to float32, rotated and written transposed into packed K^T tiles (the pack already
+//      touches every element, so the rotation rides along); V rows are converted into packed V
+//      tiles. Every query block then reads the packed tiles: a key is rotated once per call, not
+//      once per query block or per thread. Chunks are bounded by Tiling::pack_bytes (at least one
+//      unit), so the packed copy is O(S), never O(S^2).
+//   Then per task (one sequence, one KV head, one block of query rows of every query head sharing
+//   that KV head), on one thread:
+//   2. Q rows are loaded once, converted to float32, rotated at their absolute positions and scaled
 //      by scale*log2(e) into a row-major tile. Rotated Q never goes back to memory.
-//   2. For each KV tile up to the causal bound: K rows are converted, rotated and written transposed
-//      into the packed K tile (the pack already touches every element, so the rotation rides along);
-//      V rows are converted into the packed V tile. A thread keeps its packed tiles while it works on
-//      the query blocks of one (sequence, KV head) (tasks are ordered so that the threads share one at
-//      a time), so a tile is packed once per thread rather than once per query block.
-//   3. On a causal diagonal tile, the keys each block of GEMM micro-tile rows sees: the GEMMs skip
-//      what no row of a block sees.
+//   3. For each packed KV tile up to the causal bound; on a causal diagonal tile, the keys each block
+//      of GEMM micro-tile rows sees: the GEMMs skip what no row of a block sees.
 //   4. S = Q K^T (register-blocked GEMM), online softmax in base 2 with the running max/sum per row,
 //      O = O*alpha + P V. No S x S matrix exists, only one S tile per thread.
 //   5. O / l is converted to the output dtype; lse = (m + log2 l) * ln 2.
@@ -155,7 +157,8 @@ struct AlignedFree {
   void operator()(float *p) const { std::free(p); }
 };
 
-// Per-thread scratch, grown on demand and kept across calls (OpenMP keeps its threads).
+// Scratch grown on demand and kept across calls: one per OpenMP thread (OpenMP keeps its threads),
+// and one for the packed K/V of each calling thread.
 struct Scratch {
   std::unique_ptr<float, AlignedFree> mem;
   size_t capacity = 0;
@@ -178,10 +181,24 @@ struct Task {
   int64_t cost;
 };
 
+struct PackItem {
+  int64_t seq, group, j0;  // keys [j0, j0 + kv_block) of one unit (fewer at the sequence's end)
+  int64_t offset;          // where its packed K^T then V go in the pack buffer, in floats
+};
+
+// Pack items [pack_begin, pack_end) of the plan, then the tasks [task_begin, task_end) that read them.
+struct Chunk {
+  size_t pack_begin, pack_end, task_begin, task_end;
+};
+
 struct Plan {
   int64_t group_size, block_q, rows_max, kv_block, head_pad, nsplit;
-  int64_t cached_tiles;  // packed K/V tiles a thread keeps per unit; one more slot streams the rest
+  int64_t tile_floats;               // one packed K^T tile (head_dim x kv_block) and V tile (kv_block x head_pad)
   std::vector<Task> tasks;
+  std::vector<PackItem> packs;
+  std::vector<Chunk> chunks;
+  std::vector<int64_t> unit_offset;  // per unit: its first tile in the pack buffer, in floats
+  int64_t pack_floats = 0;           // the largest chunk's packed K/V
   int64_t items = 0;
 };
 
@@ -229,19 +246,43 @@ Plan MakePlan(const Problem &p, const Tiling &t, int threads) {
                             (hi - lo + 1) * it.nq});
     }
   }
-  const int64_t tile_bytes = (p.head_dim * plan.kv_block + plan.kv_block * plan.head_pad) * sizeof(float);
-  const int64_t tiles = (max_kv + plan.kv_block - 1) / plan.kv_block;
-  plan.cached_tiles = std::min(tiles, t.key_cache_bytes / tile_bytes);
-  // Unit by unit, heaviest unit first, and within a unit heaviest task first (causal blocks near the
-  // end of a sequence see the most keys), scheduled dynamically: the threads work through one
-  // unit's tasks together, so each packs that unit's tiles once, and the run ends on light tasks.
-  std::vector<int64_t> unit_cost(p.batch * p.kv_heads, 0);
+  // Units heaviest first, then cut into chunks whose packed K/V fits in pack_bytes (a unit bigger
+  // than that is a chunk of its own). A chunk's tasks run heaviest first (causal blocks near the end
+  // of a sequence see the most keys) under dynamic scheduling, so it ends on light tasks.
+  const int64_t units = p.batch * p.kv_heads;
+  plan.tile_floats = p.head_dim * plan.kv_block + plan.kv_block * plan.head_pad;
+  std::vector<int64_t> unit_cost(units, 0);
   for (const Task &task : plan.tasks) unit_cost[task.unit] += task.cost;
-  std::stable_sort(plan.tasks.begin(), plan.tasks.end(), [&unit_cost](const Task &a, const Task &b) {
-    if (a.unit != b.unit)
-      return unit_cost[a.unit] != unit_cost[b.unit] ? unit_cost[a.unit] > unit_cost[b.unit] : a.unit < b.unit;
-    return a.cost > b.cost;
+  std::vector<int64_t> order;
+  for (int64_t u = 0; u < units; ++u)
+    if (unit_cost[u] > 0) order.push_back(u);
+  std::stable_sort(order.begin(), order.end(), [&unit_cost](int64_t a, int64_t b) { return unit_cost[a] > unit_cost[b]; });
+  std::vector<int64_t> chunk_of(units, -1);
+  plan.unit_offset.assign(units, 0);
+  int64_t used = 0;
+  for (int64_t u : order) {
+    const int64_t seq = u / p.kv_heads, tiles = (p.kv_lens[seq] + plan.kv_block - 1) / plan.kv_block;
+    const int64_t floats = tiles * plan.tile_floats;
+    if (plan.chunks.empty() || (used > 0 && (used + floats) * static_cast<int64_t>(sizeof(float)) > t.pack_bytes)) {
+      plan.chunks.push_back({plan.packs.size(), plan.packs.size(), 0, 0});
+      used = 0;
+    }
+    plan.unit_offset[u] = used;
+    for (int64_t i = 0; i < tiles; ++i)
+      plan.packs.push_back({seq, u % p.kv_heads, i * plan.kv_block, used + i * plan.tile_floats});
+    used += floats;
+    plan.chunks.back().pack_end = plan.packs.size();
+    plan.pack_floats = std::max(plan.pack_floats, used);
+    chunk_of[u] = static_cast<int64_t>(plan.chunks.size()) - 1;
+  }
+  std::stable_sort(plan.tasks.begin(), plan.tasks.end(), [&chunk_of](const Task &a, const Task &b) {
+    return chunk_of[a.unit] != chunk_of[b.unit] ? chunk_of[a.unit] < chunk_of[b.unit] : a.cost > b.cost;
   });
+  for (size_t i = 0, c = 0; c < plan.chunks.size(); ++c) {
+    plan.chunks[c].task_begin = i;
+    while (i < plan.tasks.size() && chunk_of[plan.tasks[i].unit] == static_cast<int64_t>(c)) ++i;
+    plan.chunks[c].task_end = i;
+  }
   return plan;
 }
 
@@ -256,22 +297,19 @@ struct Partials {
 
 class Worker {
  public:
-  Worker(const Problem &p, const Buffers &buf, const Tiling &t, const Plan &plan, Partials *partials)
-      : p_(p), buf_(buf), tiling_(t), plan_(plan), partials_(partials), tables_{&p, buf.cos, buf.sin} {}
+  Worker(const Problem &p, const Buffers &buf, const Tiling &t, const Plan &plan, float *packed, Partials *partials)
+      : p_(p), buf_(buf), tiling_(t), plan_(plan), packed_(packed), partials_(partials),
+        tables_{&p, buf.cos, buf.sin} {}
 
   bool Bind(Scratch *scratch) {
     const int64_t R = plan_.rows_max, D = p_.head_dim, Dp = plan_.head_pad, BK = plan_.kv_block;
-    const int64_t slots = plan_.cached_tiles + 1;
-    const size_t need = slots * (D * BK + BK * Dp) + R * D + R * BK + R * Dp + 2 * R + 4 * Dp + kLanes * Dp +
-                        2 * p_.rotary_dim + 64;
+    const size_t need = R * D + R * BK + R * Dp + 2 * R + 4 * Dp + kLanes * Dp + 2 * p_.rotary_dim + 64;
     float *base = scratch->Get(need);
     if (!base) return false;
     auto take = [&base](int64_t n) { float *r = base; base += RoundUp(n, 16); return r; };
-    kt_ = take(slots * D * BK); v_ = take(slots * BK * Dp);
     q_ = take(R * D); s_ = take(R * BK); o_ = take(R * Dp);
     m_ = take(R); l_ = take(R); row_ = take(Dp); rot_ = take(Dp); orig_ = take(Dp); tmp_ = take(Dp);
     ctmp_ = take(p_.rotary_dim); stmp_ = take(p_.rotary_dim); stage_ = take(kLanes * Dp);
-    packed_.assign(plan_.cached_tiles, 0);
     valid_.resize(R);
     klim_.resize(R / kRows + 1);
     nlim_.resize(R / kRows + 1);
@@ -286,7 +324,7 @@ class Worker {
     const bool rotate = tiling_.rotate;
     const float qmul = p_.scale * kLog2e;
     const int64_t qseq = t.seq * p_.q.batch + p_.q_start[t.seq] * p_.q.row;
-    // 1. Q tile: rotate once, scale into log2 units.
+    // 2. Q tile: rotate once, scale into log2 units.
     for (int64_t gi = 0; gi < G; ++gi) {
       const int64_t head = t.group * G + gi;
       for (int64_t i = 0; i < t.nq; ++i) {
@@ -304,21 +342,12 @@ class Worker {
     for (int64_t r = 0; r < M; ++r) { m_[r] = kNegInf; l_[r] = 0.f; }
     std::memset(o_, 0, M * Dp * sizeof(float));
     const int64_t BK = plan_.kv_block;
-    if (t.unit != unit_) {  // a new (sequence, KV head): the kept tiles belong to another one
-      std::fill(packed_.begin(), packed_.end(), 0);
-      unit_ = t.unit;
-    }
     for (int64_t j0 = t.kv_lo; j0 < t.kv_hi; j0 += BK) {
       const int64_t n = std::min(BK, t.kv_hi - j0), np = RoundUp(n, kLanes);
-      // 2. The packed K^T (row stride BK) and V tiles: kept ones as they are, others packed now. A
-      //    tile is always packed whole (up to the sequence's last key), whatever this task's causal
-      //    bound, so a later task can use it; the keys past the bound are masked like any other.
-      const int64_t tile = j0 / BK, slot = std::min(tile, plan_.cached_tiles);
-      const float *kt = kt_ + slot * p_.head_dim * BK, *v = v_ + slot * BK * Dp;
-      if (slot == plan_.cached_tiles || !packed_[slot]) {
-        PackTile(t, j0, std::min(BK, lk - j0), kt_ + slot * p_.head_dim * BK, v_ + slot * BK * Dp);
-        if (slot < plan_.cached_tiles) packed_[slot] = 1;
-      }
+      // The packed K^T (row stride BK) and V tiles. Tiles are packed whole (up to the sequence's last
+      // key); the keys past this task's causal bound are masked like any other.
+      const float *kt = packed_ + plan_.unit_offset[t.unit] + j0 / BK * plan_.tile_floats;
+      const float *v = kt + p_.head_dim * BK;
       // 3. Keys of the tile each row sees. On a causal diagonal tile the GEMMs cover, per micro-tile
       //    row block, only the columns (Q K^T) and keys (P V) that some row of the block sees.
       const bool diagonal = p_.attrs.causal && q_off + t.q0 - j0 + 1 < n;
@@ -419,15 +448,15 @@ class Worker {
     }
   }
 
- private:
-  // Keys [j0, j0 + n) of the task's KV head: rotated and transposed into kt (K^T, row stride
-  // kv_block, columns n..np zero), V rows into v (row stride head_pad, padding zero). Contiguous
-  // packed tiles keep the GEMM's B panels in cache; reading V in place with the layout's row stride
-  // measured slower.
-  void PackTile(const Task &t, int64_t j0, int64_t n, float *kt, float *v) {
+  // 1. One tile of keys: rotated and transposed into K^T (row stride kv_block, columns past the
+  // last key zero up to a whole vector), V rows after it (row stride head_pad, padding zero).
+  // Contiguous packed tiles keep the GEMM's B panels in cache; reading V in place with the
+  // layout's row stride measured slower.
+  void PackTile(const PackItem &item) {
     const int64_t D = p_.head_dim, Dp = plan_.head_pad, BK = plan_.kv_block, rd = p_.rotary_dim;
-    const int64_t mode = p_.attrs.rotary_mode;
-    const int64_t kvhead = t.seq * p_.kv.batch + p_.kv_start[t.seq] * p_.kv.row + t.group * p_.kv.head;
+    const int64_t mode = p_.attrs.rotary_mode, j0 = item.j0, n = std::min(BK, p_.kv_lens[item.seq] - j0);
+    float *kt = packed_ + item.offset, *v = kt + D * BK;
+    const int64_t kvhead = item.seq * p_.kv.batch + p_.kv_start[item.seq] * p_.kv.row + item.group * p_.kv.head;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t off = kvhead + (j0 + j) * p_.kv.row;
       // float32 keys are read in place; others are converted into row_.
@@ -459,6 +488,7 @@ class Worker {
     }
   }
 
+ private:
   // 5. Normalise and write the output rows and their log-sum-exp.
   void Finish(const Task &t, const float *o, const float *m, const float *l) {
     const int64_t G = plan_.group_size, D = p_.head_dim, Dp = plan_.head_pad;
@@ -482,18 +512,17 @@ class Worker {
   const Buffers &buf_;
   const Tiling &tiling_;
   const Plan &plan_;
+  float *packed_;  // the current chunk's packed K/V tiles, shared by all threads
   Partials *partials_;
   Tables tables_;
-  float *q_ = nullptr, *kt_ = nullptr, *v_ = nullptr, *s_ = nullptr, *o_ = nullptr, *m_ = nullptr, *l_ = nullptr;
+  float *q_ = nullptr, *s_ = nullptr, *o_ = nullptr, *m_ = nullptr, *l_ = nullptr;
   float *row_ = nullptr, *rot_ = nullptr, *orig_ = nullptr, *tmp_ = nullptr, *ctmp_ = nullptr, *stmp_ = nullptr;
   float *stage_ = nullptr;  // kLanes K rows, before they are written transposed
-  int64_t unit_ = -1;               // the unit whose tiles kt_/v_ hold
-  std::vector<uint8_t> packed_;     // per kept tile slot: packed for unit_ yet
   std::vector<int64_t> valid_;      // per row of the task: keys of the current tile it sees
   std::vector<int64_t> klim_, nlim_;  // per micro-tile row block: keys / score columns to compute
 };
 
-thread_local Scratch tls_scratch;
+thread_local Scratch tls_scratch, tls_packed;
 
 }  // namespace
 
@@ -512,9 +541,11 @@ void Run(const Problem &p, const Buffers &buf, const Tiling &tiling) {
     partials.m.resize(slots * plan.rows_max);
     partials.l.resize(slots * plan.rows_max);
   }
+  float *packed = tls_packed.Get(plan.pack_floats);
+  if (!packed) throw std::bad_alloc();
   // Sequences with no query rows still owe their rotated keys.
   std::vector<int64_t> keys_only;
-  if (buf.rotated_key && tiling.rotate)
+  if (buf.rotated_key)
     for (int64_t b = 0; b < p.batch; ++b)
       if (p.q_lens[b] == 0) keys_only.push_back(b);
   const int64_t ntasks = static_cast<int64_t>(plan.tasks.size());
@@ -522,12 +553,18 @@ void Run(const Problem &p, const Buffers &buf, const Tiling &tiling) {
 #pragma omp parallel num_threads(threads) reduction(&& : ok)
   {
     // Every thread must reach every worksharing loop, so a thread without scratch only records it.
-    Worker worker(p, buf, tiling, plan, &partials);
+    Worker worker(p, buf, tiling, plan, packed, &partials);
     const bool bound = worker.Bind(&tls_scratch);
     ok = bound;
-#pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t i = 0; i < ntasks; ++i)
-      if (bound) worker.RunTask(plan.tasks[i]);
+    // The loops' implicit barriers order each chunk: packed before read, read before repacked.
+    for (const Chunk &c : plan.chunks) {
+#pragma omp for schedule(dynamic, 1)
+      for (size_t i = c.pack_begin; i < c.pack_end; ++i)
+        if (bound) worker.PackTile(plan.packs[i]);
+#pragma omp for schedule(dynamic, 1)
+      for (size_t i = c.task_begin; i < c.task_end; ++i)
+        if (bound) worker.RunTask(plan.tasks[i]);
+    }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < static_cast<int64_t>(keys_only.size()) * p.kv_heads; ++i)
       if (bound) {

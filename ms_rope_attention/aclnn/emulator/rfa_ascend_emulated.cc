@@ -74,14 +74,14 @@ int64_t Cores() {
 RFA_EXPORT const char *RotaryFlashAttentionLastError() { return g_error.c_str(); }
 
 // Same signature as the CPU kernel's entry. rows/kv_block override the planned block sizes (> 0);
-// key_cache_bytes is the CPU kernel's and must be <= 0; `rotate` must be 1 (the emulated kernel
+// pack_bytes is the CPU kernel's and must be <= 0; `rotate` must be 1 (the emulated kernel
 // always applies RoPE).
 RFA_EXPORT int RotaryFlashAttentionRun(const rfa::Attrs *attrs, int *ndims, int64_t **shapes, const char **dtypes,
-                                       void **params, int64_t rows, int64_t kv_block, int64_t key_cache_bytes,
+                                       void **params, int64_t rows, int64_t kv_block, int64_t pack_bytes,
                                        int rotate) {
   try {
     if (!rotate) return Fail("rotate: the emulated Ascend kernel always rotates");
-    if (key_cache_bytes > 0) return Fail("key_cache_bytes: a CPU kernel tiling knob, not the Ascend kernel's");
+    if (pack_bytes > 0) return Fail("pack_bytes: a CPU kernel tiling knob, not the Ascend kernel's");
     rfa::Problem problem;
     std::string err = rfa::ValidateCall(*attrs, ndims, shapes, dtypes, params, &problem);
     if (!err.empty()) return Fail(err);
