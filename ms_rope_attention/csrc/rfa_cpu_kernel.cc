@@ -76,6 +76,13 @@ void LoadRow(DType t, const void *base, int64_t off, int64_t n, float *dst) {
   }
 }
 
+// The same row as float32, read in place when it already is (no copy), else converted into `tmp`.
+const float *RowAsFloat(DType t, const void *base, int64_t off, int64_t n, float *tmp) {
+  if (t == DType::F32) return static_cast<const float *>(base) + off;
+  LoadRow(t, base, off, n, tmp);
+  return tmp;
+}
+
 void StoreRow(DType t, const float *src, int64_t n, void *base, int64_t off) {
   switch (t) {
     case DType::F32:
@@ -92,14 +99,12 @@ void StoreRow(DType t, const float *src, int64_t n, void *base, int64_t off) {
   }
 }
 
-// Float32 cos/sin rows at a position: the table itself when float32, else converted into `tmp`.
+// Float32 cos/sin rows at a position.
 struct Tables {
   const Problem *p;
   const void *cos, *sin;
   const float *Row(const void *table, DType t, int64_t pos, float *tmp) const {
-    if (t == DType::F32) return static_cast<const float *>(table) + pos * p->rotary_dim;
-    LoadRow(t, table, pos * p->rotary_dim, p->rotary_dim, tmp);
-    return tmp;
+    return RowAsFloat(t, table, pos * p->rotary_dim, p->rotary_dim, tmp);
   }
 };
 
@@ -330,12 +335,12 @@ class Worker {
       for (int64_t i = 0; i < t.nq; ++i) {
         const int64_t pos = q_off + t.q0 + i;
         float *dst = q_ + (gi * t.nq + i) * D;
-        LoadRow(p_.qkv_dtype, buf_.query, qseq + head * p_.q.head + (t.q0 + i) * p_.q.row, D, row_);
+        const float *x = RowAsFloat(p_.qkv_dtype, buf_.query, qseq + head * p_.q.head + (t.q0 + i) * p_.q.row, D, row_);
         if (rotate) {
-          Rotate(row_, tables_.Row(buf_.cos, p_.cos_dtype, pos, ctmp_), tables_.Row(buf_.sin, p_.sin_dtype, pos, stmp_),
-                 rd, D, mode, qmul, dst);
+          Rotate(x, tables_.Row(buf_.cos, p_.cos_dtype, pos, ctmp_), tables_.Row(buf_.sin, p_.sin_dtype, pos, stmp_), rd,
+                 D, mode, qmul, dst);
         } else {
-          for (int64_t d = 0; d < D; ++d) dst[d] = row_[d] * qmul;
+          for (int64_t d = 0; d < D; ++d) dst[d] = x[d] * qmul;
         }
       }
     }
@@ -459,9 +464,7 @@ class Worker {
     const int64_t kvhead = item.seq * p_.kv.batch + p_.kv_start[item.seq] * p_.kv.row + item.group * p_.kv.head;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t off = kvhead + (j0 + j) * p_.kv.row;
-      // float32 keys are read in place; others are converted into row_.
-      const float *key = p_.qkv_dtype == DType::F32 ? static_cast<const float *>(buf_.key) + off : row_;
-      if (key == row_) LoadRow(p_.qkv_dtype, buf_.key, off, D, row_);
+      const float *key = RowAsFloat(p_.qkv_dtype, buf_.key, off, D, row_);
       // Rows go to a staging block of kLanes keys, then K^T is written one vector (kLanes keys of
       // one feature) at a time: contiguous stores, not D scattered ones per key.
       float *staged = stage_ + (j % kLanes) * Dp;
