@@ -203,7 +203,7 @@ struct Plan {
   std::vector<PackItem> packs;
   std::vector<Chunk> chunks;
   std::vector<int64_t> unit_offset;  // per unit: its first tile in the pack buffer, in floats
-  int64_t pack_floats = 0;           // the largest chunk's packed K/V
+  int64_t pack_floats = 0;           // the pack buffer: two halves (alternate chunks), each the largest chunk
   int64_t items = 0;
 };
 
@@ -279,6 +279,16 @@ Plan MakePlan(const Problem &p, const Tiling &t, int threads) {
     plan.chunks.back().pack_end = plan.packs.size();
     plan.pack_floats = std::max(plan.pack_floats, used);
     chunk_of[u] = static_cast<int64_t>(plan.chunks.size()) - 1;
+  }
+  // Odd chunks pack into the second half, so a chunk can be packed while the previous one's last
+  // tasks still read theirs.
+  const int64_t half = plan.pack_floats;
+  if (plan.chunks.size() > 1) {
+    plan.pack_floats = 2 * half;
+    for (int64_t u = 0; u < units; ++u)
+      if (chunk_of[u] % 2 == 1) plan.unit_offset[u] += half;
+    for (PackItem &item : plan.packs)
+      if (chunk_of[item.seq * p.kv_heads + item.group] % 2 == 1) item.offset += half;
   }
   std::stable_sort(plan.tasks.begin(), plan.tasks.end(), [&chunk_of](const Task &a, const Task &b) {
     return chunk_of[a.unit] != chunk_of[b.unit] ? chunk_of[a.unit] < chunk_of[b.unit] : a.cost > b.cost;
@@ -559,15 +569,18 @@ void Run(const Problem &p, const Buffers &buf, const Tiling &tiling) {
     Worker worker(p, buf, tiling, plan, packed, &partials);
     const bool bound = worker.Bind(&tls_scratch);
     ok = bound;
-    // The loops' implicit barriers order each chunk: packed before read, read before repacked.
+    // Chunk c is packed into half c % 2 and read after the barrier that ends its packing. A thread
+    // done with chunk c's tasks goes on to pack chunk c + 1 into the other half, whose readers (chunk
+    // c - 1's tasks) all finished before that barrier of chunk c.
     for (const Chunk &c : plan.chunks) {
 #pragma omp for schedule(dynamic, 1)
       for (size_t i = c.pack_begin; i < c.pack_end; ++i)
         if (bound) worker.PackTile(plan.packs[i]);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
       for (size_t i = c.task_begin; i < c.task_end; ++i)
         if (bound) worker.RunTask(plan.tasks[i]);
     }
+    // Its barrier also ends the last chunk's tasks, before their splits are merged.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < static_cast<int64_t>(keys_only.size()) * p.kv_heads; ++i)
       if (bound) {
