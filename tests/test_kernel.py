@@ -6,7 +6,9 @@ import pytest
 from ms_rope_attention import cpu_direct as kh
 from ms_rope_attention.cpu_kernel import last_error
 from cases import Case
+from conftest import tolerance
 from kernel_check import check_kernel
+from reference import reference
 
 
 def check(case, rng, dtype="float32", table_dtype="float32", scale=None, key_rotated=False, **tiling):
@@ -58,6 +60,33 @@ def test_explicit_scale_and_large_positions(rng):
     # Real inverse frequencies at positions near 4096: the bf16-angle pitfall stays out of the kernel.
     case = Case(q_len=4, kv_len=4100, heads=2, kv_heads=1, head_dim=128, batch=1)
     check(case, rng, scale=0.05)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_sharp_softmax_rescales(causal, rng):
+    """Scores of several tens (a large scale): a later tile's max often passes the row's reference
+    max by more than the rescaling slack, so the running sum and O rows are rescaled mid-row."""
+    case = Case(q_len=64, kv_len=200, heads=4, kv_heads=2, head_dim=32, batch=1, causal=causal)
+    check(case, rng, scale=2.0, rows=8, kv_block=16)
+
+
+@pytest.mark.parametrize("step", [0.5, 40.0])
+def test_scores_growing_along_the_keys(step, rng):
+    """Each key's score is `step` (log2 units) above the previous one's: every tile's max passes the
+    last by far more than float32's exponent range allows without rescaling (step 40: 640 per
+    16-key tile), or by just a few units (step 0.5). No rotation (cos 1, sin 0), one head."""
+    n, d = 80, 16
+    q = np.zeros((1, 1, n, d))
+    q[..., 0] = 1.0
+    k = np.zeros((1, 1, n, d))
+    k[..., 0] = np.arange(n) * step / np.log2(np.e)  # scale 1: score = k[..., 0] in natural units
+    v = rng.standard_normal((1, 1, n, d))
+    cos, sin = np.ones((n, d)), np.zeros((n, d))
+    ro, rl, _ = reference(q, k, v, cos, sin, scale=1.0)
+    code, out, lse, _ = kh.run(q, k, v, cos, sin, scale=1.0, kv_block=16, rows=8, head_num=1)
+    assert code == 0, last_error()
+    assert np.abs(out - ro).max() <= tolerance("float32", ro)
+    assert np.abs(lse - rl).max() <= 1e-4 + 1e-6 * np.abs(rl).max()
 
 
 def test_decode_split_kv_matches_unsplit(rng):

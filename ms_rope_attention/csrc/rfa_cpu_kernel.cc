@@ -41,6 +41,7 @@ using simd::kRows;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kRescaleSlack = 8.0f;  // log2 units: softmax numerators stay <= 256
 
 int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -389,22 +390,28 @@ class Worker {
           const simd::vf x = simd::Load(srow + j);
           vmax = x > vmax ? x : vmax;
         }
-        const float m_new = std::max(m_[r], simd::ReduceMax(vmax));
-        const float alpha = m_[r] == kNegInf ? 0.f : std::exp2(m_[r] - m_new);
+        // The row's reference max moves only when a tile's max passes it by more than kRescaleSlack:
+        // below that, P = 2^(s - m) <= 2^kRescaleSlack cannot overflow, and the O row and the sum
+        // need no rescaling (most tiles after the first few).
+        const float tile_max = simd::ReduceMax(vmax);
+        if (tile_max > m_[r] + kRescaleSlack) {
+          if (m_[r] != kNegInf) {  // the first tile has nothing to rescale (O and l are 0)
+            const float alpha = std::exp2(m_[r] - tile_max);
+            l_[r] *= alpha;
+            float *orow = o_ + r * Dp;
+            const simd::vf va = simd::Splat(alpha);
+            for (int64_t d = 0; d < Dp; d += kLanes) simd::Store(orow + d, simd::Load(orow + d) * va);
+          }
+          m_[r] = tile_max;
+        }
         simd::vf vsum = {};
-        const simd::vf vm = simd::Splat(m_new);
+        const simd::vf vm = simd::Splat(m_[r]);
         for (int64_t j = 0; j < np; j += kLanes) {
           const simd::vf e = simd::Exp2(simd::Load(srow + j) - vm);
           simd::Store(srow + j, e);
           vsum += e;
         }
-        l_[r] = l_[r] * alpha + simd::ReduceSum(vsum);
-        m_[r] = m_new;
-        if (alpha != 1.0f) {
-          float *orow = o_ + r * Dp;
-          const simd::vf va = simd::Splat(alpha);
-          for (int64_t d = 0; d < Dp; d += kLanes) simd::Store(orow + d, simd::Load(orow + d) * va);
-        }
+        l_[r] += simd::ReduceSum(vsum);
       }
       simd::Gemm(M, Dp, n, s_, np, v, Dp, o_, Dp, true, nullptr, diagonal ? klim_.data() : nullptr);
     }

@@ -97,9 +97,9 @@ inline void FloatToHalf(const float *src, _Float16 *dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<_Float16>(src[i]);
 }
 
-// 2^x for x <= 0 (scores minus the running max). Rounds x to the nearest integer n, evaluates
-// 2^f on f in [-0.5, 0.5] with a degree-7 Taylor polynomial (relative error < 1e-8), and builds 2^n
-// in the exponent bits. x <= -127 (masked, -inf) gives exactly 0.
+// 2^x for x <= 127 (scores minus the row's reference max: at most a few units). Rounds x to the
+// nearest integer n, evaluates 2^f on f in [-0.5, 0.5] with a degree-7 Taylor polynomial (relative
+// error < 1e-8), and builds 2^n in the exponent bits. x <= -127 (masked, -inf) gives exactly 0.
 inline vf Exp2(vf x) {
   const vf lo = Splat(-127.0f);
   x = x < lo ? lo : x;
