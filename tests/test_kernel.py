@@ -51,6 +51,28 @@ def test_tnd_mixed_lengths(rng):
     check(Case(layout="TND", heads=8, kv_heads=2, head_dim=64, q_lens=q_lens, kv_lens=lens), rng)
 
 
+def test_bfloat16_rounding_and_nan_bit_exact(rng):
+    """bfloat16 in and out, bit for bit: with cos = 1/3 and sin = 0 the rotated key is exactly the
+    float32 product x * (1/3), rounded to nearest even. A NaN stays NaN: one in V in the output
+    column it feeds and nowhere else, and one with an all-ones payload in cos (which rounding would
+    carry into -0.0) in the rotated key. head_dim 40 runs the vector conversion and its tail."""
+    q, k, v = (rng.standard_normal((1, 1, 40, 40)) for _ in range(3))
+    cos, sin = np.full((40, 40), 1 / 3, np.float32), np.zeros((40, 40), np.float32)
+    key = kh.from_bf16_bits(kh.to_bf16_bits(k))
+    expected = kh.from_bf16_bits(kh.to_bf16_bits(key * np.float32(1 / 3))).astype(np.float64)
+    v_nan = v.copy()
+    v_nan[0, 0, 0, 3] = np.nan
+    code, out, _, rk = kh.run(q, k, v_nan, cos, sin, dtype="bfloat16", with_rotated_key=True, head_num=1)
+    assert code == 0, last_error()
+    np.testing.assert_array_equal(rk, expected)
+    assert np.isnan(out[..., 3]).all() and np.isfinite(np.delete(out, 3, axis=-1)).all()
+    cos.view(np.uint32)[5, 7] = 0x7FFFFFFF
+    expected[0, 0, 5, 7] = np.nan
+    code, _, _, rk = kh.run(q, k, v, cos, sin, dtype="bfloat16", with_rotated_key=True, head_num=1)
+    assert code == 0, last_error()
+    np.testing.assert_array_equal(rk, expected)
+
+
 @pytest.mark.parametrize("table_dtype", ["float16", "bfloat16"])
 def test_low_precision_tables(table_dtype, rng):
     check(Case(q_len=20, kv_len=40), rng, table_dtype=table_dtype)

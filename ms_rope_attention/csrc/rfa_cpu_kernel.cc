@@ -45,21 +45,6 @@ constexpr float kRescaleSlack = 8.0f;  // log2 units: softmax numerators stay <=
 
 int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-float Bf16ToFloat(uint16_t v) {
-  const uint32_t w = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &w, 4);
-  return f;
-}
-
-uint16_t FloatToBf16(float f) {  // round to nearest even, NaN stays NaN
-  uint32_t w;
-  std::memcpy(&w, &f, 4);
-  if ((w & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((w >> 16) | 0x40);
-  w += 0x7fffu + ((w >> 16) & 1u);
-  return static_cast<uint16_t>(w >> 16);
-}
-
 // n elements of dtype t at element offset `off` of `base`, as float32.
 void LoadRow(DType t, const void *base, int64_t off, int64_t n, float *dst) {
   switch (t) {
@@ -69,11 +54,9 @@ void LoadRow(DType t, const void *base, int64_t off, int64_t n, float *dst) {
     case DType::F16:
       simd::HalfToFloat(static_cast<const _Float16 *>(base) + off, dst, n);
       break;
-    case DType::BF16: {
-      const uint16_t *src = static_cast<const uint16_t *>(base) + off;
-      for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToFloat(src[i]);
+    case DType::BF16:
+      simd::BFloat16ToFloat(static_cast<const uint16_t *>(base) + off, dst, n);
       break;
-    }
   }
 }
 
@@ -92,11 +75,9 @@ void StoreRow(DType t, const float *src, int64_t n, void *base, int64_t off) {
     case DType::F16:
       simd::FloatToHalf(src, static_cast<_Float16 *>(base) + off, n);
       break;
-    case DType::BF16: {
-      uint16_t *dst = static_cast<uint16_t *>(base) + off;
-      for (int64_t i = 0; i < n; ++i) dst[i] = FloatToBf16(src[i]);
+    case DType::BF16:
+      simd::FloatToBFloat16(src, static_cast<uint16_t *>(base) + off, n);
       break;
-    }
   }
 }
 

@@ -97,6 +97,44 @@ inline void FloatToHalf(const float *src, _Float16 *dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<_Float16>(src[i]);
 }
 
+// bfloat16 (as uint16 bits) <-> float32 rows, a vector at a time with integer ops, next to the
+// float16 ones. Float -> bfloat16 rounds to nearest even; NaN stays a (quiet) NaN, whatever its
+// payload (rounding would carry an all-ones payload into -0.0).
+typedef uint16_t vh __attribute__((vector_size(kLanes * 2)));
+typedef uint32_t vu __attribute__((vector_size(kLanes * 4)));
+
+inline void BFloat16ToFloat(const uint16_t *src, float *dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    vh h;
+    std::memcpy(&h, src + i, sizeof h);
+    const vu w = __builtin_convertvector(h, vu) << 16;
+    std::memcpy(dst + i, &w, sizeof w);
+  }
+  for (; i < n; ++i) {
+    const uint32_t w = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(dst + i, &w, 4);
+  }
+}
+
+inline void FloatToBFloat16(const float *src, uint16_t *dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    vu w;
+    std::memcpy(&w, src + i, sizeof w);
+    const vu nearest = (w + 0x7fffu + ((w >> 16) & 1u)) >> 16;
+    const vu bits = (w & 0x7fffffffu) > 0x7f800000u ? (w >> 16) | 0x40u : nearest;
+    const vh h = __builtin_convertvector(bits, vh);
+    std::memcpy(dst + i, &h, sizeof h);
+  }
+  for (; i < n; ++i) {
+    uint32_t w;
+    std::memcpy(&w, src + i, 4);
+    dst[i] = static_cast<uint16_t>((w & 0x7fffffffu) > 0x7f800000u ? (w >> 16) | 0x40u
+                                                                     : (w + 0x7fffu + ((w >> 16) & 1u)) >> 16);
+  }
+}
+
 // 2^x for x <= 127 (scores minus the row's reference max: at most a few units). Rounds x to the
 // nearest integer n, evaluates 2^f on f in [-0.5, 0.5] with a degree-7 Taylor polynomial (relative
 // error < 1e-8), and builds 2^n in the exponent bits. x <= -127 (masked, -inf) gives exactly 0.
