@@ -5,7 +5,9 @@ Reference shape: B=1, 32 query heads, D=128, causal, float32. Each competitor ru
 process (so peak memory is its own, and an out-of-memory kill is reported, not crashed on).
 Reports min and median of repeats, GFLOP/s (2*B*H*S^2*D for causal), % of a float32 GEMM peak
 measured in the same run, the fused/unfused ratio, and the in-kernel RoPE cost (same kernel with the
-rotation switched off). Writes JSON and a plot.
+rotation switched off). The kernel-direct series (with and without rotation, and PyTorch's SDPA in
+the same process) take up to 10 rounds when they fit in about 30 s, and never fewer than --repeats.
+Writes JSON and a plot.
 
     python benchmarks/attention.py --lengths 1024 2048 --repeats 3 --out benchmarks/results
 """
@@ -55,14 +57,20 @@ def run_mindspore(backend, length, heads, kv_heads, head_dim, dtype, repeats):
     return timed(lambda: net(q, k, v).asnumpy(), repeats)[1]
 
 
+DIRECT_ROUNDS_MAX = 10        # rounds of the same-process series, at most ...
+DIRECT_ROUNDS_SECONDS = 30.0  # ... and as many as fit in about this long (at least `repeats`)
+
+
 def run_direct(length, heads, kv_heads, head_dim, dtype, repeats):
     """The fused kernel without MindSpore, with and without the rotation, and PyTorch's SDPA when it is
     installed, alternating in one process on prepared buffers: ratios taken side by side rather than
-    between processes run at different moments of a noisy machine. Returns {series name: times}."""
+    between processes run at different moments of a noisy machine. A round costs no graph compile, so
+    these series take more rounds than `repeats` when they are short (the RoPE cost is a ratio of
+    two of them, a few percent wide). Returns {series name: times}."""
     import ctypes
 
     from ms_rope_attention import cpu_direct
-    from ms_rope_attention.cpu_kernel import library
+    from ms_rope_attention.cpu_kernel import last_error, library
     from ms_rope_attention.rope import rope_tables
 
     q, k, v = _inputs(length, heads, kv_heads, head_dim)
@@ -72,8 +80,11 @@ def run_direct(length, heads, kv_heads, head_dim, dtype, repeats):
     lib = library()
 
     def kernel(rotate):
-        return lambda: lib.RotaryFlashAttentionRun(*args, ctypes.c_int64(0), ctypes.c_int64(0), ctypes.c_int64(0),
-                                                   ctypes.c_int(rotate))
+        def call():
+            if lib.RotaryFlashAttentionRun(*args, ctypes.c_int64(0), ctypes.c_int64(0), ctypes.c_int64(0),
+                                           ctypes.c_int(rotate)) != 0:
+                raise RuntimeError(f"the kernel refused the call: {last_error()}")
+        return call
 
     series = {"fused_direct": kernel(1), "fused_direct_no_rope": kernel(0)}
     try:
@@ -89,15 +100,18 @@ def run_direct(length, heads, kv_heads, head_dim, dtype, repeats):
         series["torch_sdpa_same_process"] = sdpa
     except ImportError:
         pass
+    start = time.perf_counter()
     for fn in series.values():
         fn()  # warm-up: scratch allocation, first touch
+    round_seconds = time.perf_counter() - start
+    rounds = max(repeats, min(DIRECT_ROUNDS_MAX, int(DIRECT_ROUNDS_SECONDS / round_seconds)))
     times = {name: [] for name in series}
     # The order turns every repeat: a thread pool still spinning after one series (OpenMP pools
     # wait actively for a while) slows whichever runs next, so no series may always follow the
     # same one. (Measured: right after a numpy GEMM the kernel's best time was 135 ms at S=2048,
     # against 130-133 ms for the same call later in the round.)
     names = list(series)
-    for i in range(repeats):
+    for i in range(rounds):
         for name in names[i % len(names):] + names[:i % len(names)]:
             start = time.perf_counter()
             series[name]()
