@@ -5,8 +5,9 @@
 //      converted to float32, rotated and written transposed into packed K^T tiles (the pack already
 //      touches every element, so the rotation rides along); V rows are converted into packed V
 //      tiles. Every query block then reads the packed tiles: a key is rotated once per call, not
-//      once per query block or per thread. Chunks are bounded by Tiling::pack_bytes (at least one
-//      unit), so the packed copy is O(S), never O(S^2).
+//      once per query block or per thread; the rotated_key output is written from that same
+//      rotation. Chunks are bounded by Tiling::pack_bytes (at least one unit), so the packed copy
+//      is O(S), never O(S^2).
 //   Then per task (one sequence, one KV head, one block of query rows of every query head sharing
 //   that KV head), on one thread:
 //   2. Q rows are loaded once, converted to float32, rotated at their absolute positions and scaled
@@ -189,7 +190,9 @@ struct Plan {
   int64_t items = 0;
 };
 
-Plan MakePlan(const Problem &p, const Tiling &t, int threads) {
+// emit_keys: rotated_key is requested, so a sequence without queries is packed too (its rotation
+// writes that output; no task reads its tiles).
+Plan MakePlan(const Problem &p, const Tiling &t, int threads, bool emit_keys) {
   Plan plan;
   plan.group_size = p.q_heads / p.kv_heads;
   plan.block_q = std::max<int64_t>(1, t.rows / plan.group_size);
@@ -242,7 +245,7 @@ Plan MakePlan(const Problem &p, const Tiling &t, int threads) {
   for (const Task &task : plan.tasks) unit_cost[task.unit] += task.cost;
   std::vector<int64_t> order;
   for (int64_t u = 0; u < units; ++u)
-    if (unit_cost[u] > 0) order.push_back(u);
+    if (unit_cost[u] > 0 || (emit_keys && p.kv_lens[u / p.kv_heads] > 0)) order.push_back(u);
   std::stable_sort(order.begin(), order.end(), [&unit_cost](int64_t a, int64_t b) { return unit_cost[a] > unit_cost[b]; });
   std::vector<int64_t> chunk_of(units, -1);
   plan.unit_offset.assign(units, 0);
@@ -300,12 +303,12 @@ class Worker {
 
   bool Bind(Scratch *scratch) {
     const int64_t R = plan_.rows_max, D = p_.head_dim, Dp = plan_.head_pad, BK = plan_.kv_block;
-    const size_t need = R * D + R * BK + R * Dp + 2 * R + 4 * Dp + kLanes * Dp + 2 * p_.rotary_dim + 64;
+    const size_t need = R * D + R * BK + R * Dp + 2 * R + 3 * Dp + kLanes * Dp + 2 * p_.rotary_dim + 64;
     float *base = scratch->Get(need);
     if (!base) return false;
     auto take = [&base](int64_t n) { float *r = base; base += RoundUp(n, 16); return r; };
     q_ = take(R * D); s_ = take(R * BK); o_ = take(R * Dp);
-    m_ = take(R); l_ = take(R); row_ = take(Dp); rot_ = take(Dp); orig_ = take(Dp); tmp_ = take(Dp);
+    m_ = take(R); l_ = take(R); row_ = take(Dp); orig_ = take(Dp); tmp_ = take(Dp);
     ctmp_ = take(p_.rotary_dim); stmp_ = take(p_.rotary_dim); stage_ = take(kLanes * Dp);
     valid_.resize(R);
     klim_.resize(R / kRows + 1);
@@ -396,8 +399,6 @@ class Worker {
       }
       simd::Gemm(M, Dp, n, s_, np, v, Dp, o_, Dp, true, nullptr, diagonal ? klim_.data() : nullptr);
     }
-    // The last query block sees every key of its range: it writes them rotated (splits each their part).
-    if (buf_.rotated_key && t.q0 + t.nq == lq) EmitKeys(t.seq, t.group, t.kv_lo, t.kv_hi);
     if (plan_.nsplit > 1) {
       std::memcpy(partials_->O(t.item, t.split), o_, M * Dp * sizeof(float));
       std::memcpy(partials_->M(t.item, t.split), m_, M * sizeof(float));
@@ -432,27 +433,10 @@ class Worker {
     Finish(t, o_, m_, l_);
   }
 
-  // Key rows [lo, hi) of sequence `seq`, KV head `group`, rotated (or as given when they already
-  // are, or when the rotation is switched off) into the rotated_key output.
-  void EmitKeys(int64_t seq, int64_t group, int64_t lo, int64_t hi) {
-    const int64_t D = p_.head_dim, rd = p_.rotary_dim, mode = p_.attrs.rotary_mode;
-    const int64_t base = seq * p_.kv.batch + p_.kv_start[seq] * p_.kv.row + group * p_.kv.head;
-    for (int64_t j = lo; j < hi; ++j) {
-      const int64_t off = base + j * p_.kv.row;
-      LoadRow(p_.qkv_dtype, buf_.key, off, D, row_);
-      if (p_.attrs.key_rotated || !tiling_.rotate) {
-        StoreRow(p_.qkv_dtype, row_, D, buf_.rotated_key, off);
-        continue;
-      }
-      Rotate(row_, tables_.Row(buf_.cos, p_.cos_dtype, j, ctmp_), tables_.Row(buf_.sin, p_.sin_dtype, j, stmp_), rd,
-             D, mode, 1.0f, rot_);
-      ToOriginalOrder(rot_, rd, D, mode, orig_);
-      StoreRow(p_.qkv_dtype, orig_, D, buf_.rotated_key, off);
-    }
-  }
-
   // 1. One tile of keys: rotated and transposed into K^T (row stride kv_block, columns past the
-  // last key zero up to a whole vector), V rows after it (row stride head_pad, padding zero).
+  // last key zero up to a whole vector), V rows after it (row stride head_pad, padding zero), and
+  // the keys into rotated_key when it is requested (as given when they already carry RoPE, or when
+  // the rotation is switched off).
   // Contiguous packed tiles keep the GEMM's B panels in cache; reading V in place with the
   // layout's row stride measured slower.
   void PackTile(const PackItem &item) {
@@ -468,12 +452,18 @@ class Worker {
       float *staged = stage_ + (j % kLanes) * Dp;
       if (!tiling_.rotate) {
         std::memcpy(staged, key, D * sizeof(float));
+        if (buf_.rotated_key) StoreRow(p_.qkv_dtype, key, D, buf_.rotated_key, off);
       } else if (p_.attrs.key_rotated) {  // a rotated KV cache: only reordered like Q
         ToKernelOrder(key, rd, D, mode, staged);
+        if (buf_.rotated_key) StoreRow(p_.qkv_dtype, key, D, buf_.rotated_key, off);
       } else {
         const int64_t pos = j0 + j;
         Rotate(key, tables_.Row(buf_.cos, p_.cos_dtype, pos, ctmp_), tables_.Row(buf_.sin, p_.sin_dtype, pos, stmp_),
                rd, D, mode, 1.0f, staged);
+        if (buf_.rotated_key) {
+          ToOriginalOrder(staged, rd, D, mode, orig_);
+          StoreRow(p_.qkv_dtype, orig_, D, buf_.rotated_key, off);
+        }
       }
       if (j % kLanes == kLanes - 1 || j == n - 1) {
         const int64_t first = j - j % kLanes, count = j - first + 1;
@@ -517,7 +507,7 @@ class Worker {
   Partials *partials_;
   Tables tables_;
   float *q_ = nullptr, *s_ = nullptr, *o_ = nullptr, *m_ = nullptr, *l_ = nullptr;
-  float *row_ = nullptr, *rot_ = nullptr, *orig_ = nullptr, *tmp_ = nullptr, *ctmp_ = nullptr, *stmp_ = nullptr;
+  float *row_ = nullptr, *orig_ = nullptr, *tmp_ = nullptr, *ctmp_ = nullptr, *stmp_ = nullptr;
   float *stage_ = nullptr;  // kLanes K rows, before they are written transposed
   std::vector<int64_t> valid_;      // per row of the task: keys of the current tile it sees
   std::vector<int64_t> klim_, nlim_;  // per micro-tile row block: keys / score columns to compute
@@ -531,7 +521,7 @@ const char *Isa() { return simd::kIsa; }
 
 void Run(const Problem &p, const Buffers &buf, const Tiling &tiling) {
   const int threads = omp_get_max_threads();
-  const Plan plan = MakePlan(p, tiling, threads);
+  const Plan plan = MakePlan(p, tiling, threads, buf.rotated_key != nullptr);
   Partials partials;
   if (plan.nsplit > 1) {
     partials.stride_item = plan.nsplit;
@@ -544,11 +534,6 @@ void Run(const Problem &p, const Buffers &buf, const Tiling &tiling) {
   }
   float *packed = tls_packed.Get(plan.pack_floats);
   if (!packed) throw std::bad_alloc();
-  // Sequences with no query rows still owe their rotated keys.
-  std::vector<int64_t> keys_only;
-  if (buf.rotated_key)
-    for (int64_t b = 0; b < p.batch; ++b)
-      if (p.q_lens[b] == 0) keys_only.push_back(b);
   const int64_t ntasks = static_cast<int64_t>(plan.tasks.size());
   bool ok = true;
 #pragma omp parallel num_threads(threads) reduction(&& : ok)
@@ -568,14 +553,8 @@ void Run(const Problem &p, const Buffers &buf, const Tiling &tiling) {
       for (size_t i = c.task_begin; i < c.task_end; ++i)
         if (bound) worker.RunTask(plan.tasks[i]);
     }
-    // Its barrier also ends the last chunk's tasks, before their splits are merged.
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < static_cast<int64_t>(keys_only.size()) * p.kv_heads; ++i)
-      if (bound) {
-        const int64_t seq = keys_only[i / p.kv_heads];
-        worker.EmitKeys(seq, i % p.kv_heads, 0, p.kv_lens[seq]);
-      }
     if (plan.nsplit > 1) {
+#pragma omp barrier  // the last chunk's tasks are done before their splits are merged
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < ntasks; ++i)
         if (bound && plan.tasks[i].split == 0) worker.MergeItem(plan.tasks[i]);
