@@ -117,21 +117,25 @@ inline void BFloat16ToFloat(const uint16_t *src, float *dst, int64_t n) {
   }
 }
 
+// Float32 bit patterns (a uint32_t or a vu of them) -> bfloat16 bits in the low half.
+template <typename U>
+inline U BFloat16Bits(U w) {
+  const U nearest = (w + 0x7fffu + ((w >> 16) & 1u)) >> 16;
+  return (w & 0x7fffffffu) > 0x7f800000u ? (w >> 16) | 0x40u : nearest;
+}
+
 inline void FloatToBFloat16(const float *src, uint16_t *dst, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     vu w;
     std::memcpy(&w, src + i, sizeof w);
-    const vu nearest = (w + 0x7fffu + ((w >> 16) & 1u)) >> 16;
-    const vu bits = (w & 0x7fffffffu) > 0x7f800000u ? (w >> 16) | 0x40u : nearest;
-    const vh h = __builtin_convertvector(bits, vh);
+    const vh h = __builtin_convertvector(BFloat16Bits(w), vh);
     std::memcpy(dst + i, &h, sizeof h);
   }
   for (; i < n; ++i) {
     uint32_t w;
     std::memcpy(&w, src + i, 4);
-    dst[i] = static_cast<uint16_t>((w & 0x7fffffffu) > 0x7f800000u ? (w >> 16) | 0x40u
-                                                                     : (w + 0x7fffu + ((w >> 16) & 1u)) >> 16);
+    dst[i] = static_cast<uint16_t>(BFloat16Bits(w));
   }
 }
 
