@@ -56,6 +56,31 @@ def expected_shapes(q_shape, k_shape, layout, head_num, with_lse, with_rk):
     return tuple(q_shape), lse, tuple(k_shape) if with_rk else (0,)
 
 
+def _empty_outputs(shapes, dtypes):
+    """Output buffers pre-filled with NaN, so a value the kernel fails to write shows up."""
+    np_dtypes = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+    return [np.full(shape, np.nan if odt != "bfloat16" else 0x7FC0, np_dtypes[odt]) for shape, odt in zip(shapes, dtypes)]
+
+
+def _forward_inputs(q, k, v, cos, sin, aq, ak, dtype, table_dtype):
+    """The forward's 7 inputs as kernel arrays (None for absent offsets) and their dtype names."""
+    inputs = [encode(q, dtype), encode(k, dtype), encode(v, dtype), encode(cos, table_dtype), encode(sin, table_dtype)]
+    inputs += [None if ends is None else np.ascontiguousarray(ends, np.int64) for ends in (aq, ak)]
+    return inputs, [dtype] * 3 + [table_dtype] * 2 + ["none" if ends is None else "int64" for ends in (aq, ak)]
+
+
+def _launch(arrays, dtypes):
+    """(arrays, shape buffers, (ndims, shapes, dtypes, params)): the aot calling convention for
+    ``arrays`` (None = an absent optional input, dtype "none")."""
+    n = len(arrays)
+    ndims = (ctypes.c_int * n)(*[0 if a is None else a.ndim for a in arrays])
+    shape_bufs = [(ctypes.c_int64 * max(1, 0 if a is None else a.ndim))(*(() if a is None else a.shape)) for a in arrays]
+    shape_ptrs = (ctypes.POINTER(ctypes.c_int64) * n)(*[ctypes.cast(b, ctypes.POINTER(ctypes.c_int64)) for b in shape_bufs])
+    dtype_ptrs = (ctypes.c_char_p * n)(*[d.encode() for d in dtypes])
+    params = (ctypes.c_void_p * n)(*[None if a is None else a.ctypes.data for a in arrays])
+    return arrays, shape_bufs, (ndims, shape_ptrs, dtype_ptrs, params)
+
+
 def prepare(q, k, v, cos, sin, aq=None, ak=None, *, head_num=None, input_layout="BNSD", rotary_mode=0,
             rotary_dim=None, scale=None, causal=True, dtype="float32", table_dtype="float32", with_lse=True,
             with_rotated_key=True, key_rotated=False, out_shapes=None):
@@ -63,29 +88,11 @@ def prepare(q, k, v, cos, sin, aq=None, ak=None, *, head_num=None, input_layout=
     must outlive the call, so the caller keeps the returned tuple alive until it is done."""
     attrs = Attrs(head_num or 0, LAYOUTS[input_layout], rotary_mode, rotary_dim or 0, scale or 0.0, causal,
                   with_lse, with_rotated_key, key_rotated)
-    inputs = [encode(q, dtype), encode(k, dtype), encode(v, dtype), encode(cos, table_dtype), encode(sin, table_dtype)]
-    dtypes = [dtype] * 3 + [table_dtype] * 2
-    for ends in (aq, ak):
-        if ends is None:
-            inputs.append(None)
-            dtypes.append("none")
-        else:
-            inputs.append(np.ascontiguousarray(ends, np.int64))
-            dtypes.append("int64")
+    inputs, dtypes = _forward_inputs(q, k, v, cos, sin, aq, ak, dtype, table_dtype)
     shapes = out_shapes or expected_shapes(q.shape, k.shape, input_layout, head_num, with_lse, with_rotated_key)
-    out_dtypes = [dtype, "float32", dtype]
-    outputs = []
-    for shape, odt in zip(shapes, out_dtypes):
-        np_dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[odt]
-        outputs.append(np.full(shape, np.nan if odt != "bfloat16" else 0x7FC0, np_dtype))
-    arrays = inputs + outputs
-    n = len(arrays)
-    ndims = (ctypes.c_int * n)(*[0 if a is None else a.ndim for a in arrays])
-    shape_bufs = [(ctypes.c_int64 * max(1, 0 if a is None else a.ndim))(*(() if a is None else a.shape)) for a in arrays]
-    shape_ptrs = (ctypes.POINTER(ctypes.c_int64) * n)(*[ctypes.cast(b, ctypes.POINTER(ctypes.c_int64)) for b in shape_bufs])
-    dtype_ptrs = (ctypes.c_char_p * n)(*[d.encode() for d in dtypes + out_dtypes])
-    params = (ctypes.c_void_p * n)(*[None if a is None else a.ctypes.data for a in arrays])
-    args = (ctypes.byref(attrs), ndims, shape_ptrs, dtype_ptrs, params)
+    outputs = _empty_outputs(shapes, [dtype, "float32", dtype])
+    arrays, shape_bufs, call = _launch(inputs + outputs, dtypes + [dtype, "float32", dtype])
+    args = (ctypes.byref(attrs),) + call
     return args, outputs, (attrs, arrays, shape_bufs)
 
 
@@ -103,3 +110,32 @@ def run(q, k, v, cos, sin, aq=None, ak=None, *, dtype="float32", rows=0, kv_bloc
                                                          ctypes.c_int(int(rotate)))
     del keep
     return code, decode(out, dtype), lse.astype(np.float64), decode(rk, dtype)
+
+
+def prepare_grad(q, k, v, cos, sin, aq, ak, out, lse, d_out, d_lse=None, d_rotated_key=None, *, head_num=None,
+                 input_layout="BNSD", rotary_mode=0, rotary_dim=None, scale=None, causal=True, dtype="float32",
+                 table_dtype="float32", key_rotated=False, out_shapes=None):
+    """``prepare`` for the backward entry: (attrs, ndims, shapes, dtypes, params; d_query, d_key,
+    d_value buffers; what must outlive the call). ``out``/``lse`` are the forward's outputs."""
+    attrs = Attrs(head_num or 0, LAYOUTS[input_layout], rotary_mode, rotary_dim or 0, scale or 0.0, causal,
+                  True, True, key_rotated)
+    inputs, dtypes = _forward_inputs(q, k, v, cos, sin, aq, ak, dtype, table_dtype)
+    inputs += [encode(out, dtype), np.ascontiguousarray(lse, np.float32), encode(d_out, dtype),
+               None if d_lse is None else np.ascontiguousarray(d_lse, np.float32),
+               None if d_rotated_key is None else encode(d_rotated_key, dtype)]
+    dtypes += [dtype, "float32", dtype, "none" if d_lse is None else "float32",
+               "none" if d_rotated_key is None else dtype]
+    outputs = _empty_outputs(out_shapes or (q.shape, k.shape, v.shape), [dtype] * 3)
+    arrays, shape_bufs, call = _launch(inputs + outputs, dtypes + [dtype] * 3)
+    return (ctypes.byref(attrs),) + call, outputs, (attrs, arrays, shape_bufs)
+
+
+def run_grad(*args, dtype="float32", block_q=0, block_k=0, splits=0, **kwargs):
+    """(return code, d_query, d_key, d_value) of the backward entry ``RotaryFlashAttentionGradRun``,
+    decoded to float64. Arguments are those of ``prepare_grad``; ``block_q``/``block_k``/``splits``
+    <= 0 keep the default tiling."""
+    call, outputs, keep = prepare_grad(*args, dtype=dtype, **kwargs)
+    code = library().RotaryFlashAttentionGradRun(*call, ctypes.c_int64(block_q), ctypes.c_int64(block_k),
+                                                 ctypes.c_int64(splits))
+    del keep
+    return (code,) + tuple(decode(o, dtype) for o in outputs)

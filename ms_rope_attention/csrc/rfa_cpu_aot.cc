@@ -2,6 +2,7 @@
 //   RotaryFlashAttentionInit        reads the attributes once per kernel instance
 //   RotaryFlashAttentionInferShape  output shapes (C++ infer, so GRAPH_MODE compiles once for dynamic S)
 //   RotaryFlashAttention            validates shapes, dtypes and TND offsets, then runs the kernel
+//   RotaryFlashAttentionGrad[Init|InferShape]  the same for the backward (d_query, d_key, d_value)
 // Errors never crash: they return non-zero, print the message and keep it for
 // RotaryFlashAttentionLastError(), which the Python side reads to raise a clear exception.
 #include <cstdio>
@@ -103,4 +104,51 @@ extern "C" RFA_EXPORT int RotaryFlashAttention(int nparam, void **params, int *n
   if (!data) return Fail("kernel attributes missing (Init did not run)");
   if (!data->error.empty()) return Fail(data->error);
   return RotaryFlashAttentionRun(&data->attrs, ndims, shapes, dtypes, params, 0, 0, 0, 1);
+}
+
+extern "C" RFA_EXPORT int RotaryFlashAttentionGradInit(int *, int64_t **, const char **, AotExtra *extra) {
+  return RotaryFlashAttentionInit(nullptr, nullptr, nullptr, extra);
+}
+
+extern "C" RFA_EXPORT std::vector<std::vector<int64_t>> RotaryFlashAttentionGradInferShape(int *ndims, int64_t **shapes,
+                                                                                          AotExtra *) {
+  return {std::vector<int64_t>(shapes[0], shapes[0] + ndims[0]), std::vector<int64_t>(shapes[1], shapes[1] + ndims[1]),
+          std::vector<int64_t>(shapes[2], shapes[2] + ndims[2])};
+}
+
+// Validates, then runs the backward; block_q/block_k/splits <= 0 keep the default tiling.
+extern "C" RFA_EXPORT int RotaryFlashAttentionGradRun(const rfa::Attrs *attrs, int *ndims, int64_t **shapes,
+                                                      const char **dtypes, void **params, int64_t block_q,
+                                                      int64_t block_k, int64_t splits) {
+  try {
+    rfa::Problem problem;
+    bool has_dlse = false, has_drk = false;
+    const std::string err = rfa::ValidateGradCall(*attrs, ndims, shapes, dtypes, params, &problem, &has_dlse, &has_drk);
+    if (!err.empty()) return Fail(err);
+    const int o = rfa::kGradInputs;
+    rfa::cpu::GradBuffers buf{params[0], params[1], params[2], params[3], params[4], params[7],
+                              static_cast<const float *>(params[8]), params[9],
+                              has_dlse ? static_cast<const float *>(params[10]) : nullptr,
+                              has_drk ? params[11] : nullptr, params[o], params[o + 1], params[o + 2]};
+    rfa::cpu::GradTiling tiling;
+    if (block_q > 0) tiling.block_q = block_q;
+    if (block_k > 0) tiling.block_k = block_k;
+    if (splits > 0) tiling.splits = splits;
+    rfa::cpu::RunBackward(problem, buf, tiling);
+    return 0;
+  } catch (const std::bad_alloc &) {
+    return Fail("out of memory for the backward's scratch buffers");
+  } catch (const std::exception &e) {
+    return Fail(e.what());
+  }
+}
+
+extern "C" RFA_EXPORT int RotaryFlashAttentionGrad(int nparam, void **params, int *ndims, int64_t **shapes,
+                                                   const char **dtypes, void *, void *extra) {
+  if (nparam < rfa::kGradInputs + rfa::kGradOutputs)
+    return Fail("expected 12 inputs and 3 outputs, got " + std::to_string(nparam) + " params");
+  auto *data = static_cast<AttrData *>(static_cast<AotExtra *>(extra)->KernelData());
+  if (!data) return Fail("kernel attributes missing (Init did not run)");
+  if (!data->error.empty()) return Fail(data->error);
+  return RotaryFlashAttentionGradRun(&data->attrs, ndims, shapes, dtypes, params, 0, 0, 0);
 }

@@ -25,11 +25,10 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <limits>
-#include <memory>
 #include <vector>
 
+#include "rows.h"
 #include "simd.h"
 
 namespace rfa {
@@ -43,123 +42,6 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kRescaleSlack = 8.0f;  // log2 units: softmax numerators stay <= 256
-
-int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-// n elements of dtype t at element offset `off` of `base`, as float32.
-void LoadRow(DType t, const void *base, int64_t off, int64_t n, float *dst) {
-  switch (t) {
-    case DType::F32:
-      std::memcpy(dst, static_cast<const float *>(base) + off, n * sizeof(float));
-      break;
-    case DType::F16:
-      simd::HalfToFloat(static_cast<const _Float16 *>(base) + off, dst, n);
-      break;
-    case DType::BF16:
-      simd::BFloat16ToFloat(static_cast<const uint16_t *>(base) + off, dst, n);
-      break;
-  }
-}
-
-// The same row as float32, read in place when it already is (no copy), else converted into `tmp`.
-const float *RowAsFloat(DType t, const void *base, int64_t off, int64_t n, float *tmp) {
-  if (t == DType::F32) return static_cast<const float *>(base) + off;
-  LoadRow(t, base, off, n, tmp);
-  return tmp;
-}
-
-void StoreRow(DType t, const float *src, int64_t n, void *base, int64_t off) {
-  switch (t) {
-    case DType::F32:
-      std::memcpy(static_cast<float *>(base) + off, src, n * sizeof(float));
-      break;
-    case DType::F16:
-      simd::FloatToHalf(src, static_cast<_Float16 *>(base) + off, n);
-      break;
-    case DType::BF16:
-      simd::FloatToBFloat16(src, static_cast<uint16_t *>(base) + off, n);
-      break;
-  }
-}
-
-// Float32 cos/sin rows at a position.
-struct Tables {
-  const Problem *p;
-  const void *cos, *sin;
-  const float *Row(const void *table, DType t, int64_t pos, float *tmp) const {
-    return RowAsFloat(t, table, pos * p->rotary_dim, p->rotary_dim, tmp);
-  }
-};
-
-// x (original feature order) -> y in kernel order, times `mul`: rotated features first (mode 1
-// de-interleaved to [even | odd] pairs), then the pass-through features.
-void Rotate(const float *__restrict x, const float *__restrict c, const float *__restrict s, int64_t rd, int64_t d,
-            int64_t mode, float mul, float *__restrict y) {
-  const int64_t h = rd / 2;
-  if (mode == 0) {
-    for (int64_t i = 0; i < h; ++i) {
-      const float a = x[i], b = x[i + h];
-      y[i] = (a * c[i] - b * s[i]) * mul;
-      y[i + h] = (b * c[i + h] + a * s[i + h]) * mul;
-    }
-  } else {
-    for (int64_t i = 0; i < h; ++i) {
-      const float a = x[2 * i], b = x[2 * i + 1];
-      y[i] = (a * c[2 * i] - b * s[2 * i]) * mul;
-      y[i + h] = (b * c[2 * i + 1] + a * s[2 * i + 1]) * mul;
-    }
-  }
-  for (int64_t i = rd; i < d; ++i) y[i] = x[i] * mul;
-}
-
-// Original order -> kernel order without rotating (only mode 1 differs): an already-rotated key
-// (attrs.key_rotated) must meet Q in the same de-interleaved feature order.
-void ToKernelOrder(const float *x, int64_t rd, int64_t d, int64_t mode, float *y) {
-  if (mode == 0) {
-    std::memcpy(y, x, d * sizeof(float));
-    return;
-  }
-  const int64_t h = rd / 2;
-  for (int64_t i = 0; i < h; ++i) {
-    y[i] = x[2 * i];
-    y[i + h] = x[2 * i + 1];
-  }
-  std::memcpy(y + rd, x + rd, (d - rd) * sizeof(float));
-}
-
-// Kernel order -> original order (only mode 1 differs), for the rotated-key output.
-void ToOriginalOrder(const float *y, int64_t rd, int64_t d, int64_t mode, float *x) {
-  if (mode == 0) {
-    std::memcpy(x, y, d * sizeof(float));
-    return;
-  }
-  const int64_t h = rd / 2;
-  for (int64_t i = 0; i < h; ++i) {
-    x[2 * i] = y[i];
-    x[2 * i + 1] = y[i + h];
-  }
-  std::memcpy(x + rd, y + rd, (d - rd) * sizeof(float));
-}
-
-struct AlignedFree {
-  void operator()(float *p) const { std::free(p); }
-};
-
-// Scratch grown on demand and kept across calls: one per OpenMP thread (OpenMP keeps its threads),
-// and one for the packed K/V of each calling thread.
-struct Scratch {
-  std::unique_ptr<float, AlignedFree> mem;
-  size_t capacity = 0;
-  float *Get(size_t floats) {
-    if (floats > capacity) {
-      void *p = nullptr;
-      if (posix_memalign(&p, 64, floats * sizeof(float)) != 0) return nullptr;
-      mem.reset(static_cast<float *>(p));
-      capacity = floats;
-    }
-    return mem.get();
-  }
-};
 
 struct Task {
   int64_t seq, group, q0, nq;  // query rows [q0, q0 + nq) of sequence `seq`, KV head `group`

@@ -28,6 +28,26 @@ struct Tiling {
 };
 
 void Run(const Problem &p, const Buffers &buf, const Tiling &tiling);
+
+// The backward (rfa_cpu_backward.cc): gradients w.r.t. query, key and value of the un-rotated
+// inputs, from the forward's output and log-sum-exp.
+struct GradBuffers {
+  const void *query, *key, *value, *cos, *sin;
+  const void *out;            // the forward's attention_out
+  const float *lse;           // the forward's softmax_lse (natural log)
+  const void *d_out;
+  const float *d_lse;         // may be null: softmax_lse not used downstream
+  const void *d_rotated_key;  // may be null: rotated_key not used downstream
+  void *d_query, *d_key, *d_value;
+};
+
+struct GradTiling {
+  int64_t block_q = 128;  // queries per tile (rounded up to a whole vector)
+  int64_t block_k = 96;   // keys per tile: a multiple of both GEMM micro-tile heights (12 and 6)
+  int64_t splits = 0;     // KV chunks per (sequence, KV head); 0 = as many as keep every thread busy
+};
+
+void RunBackward(const Problem &p, const GradBuffers &buf, const GradTiling &tiling);
 const char *Isa();
 
 }  // namespace cpu

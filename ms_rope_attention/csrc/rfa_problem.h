@@ -253,4 +253,70 @@ inline std::string ValidateCall(const Attrs &attrs, const int *ndims, int64_t *c
   return "";
 }
 
+// Whether tensor `idx` of a launch has `expect` shape and dtype `dtype`; "" or an error naming it.
+inline std::string CheckTensor(const char *name, int idx, const int *ndims, int64_t *const *shapes,
+                               const char *const *dtypes, const std::vector<int64_t> &expect, const std::string &dtype) {
+  bool same = static_cast<size_t>(ndims[idx]) == expect.size();
+  for (int i = 0; same && i < ndims[idx]; ++i) same = shapes[idx][i] == expect[i];
+  const std::string got = dtypes[idx] ? dtypes[idx] : "none";
+  if (!same || got != dtype)
+    return std::string(name) + ": expected shape " + ShapeText(static_cast<int>(expect.size()), expect.data()) +
+           " and dtype " + dtype + ", got " + ShapeText(ndims[idx], shapes[idx]) + " " + got;
+  return "";
+}
+
+// The backward op (RotaryFlashAttentionGrad) in the aot calling convention: the forward's 7 inputs,
+// then attention_out, softmax_lse (the forward's, always emitted for training), d_attention_out,
+// d_softmax_lse and d_rotated_key (both optional: dtype "none", or an empty (0,) tensor, when the
+// forward output was not used); outputs d_query, d_key, d_value. Everything is checked before any
+// memory is read; `has_dlse` / `has_drk` say whether the optional gradients are present.
+constexpr int kGradInputs = 12, kGradOutputs = 3;
+inline std::string ValidateGradCall(const Attrs &attrs, const int *ndims, int64_t *const *shapes,
+                                    const char *const *dtypes, void *const *params, Problem *problem, bool *has_dlse,
+                                    bool *has_drk) {
+  TensorDesc tensors[kInputs];
+  for (int i = 0; i < kInputs; ++i) {
+    tensors[i].ndim = ndims[i];
+    tensors[i].shape = shapes[i];
+    tensors[i].dtype = dtypes[i] ? dtypes[i] : "none";
+  }
+  const bool offsets_ok = tensors[5].dtype == "int64" && tensors[5].ndim == 1 && tensors[6].dtype == "int64" &&
+                          tensors[6].ndim == 1 && params[5] && params[6];
+  std::string err = BuildProblem(attrs, tensors, offsets_ok ? static_cast<const int64_t *>(params[5]) : nullptr,
+                                 offsets_ok ? static_cast<const int64_t *>(params[6]) : nullptr, problem);
+  if (!err.empty()) return err;
+  Attrs all = attrs;
+  all.with_lse = all.with_rotated_key = true;
+  const auto fwd = InferShapes(all, ndims[0], shapes[0], ndims[1], shapes[1]);
+  const std::vector<int64_t> v_shape(shapes[2], shapes[2] + ndims[2]);
+  const std::string &qd = tensors[0].dtype;
+  auto absent = [&](int idx) {
+    const std::string d = dtypes[idx] ? dtypes[idx] : "none";
+    return d == "none" || (ndims[idx] == 1 && shapes[idx][0] == 0) || !params[idx];
+  };
+  *has_dlse = !absent(10);
+  *has_drk = !absent(11);
+  const struct { const char *name; int idx; const std::vector<int64_t> &shape; std::string dtype; bool check; } want[] = {
+      {"attention_out", 7, fwd[0], qd, true},
+      {"softmax_lse", 8, fwd[1], "float32", true},
+      {"d_attention_out", 9, fwd[0], qd, true},
+      {"d_softmax_lse", 10, fwd[1], "float32", *has_dlse},
+      {"d_rotated_key", 11, fwd[2], qd, *has_drk},
+      {"d_query", kGradInputs, fwd[0], qd, true},
+      {"d_key", kGradInputs + 1, fwd[2], qd, true},
+      {"d_value", kGradInputs + 2, v_shape, qd, true},
+  };
+  for (const auto &w : want) {
+    if (!w.check) continue;
+    err = CheckTensor(w.name, w.idx, ndims, shapes, dtypes, w.shape, w.dtype);
+    if (!err.empty()) return err;
+    if (!params[w.idx]) {
+      bool empty = false;
+      for (int64_t d : w.shape) empty = empty || d == 0;
+      if (!empty) return std::string(w.name) + ": null data pointer";
+    }
+  }
+  return "";
+}
+
 }  // namespace rfa

@@ -1,0 +1,158 @@
+// Row-level helpers shared by the forward and backward CPU kernels: dtype conversion of one row,
+// the rotation (and its transpose, for gradients) in the kernel's feature order, and scratch memory.
+//
+// Kernel feature order: rotated features first, mode 1 (interleaved) de-interleaved to [even | odd]
+// pairs, so both rotary modes share the rotate-half arithmetic; then the pass-through features.
+// Q K^T (and every gradient GEMM) is invariant under that common permutation.
+#pragma once
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+
+#include "rfa_problem.h"
+#include "simd.h"
+
+namespace rfa {
+namespace cpu {
+
+inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// n elements of dtype t at element offset `off` of `base`, as float32.
+inline void LoadRow(DType t, const void *base, int64_t off, int64_t n, float *dst) {
+  switch (t) {
+    case DType::F32:
+      std::memcpy(dst, static_cast<const float *>(base) + off, n * sizeof(float));
+      break;
+    case DType::F16:
+      simd::HalfToFloat(static_cast<const _Float16 *>(base) + off, dst, n);
+      break;
+    case DType::BF16:
+      simd::BFloat16ToFloat(static_cast<const uint16_t *>(base) + off, dst, n);
+      break;
+  }
+}
+
+// The same row as float32, read in place when it already is (no copy), else converted into `tmp`.
+inline const float *RowAsFloat(DType t, const void *base, int64_t off, int64_t n, float *tmp) {
+  if (t == DType::F32) return static_cast<const float *>(base) + off;
+  LoadRow(t, base, off, n, tmp);
+  return tmp;
+}
+
+inline void StoreRow(DType t, const float *src, int64_t n, void *base, int64_t off) {
+  switch (t) {
+    case DType::F32:
+      std::memcpy(static_cast<float *>(base) + off, src, n * sizeof(float));
+      break;
+    case DType::F16:
+      simd::FloatToHalf(src, static_cast<_Float16 *>(base) + off, n);
+      break;
+    case DType::BF16:
+      simd::FloatToBFloat16(src, static_cast<uint16_t *>(base) + off, n);
+      break;
+  }
+}
+
+// Float32 cos/sin rows at a position.
+struct Tables {
+  const Problem *p;
+  const void *cos, *sin;
+  const float *Row(const void *table, DType t, int64_t pos, float *tmp) const {
+    return RowAsFloat(t, table, pos * p->rotary_dim, p->rotary_dim, tmp);
+  }
+};
+
+// x (original feature order) -> y in kernel order, times `mul`: y = (x*cos + rot(x)*sin) * mul on
+// the rotated features, x * mul on the rest.
+inline void Rotate(const float *__restrict x, const float *__restrict c, const float *__restrict s, int64_t rd,
+                   int64_t d, int64_t mode, float mul, float *__restrict y) {
+  const int64_t h = rd / 2;
+  if (mode == 0) {
+    for (int64_t i = 0; i < h; ++i) {
+      const float a = x[i], b = x[i + h];
+      y[i] = (a * c[i] - b * s[i]) * mul;
+      y[i + h] = (b * c[i + h] + a * s[i + h]) * mul;
+    }
+  } else {
+    for (int64_t i = 0; i < h; ++i) {
+      const float a = x[2 * i], b = x[2 * i + 1];
+      y[i] = (a * c[2 * i] - b * s[2 * i]) * mul;
+      y[i + h] = (b * c[2 * i + 1] + a * s[2 * i + 1]) * mul;
+    }
+  }
+  for (int64_t i = rd; i < d; ++i) y[i] = x[i] * mul;
+}
+
+// The transpose of Rotate, for gradients: dy (kernel order) -> dx (original order), times `mul`.
+// RoPE is a rotation, so dx = cos*dy - rot(sin*dy) un-rotates the gradient of a rotated row.
+inline void RotateTransposed(const float *__restrict dy, const float *__restrict c, const float *__restrict s,
+                             int64_t rd, int64_t d, int64_t mode, float mul, float *__restrict dx) {
+  const int64_t h = rd / 2;
+  if (mode == 0) {
+    for (int64_t i = 0; i < h; ++i) {
+      const float a = dy[i], b = dy[i + h];
+      dx[i] = (a * c[i] + b * s[i + h]) * mul;
+      dx[i + h] = (b * c[i + h] - a * s[i]) * mul;
+    }
+  } else {
+    for (int64_t i = 0; i < h; ++i) {
+      const float a = dy[i], b = dy[i + h];
+      dx[2 * i] = (a * c[2 * i] + b * s[2 * i + 1]) * mul;
+      dx[2 * i + 1] = (b * c[2 * i + 1] - a * s[2 * i]) * mul;
+    }
+  }
+  for (int64_t i = rd; i < d; ++i) dx[i] = dy[i] * mul;
+}
+
+// Original order -> kernel order without rotating (only mode 1 differs): an already-rotated key
+// (attrs.key_rotated) must meet Q in the same de-interleaved feature order.
+inline void ToKernelOrder(const float *x, int64_t rd, int64_t d, int64_t mode, float *y) {
+  if (mode == 0) {
+    std::memcpy(y, x, d * sizeof(float));
+    return;
+  }
+  const int64_t h = rd / 2;
+  for (int64_t i = 0; i < h; ++i) {
+    y[i] = x[2 * i];
+    y[i + h] = x[2 * i + 1];
+  }
+  std::memcpy(y + rd, x + rd, (d - rd) * sizeof(float));
+}
+
+// Kernel order -> original order (only mode 1 differs).
+inline void ToOriginalOrder(const float *y, int64_t rd, int64_t d, int64_t mode, float *x) {
+  if (mode == 0) {
+    std::memcpy(x, y, d * sizeof(float));
+    return;
+  }
+  const int64_t h = rd / 2;
+  for (int64_t i = 0; i < h; ++i) {
+    x[2 * i] = y[i];
+    x[2 * i + 1] = y[i + h];
+  }
+  std::memcpy(x + rd, y + rd, (d - rd) * sizeof(float));
+}
+
+struct AlignedFree {
+  void operator()(float *p) const { std::free(p); }
+};
+
+// 64-byte aligned float scratch grown on demand and kept across calls (OpenMP keeps its threads,
+// so a thread_local one is reused by every launch).
+struct Scratch {
+  std::unique_ptr<float, AlignedFree> mem;
+  size_t capacity = 0;
+  float *Get(size_t floats) {
+    if (floats > capacity) {
+      void *p = nullptr;
+      if (posix_memalign(&p, 64, floats * sizeof(float)) != 0) return nullptr;
+      mem.reset(static_cast<float *>(p));
+      capacity = floats;
+    }
+    return mem.get();
+  }
+};
+
+}  // namespace cpu
+}  // namespace rfa
