@@ -14,6 +14,7 @@ import mindspore as ms
 from mindspore import ops
 
 from .cpu_direct import expected_shapes
+from .gradients import unfused_autodiff_bprop
 from .op_info import build_reg_info, load_contract
 
 ACLNN_HEADER = "aclnn_rotary_flash_attention.h"
@@ -37,8 +38,10 @@ def package_status() -> str | None:
             "build it with ms_rope_attention/aclnn/build.sh")
 
 
-def make_ascend_op(attrs: dict) -> ops.Custom:
-    """The aot ``Custom`` primitive bound to the installed aclnn op, for one attribute set."""
+def make_ascend_op(attrs: dict, grads_used: tuple[bool, bool], unfused_forward, strict: bool) -> ops.Custom:
+    """The aot ``Custom`` primitive bound to the installed aclnn op, for one attribute set. There is
+    no Ascend backward kernel yet: gradients are the unfused path's autodiff, announced once
+    (``strict`` raises instead)."""
     layout, head_num = attrs.get("input_layout", "BNSD"), attrs.get("head_num") or None
     with_lse, with_rk = attrs.get("with_softmax_lse", False), attrs.get("with_rotated_key", False)
 
@@ -47,4 +50,6 @@ def make_ascend_op(attrs: dict) -> ops.Custom:
 
     return ops.Custom(load_contract().op_name, out_shape=out_shape,
                       out_dtype=lambda q, k, *rest: (q, ms.float32, k), func_type="aot",
+                      bprop=unfused_autodiff_bprop(unfused_forward, grads_used[0], "no fused backward kernel on Ascend",
+                                                   strict),
                       reg_info=build_reg_info("Ascend", attrs))

@@ -13,9 +13,11 @@ from pathlib import Path
 import mindspore as ms
 from mindspore import ops
 
+from .gradients import fused_bprop, unfused_autodiff_bprop
 from .op_info import build_reg_info
 
 KERNEL_SYMBOL = "RotaryFlashAttention"
+GRAD_KERNEL_SYMBOL = "RotaryFlashAttentionGrad"
 ISAS = ("avx512", "avx2", "generic")
 _REQUIRED_FLAGS = {
     "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"},
@@ -23,6 +25,7 @@ _REQUIRED_FLAGS = {
     "generic": set(),
 }
 _PACKAGE_DIR = Path(__file__).resolve().parent
+FUSED_BACKWARD = True  # the library has the backward entry (tests switch it off to run the fallback)
 
 
 def kernel_dir() -> Path:
@@ -90,10 +93,21 @@ def kernel_isa() -> str:
     return library().RotaryFlashAttentionIsa().decode()
 
 
-def make_cpu_op(attrs: dict) -> ops.Custom:
-    """The aot ``Custom`` primitive for one attribute set (attribute names as in the contract)."""
+def make_cpu_op(attrs: dict, grads_used: tuple[bool, bool], unfused_forward, strict: bool) -> ops.Custom:
+    """The aot ``Custom`` primitive for one attribute set (attribute names as in the contract),
+    differentiable through the fused backward kernel (the same library, its ``Grad`` entry).
+    ``grads_used``: whether the caller uses the softmax_lse / rotated_key outputs, i.e. whether
+    their gradients reach the backward. ``unfused_forward``/``strict``: the announced fallback
+    gradient, used only without a fused backward."""
     _, path = select_library()
     _open(str(path))  # fail here, not inside MindSpore, if the library cannot be loaded
+    if FUSED_BACKWARD:
+        grad_op = ops.Custom(f"{path}:{GRAD_KERNEL_SYMBOL}", out_shape=None,
+                             out_dtype=lambda q, k, v, *rest: (q, k, v), func_type="aot",
+                             reg_info=build_reg_info("CPU", attrs, any_dtype=True, backward=True))
+        bprop = fused_bprop(grad_op, *grads_used)
+    else:
+        bprop = unfused_autodiff_bprop(unfused_forward, grads_used[0], "no fused backward kernel on CPU", strict)
     return ops.Custom(f"{path}:{KERNEL_SYMBOL}", out_shape=None,
                       out_dtype=lambda q, k, *rest: (q, ms.float32, k), func_type="aot",
-                      reg_info=build_reg_info("CPU", attrs, any_dtype=True))
+                      bprop=bprop, reg_info=build_reg_info("CPU", attrs, any_dtype=True))

@@ -10,24 +10,16 @@ from __future__ import annotations
 import logging
 
 import mindspore as ms
+import numpy as np
 from mindspore import Tensor, nn, ops
 
 from . import checks
+from .gradients import RotaryFusionFallbackError, announce_fallback
 from .unfused import unfused_rotary_flash_attention
 
 logger = logging.getLogger("ms_rope_attention")
 BACKENDS = ("auto", "fused", "unfused")
-_warned: set = set()
-
-
-class RotaryFusionFallbackError(RuntimeError):
-    """Raised under ``strict=True`` instead of falling back to the unfused path."""
-
-
-def _warn_once(reason: str) -> None:
-    if reason not in _warned:
-        _warned.add(reason)
-        logger.warning("rotary_fusion_fallback: %s; running the unfused RoPE + attention path", reason)
+_EMPTY_LSE = Tensor(np.zeros((0,), np.float32))  # softmax_lse when it was not asked for
 
 
 def _device() -> str:
@@ -104,31 +96,47 @@ class RotaryFlashAttentionOp(nn.Cell):
         if backend != "unfused":
             factory, reason = _fused_factory(_device())
             if factory is None:
-                if strict or backend == "fused":
-                    raise RotaryFusionFallbackError(f"rotary_fusion_fallback refused: {reason}")
-                _warn_once(reason)
+                announce_fallback(reason, strict or backend == "fused")
                 self.fallback_reason = reason
             else:
+                # The fused forward always emits softmax_lse: the backward needs it (a few bytes per
+                # row); the Cell returns an empty lse when it was not asked for.
                 self.fused = factory({
                     "head_num": head_num or 0, "input_layout": input_layout, "rotary_mode": rotary_mode,
                     "rotary_dim": rotary_dim or 0, "scale": float(scale or 0.0), "causal": causal,
-                    "with_softmax_lse": self.with_softmax_lse, "with_rotated_key": self.with_rotated_key,
-                    "key_rotated": key_rotated})
+                    "with_softmax_lse": True, "with_rotated_key": self.with_rotated_key,
+                    "key_rotated": key_rotated}, (self.with_softmax_lse, self.with_rotated_key), self.unfused,
+                    strict or backend == "fused")
         self.use_fused = self.fused is not None
         self.backend_name = f"fused:{_device()}" if self.use_fused else "unfused"
 
     def construct(self, query, key, value, cos, sin, actual_seq_qlen=None, actual_seq_kvlen=None):
-        q_heads, kv_heads, head_dim, rotary_dim, scale = _check_call(
+        if not self.use_fused:
+            return self.unfused(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen)
+        self._geometry(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen)
+        out, lse, rotated_key = self.fused(query, key, value, self._table(cos), self._table(sin), actual_seq_qlen,
+                                           actual_seq_kvlen)
+        if not self.with_softmax_lse:
+            lse = _EMPTY_LSE
+        return out, lse, rotated_key
+
+    def _geometry(self, query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen):
+        """The static argument check of one call; returns (q_heads, kv_heads, head_dim, rotary_dim, scale)."""
+        return _check_call(
             query.shape, key.shape, value.shape, cos.shape, sin.shape, query.dtype, key.dtype, value.dtype, cos.dtype,
             sin.dtype, self.head_num, self.input_layout, self.rotary_mode, self.rotary_dim, self.scale, self.causal,
             actual_seq_qlen is not None, actual_seq_kvlen is not None)
-        if _table_needs_cast(cos.dtype):
-            cos = cos.astype(ms.float32)
-        if _table_needs_cast(sin.dtype):
-            sin = sin.astype(ms.float32)
-        if self.use_fused:
-            return self.fused(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen)
+
+    def _table(self, table):
+        return table.astype(ms.float32) if _table_needs_cast(table.dtype) else table
+
+    def unfused(self, query, key, value, cos, sin, actual_seq_qlen=None, actual_seq_kvlen=None):
+        """The unfused path with this op's attributes (the fallback, and the gradient of a fused
+        forward on a device without a fused backward)."""
+        q_heads, kv_heads, head_dim, rotary_dim, scale = self._geometry(query, key, value, cos, sin, actual_seq_qlen,
+                                                                        actual_seq_kvlen)
         _require_static(q_heads, kv_heads, head_dim)
+        cos, sin = self._table(cos), self._table(sin)
         return unfused_rotary_flash_attention(
             query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, head_num=q_heads, kv_head_num=kv_heads,
             head_dim=head_dim, input_layout=self.input_layout, rotary_mode=self.rotary_mode, rotary_dim=rotary_dim,

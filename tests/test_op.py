@@ -8,7 +8,7 @@ import pytest
 from mindspore import Tensor, nn
 
 import ms_rope_attention as mra
-from ms_rope_attention import functional
+from ms_rope_attention import functional, gradients
 from cases import Case
 from conftest import MS_DTYPES, round_to, to_numpy, to_tensor, tolerance
 from reference import reference
@@ -115,7 +115,7 @@ def test_graph_mode_dynamic_sequence_compiles_once(rng):
 def test_fallback_is_loud_and_strict_raises(monkeypatch, caplog):
     ms.set_context(mode=ms.PYNATIVE_MODE)
     monkeypatch.setattr(functional, "_fused_factory", lambda device: (None, "test: kernel missing"))
-    monkeypatch.setattr(functional, "_warned", set())
+    monkeypatch.setattr(gradients, "_announced", set())
     with caplog.at_level(logging.WARNING, logger="ms_rope_attention"):
         cell = mra.RotaryFlashAttention(head_num=2, head_dim=8)
         mra.RotaryFlashAttention(head_num=2, head_dim=8)

@@ -30,6 +30,7 @@ class Contract:
     attrs: tuple
     semantics: dict
     summary: str
+    backward: "Contract | None" = None  # the gradient op: the forward's inputs, then its own; same attrs
 
     def attr(self, name: str) -> dict:
         for attr in self.attrs:
@@ -60,8 +61,15 @@ def load_contract(path: str | None = None) -> Contract:
             raise ValueError(f"op_info: default of attr {attr['name']!r} is not a {kind}")
         if "values" in attr and attr["default"] not in attr["values"]:
             raise ValueError(f"op_info: default of attr {attr['name']!r} is not one of {attr['values']}")
+    backward = None
+    if "backward" in raw:
+        grad = raw["backward"]
+        backward = Contract(op_name=grad["op_name"], inputs=tuple(raw["inputs"]) + tuple(grad["inputs"]),
+                            outputs=tuple(grad["outputs"]), attrs=tuple(raw["attrs"]),
+                            semantics=dict(grad["semantics"]), summary=grad["summary"])
     return Contract(op_name=raw["op_name"], inputs=tuple(raw["inputs"]), outputs=tuple(raw["outputs"]),
-                    attrs=tuple(raw["attrs"]), semantics=dict(raw["semantics"]), summary=raw["summary"])
+                    attrs=tuple(raw["attrs"]), semantics=dict(raw["semantics"]), summary=raw["summary"],
+                    backward=backward)
 
 
 def dtype_combinations(contract: Contract) -> list[tuple[str, ...]]:
@@ -126,8 +134,9 @@ def opdef_source() -> str:
     return "\n".join(lines) + "\n"
 
 
-def build_reg_info(target: str, attr_values: dict[str, Any], *, any_dtype: bool = False):
-    """The ``CustomRegOp`` op-info for one backend, with the attribute values of one op instance.
+def build_reg_info(target: str, attr_values: dict[str, Any], *, any_dtype: bool = False, backward: bool = False):
+    """The ``CustomRegOp`` op-info for one backend, with the attribute values of one op instance;
+    ``backward=True`` for the gradient op.
 
     ``any_dtype=True`` registers ``None_None`` formats: the CPU aot kernel checks dtypes itself
     (with clearer messages than MindSpore's kernel selection), and optional inputs arrive as "none".
@@ -135,6 +144,8 @@ def build_reg_info(target: str, attr_values: dict[str, Any], *, any_dtype: bool 
     from mindspore.ops import CustomRegOp, DataType
 
     contract = load_contract()
+    if backward:
+        contract = contract.backward
     unknown = set(attr_values) - set(contract.attr_defaults)
     if unknown:
         raise KeyError(f"unknown attribute(s) {sorted(unknown)}; the contract has {sorted(contract.attr_defaults)}")
@@ -170,5 +181,14 @@ def markdown_table() -> str:
         lines.append(f"| attr | `{attr['name']}` | {attr['type']}{allowed} | `{attr['default']}` | {attr['doc']} |")
     for key, text in contract.semantics.items():
         lines.append(f"| rule | {key} | | | {text} |")
+    grad = contract.backward
+    forward_inputs = len(contract.inputs)
+    for item in grad.inputs[forward_inputs:]:
+        kind = "grad input (optional)" if item.get("optional") else "grad input"
+        lines.append(f"| {kind} | `{item['name']}` | {', '.join(item['dtypes'])} | | {item['doc']} |")
+    for item in grad.outputs:
+        lines.append(f"| grad output | `{item['name']}` | {item['dtype']} | | {item['doc']} |")
+    for key, text in grad.semantics.items():
+        lines.append(f"| grad rule | {key} | | | {text} |")
     return "\n".join(lines)
 

@@ -1,0 +1,77 @@
+"""How gradients flow through the fused op: the ``bprop`` attached to its ``Custom`` primitive.
+
+- ``fused_bprop``: the backward kernel (``RotaryFlashAttentionGrad``, a second aot ``Custom`` op),
+  FlashAttention-2 style from the forward's output and log-sum-exp, which the fused forward therefore
+  always emits. cos/sin and the TND offsets get no gradient (zeros): they are tables and indices.
+- ``unfused_autodiff_bprop``: for a device whose fused forward has no fused backward (Ascend today):
+  MindSpore's autodiff of the unfused path on the same inputs. Never silent: the first backward logs
+  one ``rotary_fusion_fallback`` warning naming the backward, and ``strict=True`` raises instead.
+"""
+from __future__ import annotations
+
+import logging
+
+from mindspore import ops
+
+logger = logging.getLogger("ms_rope_attention")
+_announced: set = set()
+
+_zeros_like = ops.ZerosLike()
+
+
+def _no_grad(x):
+    """The gradient of an input that gets none: zeros, or None for an absent optional input."""
+    return None if x is None else _zeros_like(x)
+
+
+def fused_bprop(grad_op, lse_used: bool, rotated_key_used: bool):
+    """The bprop of the fused forward: ``grad_op`` gives (d_query, d_key, d_value). The gradients of
+    softmax_lse / rotated_key are passed only when the caller uses those outputs (otherwise they
+    are zeros: the kernel skips them)."""
+
+    def bprop(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, out, dout):
+        d_lse = dout[1] if lse_used else None
+        d_rotated_key = dout[2] if rotated_key_used else None
+        d_query, d_key, d_value = grad_op(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, out[0],
+                                          out[1], dout[0], d_lse, d_rotated_key)
+        return (d_query, d_key, d_value, _zeros_like(cos), _zeros_like(sin), _no_grad(actual_seq_qlen),
+                _no_grad(actual_seq_kvlen))
+
+    return bprop
+
+
+class RotaryFusionFallbackError(RuntimeError):
+    """Raised under ``strict=True`` instead of falling back to the unfused path."""
+
+
+def announce_fallback(reason: str, strict: bool) -> None:
+    """One warning per reason per process (``rotary_fusion_fallback: ...``), or the strict error."""
+    if strict:
+        raise RotaryFusionFallbackError(f"rotary_fusion_fallback refused: {reason}")
+    if reason not in _announced:
+        _announced.add(reason)
+        logger.warning("rotary_fusion_fallback: %s; running the unfused RoPE + attention path", reason)
+
+
+@ops.constexpr
+def _announce_backward_fallback(reason: str, strict: bool) -> bool:
+    """Runs when the gradient is built: at compile time in GRAPH_MODE, at each backward in PyNative."""
+    announce_fallback(f"backward: {reason}", strict)
+    return True
+
+
+def unfused_autodiff_bprop(unfused_forward, lse_used: bool, reason: str, strict: bool):
+    """The bprop of a fused forward without a fused backward: the vector-Jacobian product of
+    ``unfused_forward`` (same inputs, same outputs as the fused op, with softmax_lse only when
+    ``lse_used``) at the fused op's upstream gradients."""
+    vjp = ops.GradOperation(get_all=True, sens_param=True)(unfused_forward)
+
+    def bprop(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, out, dout):
+        _announce_backward_fallback(reason, strict)
+        d_lse = dout[1] if lse_used else ops.zeros((0,), out[1].dtype)
+        d_query, d_key, d_value = vjp(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen,
+                                      (dout[0], d_lse, dout[2]))[:3]
+        return (d_query, d_key, d_value, _zeros_like(cos), _zeros_like(sin), _no_grad(actual_seq_qlen),
+                _no_grad(actual_seq_kvlen))
+
+    return bprop
