@@ -21,11 +21,14 @@ from mindspore.common.initializer import Normal, initializer
 from ms_rope_attention import RotaryFlashAttention
 from ms_rope_attention.unfused import apply_rope
 
-from .config import LlamaConfig
-from .rope_scaling import model_rope_tables
+# Absolute imports: mindspore.rewrite (amp.auto_mixed_precision O1) regenerates this module's source
+# outside the package, where relative imports fail.
+from models.llama.config import LlamaConfig
+from models.llama.rope_scaling import model_rope_tables
 
 DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 LAYOUTS = ("BSH", "TND")
+IGNORE_INDEX = -100  # labels that take no part in the loss (as in Hugging Face)
 
 
 def check_device_dtype(dtype: str) -> None:
@@ -48,7 +51,9 @@ class Linear(nn.Cell):
     def construct(self, x):
         # The static feature count (not -1) keeps the last dim static under dynamic batch/sequence
         # shapes, so the attention op still knows its head counts at compile time.
-        y = self.matmul(x.reshape(-1, self.in_features), self.weight)
+        # The weight in the activation's dtype: under mixed precision (amp O2/O3) activations are float16
+        # while the master weights stay float32.
+        y = self.matmul(x.reshape(-1, self.in_features), self.weight.astype(x.dtype))
         return y.reshape(x.shape[:-1] + (self.out_features,))
 
 
@@ -68,12 +73,11 @@ class RMSNorm(nn.Cell):
         super().__init__()
         self.weight = Parameter(ops.ones((hidden_size,), dtype), name="weight")
         self.eps = eps
-        self.dtype = dtype
 
     def construct(self, x):
         xf = x.astype(ms.float32)
         variance = (xf * xf).mean(-1, keep_dims=True)
-        return (xf / ops.sqrt(variance + self.eps)).astype(self.dtype) * self.weight
+        return (xf / ops.sqrt(variance + self.eps)).astype(x.dtype) * self.weight.astype(x.dtype)
 
 
 class LlamaMLP(nn.Cell):
@@ -236,5 +240,33 @@ class LlamaForCausalLM(nn.Cell):
             else:
                 hidden = hidden[:, -1:, :]
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        logits = self.matmul(hidden.reshape(-1, self.config.hidden_size), weight)
+        logits = self.matmul(hidden.reshape(-1, self.config.hidden_size), weight.astype(hidden.dtype))
         return logits.astype(ms.float32).reshape(hidden.shape[:-1] + (self.config.vocab_size,)), keys, values
+
+
+class LlamaForTraining(nn.Cell):
+    """The training forward of a ``LlamaForCausalLM`` (built with ``logits="all"``): mean next-token
+    cross-entropy in float32, no KV cache.
+
+    ``construct(input_ids, labels, actual_seq_qlen=None)``: ``labels`` are aligned with
+    ``input_ids`` (Hugging Face's convention: the logits at token i are scored against labels[i + 1]);
+    ``IGNORE_INDEX`` marks labels that take no part. For a packed TND batch (input_ids (T,), cumulative
+    ends ``actual_seq_qlen``) the first label of every sequence must be ``IGNORE_INDEX``, so no sequence
+    is asked to predict the next one's start.
+    """
+
+    def __init__(self, lm: LlamaForCausalLM):
+        super().__init__(auto_prefix=False)  # parameters keep their Hugging Face names
+        self.lm = lm
+        self.vocab_size = lm.config.vocab_size
+        self.packed = lm.layout == "TND"
+        self.ignore_index = IGNORE_INDEX  # an attribute: amp O1's rewrite drops module constants
+
+    def construct(self, input_ids, labels, actual_seq_qlen=None):
+        logits = self.lm(input_ids, None, None, None, None, actual_seq_qlen, actual_seq_qlen)[0]
+        if self.packed:
+            logits, labels = logits[:-1], labels[1:]
+        else:
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        return ops.cross_entropy(logits.reshape(-1, self.vocab_size), labels.reshape(-1).astype(ms.int32),
+                                 ignore_index=self.ignore_index)

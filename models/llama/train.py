@@ -1,0 +1,269 @@
+"""Fine-tune a Llama preset or checkpoint on a text or jsonl file, through the fused RoPE attention.
+
+    python -m models.llama.train --model tiny --data corpus.txt --steps 200 --out runs/tiny
+    python -m models.llama.train --checkpoint DIR --data data.jsonl --seq-len 512 --packing varlen
+    python -m models.llama.train ... --out runs/tiny --resume     # go on from the last checkpoint
+
+Data: a ``.txt`` file is one document per non-empty line; a ``.jsonl`` file one JSON object with a
+``"text"`` field per line. Documents are tokenized with the checkpoint's tokenizer (or, for models
+with a vocabulary of 256..512 and no tokenizer, UTF-8 bytes), and packed whole:
+- ``fixed``: rows of ``--seq-len`` tokens (BSH), padding ignored by the loss;
+- ``varlen``: up to ``--batch-size * --seq-len`` tokens of whole documents per batch (TND, no
+  padding, attention never crosses documents); one graph for every batch size (dynamic shapes).
+Training: AdamW, linear warm-up then cosine decay, global-norm gradient clipping, gradient
+accumulation, a tqdm bar with loss and tokens/s. Checkpoints (``--save-every`` and at the end, and
+on Ctrl-C, so no finished step is lost) are Hugging Face safetensors directories that
+``models.llama.generate --checkpoint`` loads, plus the optimizer state for ``--resume``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, nn, ops
+
+from .config import LlamaConfig, preset
+from .model import IGNORE_INDEX, LlamaForCausalLM, LlamaForTraining
+from .tokenizer import Tokenizer
+from .weights import load_weights, model_state, read_config, save_hf_checkpoint
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as token ids: the fallback for tiny models without a tokenizer."""
+
+    def __init__(self):
+        super().__init__(lambda text: list(text.encode("utf-8")), lambda ids: bytes(i % 256 for i in ids).decode(
+            "utf-8", errors="replace"), None)
+
+
+def make_tokenizer(config: LlamaConfig, checkpoint: str | None) -> Tokenizer:
+    tokenizer = Tokenizer.from_directory(checkpoint, config.bos_token_id) if checkpoint else None
+    if tokenizer is not None:
+        return tokenizer
+    if 256 <= config.vocab_size <= 512:
+        return ByteTokenizer()
+    where = f"{checkpoint} has no tokenizer.json or tokenizer.model" if checkpoint else "a preset has no tokenizer"
+    raise ValueError(f"tokenizer: {where}, and the byte-level fallback needs a vocabulary of 256..512 "
+                     f"(this model has {config.vocab_size})")
+
+
+def read_documents(path: str | Path, tokenizer: Tokenizer, seq_len: int, eos_id: int | None) -> list[list[int]]:
+    """Token ids of every document; a clear error for an empty file, a bad jsonl line, or a document
+    longer than the context."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"data: {path} is not a file")
+    docs = []
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            if path.suffix == ".jsonl":
+                try:
+                    text = json.loads(line)["text"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise ValueError(f"data: {path}:{number}: expected a JSON object with a \"text\" field") from None
+            else:
+                text = line.rstrip("\n")
+            ids = tokenizer.encode(text) + ([eos_id] if eos_id is not None else [])
+            if len(ids) > seq_len:
+                raise ValueError(f"data: {path}:{number}: {len(ids)} tokens, longer than the context --seq-len "
+                                 f"{seq_len}; split the line or raise --seq-len")
+            docs.append(ids)
+    if not docs:
+        raise ValueError(f"data: {path} has no documents (empty file)")
+    return docs
+
+
+def batches(docs: list[list[int]], packing: str, batch_size: int, seq_len: int, seed: int):
+    """An endless, reproducible stream of (input_ids, labels, actual_seq_qlen or None) numpy batches:
+    each epoch shuffles the documents with seed + epoch and packs them whole."""
+    epoch = 0
+    while True:
+        order = np.random.default_rng(seed + epoch).permutation(len(docs))
+        rows, row, used = [], [], 0
+        for index in order:  # greedy packing of whole documents into rows of seq_len tokens
+            if used + len(docs[index]) > seq_len:
+                rows.append(row)
+                row, used = [], 0
+            row.append(docs[index])
+            used += len(docs[index])
+        rows.append(row)
+        for start in range(0, len(rows) - batch_size + 1, batch_size):
+            group = rows[start:start + batch_size]
+            if packing == "fixed":
+                ids = np.zeros((batch_size, seq_len), np.int32)
+                labels = np.full((batch_size, seq_len), IGNORE_INDEX, np.int32)
+                for b, r in enumerate(group):
+                    flat = [t for doc in r for t in doc]
+                    ids[b, :len(flat)] = flat
+                    labels[b, :len(flat)] = flat
+                yield ids, labels, None
+            else:
+                seqs = [doc for r in group for doc in r]
+                flat = np.array([t for doc in seqs for t in doc], np.int32)
+                labels = flat.copy()
+                ends = np.cumsum([len(doc) for doc in seqs]).astype(np.int64)
+                labels[np.concatenate([[0], ends[:-1]])] = IGNORE_INDEX  # no sequence predicts the next's start
+                yield flat, labels, ends
+        epoch += 1
+
+
+def learning_rates(steps: int, peak: float, warmup: int, min_ratio: float) -> np.ndarray:
+    """Linear warm-up to ``peak`` over ``warmup`` steps, then cosine decay to ``peak * min_ratio``."""
+    lrs = []
+    for step in range(steps):
+        if step < warmup:
+            lrs.append(peak * (step + 1) / warmup)
+        else:
+            progress = (step - warmup) / max(1, steps - warmup)
+            lrs.append(peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))))
+    return np.asarray(lrs, np.float32)
+
+
+class LossAndGrads(nn.Cell):
+    """One micro-batch: the loss and the gradients of the trainable weights (one compiled graph)."""
+
+    def __init__(self, net: nn.Cell, weights):
+        super().__init__()
+        self.value_and_grad = ms.value_and_grad(net, None, weights)
+
+    def construct(self, input_ids, labels, actual_seq_qlen=None):
+        return self.value_and_grad(input_ids, labels, actual_seq_qlen)
+
+
+class Trainer:
+    """Model, optimizer and the compiled step; ``save``/``restore`` a checkpoint directory."""
+
+    def __init__(self, lm: LlamaForCausalLM, args):
+        self.lm, self.args = lm, args
+        self.net = LlamaForTraining(lm)
+        if args.amp != "O0":
+            from mindspore import amp
+            amp.auto_mixed_precision(self.net, args.amp)
+        weights = self.net.trainable_params()
+        lrs = learning_rates(args.steps, args.lr, args.warmup, args.min_lr_ratio)
+        self.optimizer = nn.AdamWeightDecay(weights, learning_rate=Tensor(lrs), weight_decay=args.weight_decay)
+        self.step_fn = LossAndGrads(self.net, self.optimizer.parameters)
+        if args.packing == "varlen":
+            self.step_fn.set_inputs(Tensor(shape=[None], dtype=ms.int32), Tensor(shape=[None], dtype=ms.int32),
+                                    Tensor(shape=[None], dtype=ms.int64))
+        self.step = 0
+
+    def train_step(self, micro_batches) -> float:
+        """One optimizer step over ``micro_batches`` (gradient accumulation): mean loss."""
+        total, grads = 0.0, None
+        for ids, labels, ends in micro_batches:
+            loss, g = self.step_fn(Tensor(ids), Tensor(labels), None if ends is None else Tensor(ends))
+            total += float(loss.asnumpy())
+            grads = g if grads is None else tuple(a + b for a, b in zip(grads, g))
+        if len(micro_batches) > 1:
+            grads = tuple(g / len(micro_batches) for g in grads)
+        if self.args.clip > 0:
+            grads = ops.clip_by_global_norm(grads, self.args.clip)
+        self.optimizer(grads)
+        self.step += 1
+        return total / len(micro_batches)
+
+    def save(self, out: Path, config: LlamaConfig, checkpoint: str | None) -> Path:
+        """out/step-N: HF safetensors + config (for generate) + optimizer state; out/latest names it."""
+        target = out / f"step-{self.step}"
+        save_hf_checkpoint(model_state(self.lm), config, target)
+        ms.save_checkpoint(self.optimizer, str(target / "optimizer.ckpt"))
+        (target / "trainer.json").write_text(json.dumps({"step": self.step, "args": vars(self.args)}, indent=2))
+        for name in TOKENIZER_FILES if checkpoint else ():
+            if (Path(checkpoint) / name).exists():
+                shutil.copy(Path(checkpoint) / name, target / name)
+        (out / "latest").write_text(target.name)
+        return target
+
+    def restore(self, directory: Path) -> None:
+        load_weights(self.lm, directory, "hf", progress=False)
+        state = ms.load_checkpoint(str(directory / "optimizer.ckpt"))
+        state.pop("learning_rate", None)  # the schedule follows this run's --steps; global_step carries on
+        ms.load_param_into_net(self.optimizer, state)
+        self.step = json.loads((directory / "trainer.json").read_text())["step"]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m models.llama.train")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="Hugging Face or Meta checkpoint directory to fine-tune")
+    source.add_argument("--model", help="a preset with random weights (tiny, 7b, ...)")
+    parser.add_argument("--data", required=True, help=".txt (a document per line) or .jsonl ({\"text\": ...})")
+    parser.add_argument("--out", default="runs/llama", help="checkpoint directory")
+    parser.add_argument("--resume", action="store_true", help="continue from OUT/latest")
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps in all")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=4, help="rows (fixed) or row-equivalents of tokens (varlen)")
+    parser.add_argument("--packing", default="fixed", choices=["fixed", "varlen"])
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--min-lr-ratio", type=float, default=0.1)
+    parser.add_argument("--weight-decay", type=float, default=0.01)
+    parser.add_argument("--clip", type=float, default=1.0, help="global gradient norm (0 = off)")
+    parser.add_argument("--save-every", type=int, default=100)
+    parser.add_argument("--amp", default="O0", choices=["O0", "O1", "O2", "O3"], help="mixed precision level")
+    parser.add_argument("--backend", default="auto", choices=["auto", "fused", "unfused"])
+    parser.add_argument("--layers", type=int, help="with --model: number of layers")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mode", default="graph", choices=["graph", "pynative"])
+    parser.add_argument("--device", default="CPU")
+    args = parser.parse_args(argv)
+    ms.set_device(args.device)
+    ms.set_context(mode=ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE)
+    ms.set_seed(args.seed)
+
+    config = read_config(args.checkpoint)[0] if args.checkpoint else preset(args.model)
+    if args.layers and not args.checkpoint:
+        config = config.replace(num_hidden_layers=args.layers)
+    tokenizer = make_tokenizer(config, args.checkpoint)
+    eos = None if isinstance(tokenizer, ByteTokenizer) else config.eos_token_ids[0]
+    docs = read_documents(args.data, tokenizer, args.seq_len, eos)
+    lm = LlamaForCausalLM(config, layout="TND" if args.packing == "varlen" else "BSH", backend=args.backend,
+                          max_positions=max(args.seq_len, config.max_position_embeddings))
+    if args.checkpoint:
+        load_weights(lm, args.checkpoint, read_config(args.checkpoint)[1], progress=False)
+    trainer = Trainer(lm, args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.resume:
+        if not (out / "latest").exists():
+            raise SystemExit(f"--resume: no checkpoint in {out} (no 'latest' file)")
+        trainer.restore(out / (out / "latest").read_text().strip())
+    stream = batches(docs, args.packing, args.batch_size, args.seq_len, args.seed)
+    for _ in range(trainer.step * args.accumulate):  # the batches the finished steps consumed
+        next(stream)
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=args.steps, initial=trainer.step, desc=f"train ({lm.backend})", unit="step")
+    try:
+        while trainer.step < args.steps:
+            micro = [next(stream) for _ in range(args.accumulate)]
+            tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels, _ in micro)
+            start = time.perf_counter()
+            loss = trainer.train_step(micro)
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
+            bar.update(1)
+            if trainer.step % args.save_every == 0 or trainer.step == args.steps:
+                trainer.save(out, config, args.checkpoint)
+    except KeyboardInterrupt:
+        saved = trainer.save(out, config, args.checkpoint)
+        bar.close()
+        raise SystemExit(f"interrupted: step {trainer.step} saved to {saved}; continue with --resume")
+    bar.close()
+    print(f"final loss {loss:.4f}; checkpoint {out / (out / 'latest').read_text()}")
+
+
+if __name__ == "__main__":
+    main()
