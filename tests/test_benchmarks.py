@@ -10,6 +10,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 import harness  # noqa: E402
+import train  # noqa: E402
 import ttft  # noqa: E402
 
 
@@ -81,3 +82,19 @@ def test_tiny_sweep_end_to_end(tmp_path):
     assert {r["backend_ran"] for r in written["runs"]} == {"fused:CPU", "unfused"}
     assert ttft.same_weights(written["runs"])
     assert results["summary"]["exponents"]["fused"] is not None
+
+
+def test_training_benchmark_end_to_end(tmp_path):
+    """One tiny point of every competitor (PyTorch ones report "skipped" where it is not installed)."""
+    results = train.main(["--lengths", "48", "--repeats", "1", "--llama-model", "tiny", "--llama-lengths", "16",
+                          "--llama-layers", "1", "--out", str(tmp_path)])
+    written = json.loads((tmp_path / "train.json").read_text())
+    assert written["attention"][0]["length"] == 48 and (tmp_path / "train.png").stat().st_size > 0
+    row = results["attention"][0]
+    for name in ("fused", "unfused", "fused_direct"):
+        assert row[name]["min_ms"] > 0, row[name]
+    for name in ("torch_sdpa", "torch_rope_sdpa"):
+        assert "min_ms" in row[name] or row[name]["status"] == "skipped", row[name]
+    assert row["ratios"]["fused_vs_unfused"] > 0
+    llama = results["llama_step"][0]
+    assert llama["fused"]["tokens_per_s"] > 0 and llama["unfused"]["tokens_per_s"] > 0

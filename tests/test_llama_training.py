@@ -48,9 +48,13 @@ def test_packed_tnd_batch_trains_like_bsh():
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_mixed_precision(level):
+    """amp on a float32 model (float32 master weights): the loss falls, and fused and unfused track
+    each other within float16 noise over the first 10 steps (O2 runs the attention op in float16; at
+    this learning rate the two float16 trajectories drift apart by a few percent by step 20)."""
     ms.set_context(mode=ms.GRAPH_MODE)
-    losses = _losses("fused", 20, level=level)
-    assert np.isfinite(losses).all() and losses[-1] < 0.5 * losses[0]
+    fused, unfused = _losses("fused", 20, level=level), _losses("unfused", 20, level=level)
+    assert np.isfinite(fused).all() and fused[-1] < 0.5 * fused[0]
+    np.testing.assert_allclose(fused[:10], unfused[:10], rtol=1e-2)
 
 
 @pytest.fixture
