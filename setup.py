@@ -65,6 +65,10 @@ setup(
     ext_modules=extensions,
     cmdclass={"build_ext": BuildKernels},
     python_requires=">=3.9",
-    install_requires=["mindspore==2.10.0", "numpy>=1.25,<2", "pyyaml"],
-    extras_require={"test": ["pytest"], "bench": ["matplotlib", "tqdm"]},
+    # Every runtime import of the package (tests/test_packaging.py checks it against the sources);
+    # sentencepiece (tokenizer.model checkpoints) and torch (Meta .pth checkpoints) are optional.
+    install_requires=["mindspore==2.10.0", "numpy>=1.25,<2", "pyyaml", "ml_dtypes>=0.4,<0.6", "safetensors",
+                      "tokenizers", "tqdm"],
+    extras_require={"test": ["pytest"], "bench": ["matplotlib"], "sentencepiece": ["sentencepiece"],
+                    "meta-pth": ["torch"]},
 )

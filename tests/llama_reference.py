@@ -13,7 +13,7 @@ def forward(state: dict, config, ids, inv_freq=None, attention_scaling=1.0) -> n
     """Logits (S, vocab) in float64 for one sequence of token ids."""
     w = {k: np.asarray(v, np.float64) for k, v in state.items()}
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    d = config.hidden_size // heads
+    d = config.head_dim or config.hidden_size // heads  # Llama 3 style configs may give head_dim
     rd = int(d * config.partial_rotary_factor)
     if inv_freq is None:
         inv_freq = 1.0 / config.rope_theta ** (np.arange(0, rd, 2) / rd)

@@ -7,7 +7,66 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROPE_SCALING_TYPES = ("linear", "dynamic", "llama3", "yarn")
+# The RoPE scaling rules this model computes, and the fields each one honours (Hugging Face names).
+# A field outside its rule's set is an error: silently ignoring it would give wrong logits.
+ROPE_SCALING_FIELDS = {
+    "linear": {"factor"},
+    "dynamic": {"factor", "original_max_position_embeddings"},
+    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+    "yarn": {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "truncate"},
+}
+ROPE_SCALING_TYPES = tuple(ROPE_SCALING_FIELDS)
+# Meta's reference apply_scaling constants for params.json "use_scaled_rope": true (Llama 3.1 / 3.2).
+META_SCALED_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192}
+
+
+def rope_settings(raw: dict[str, Any]) -> tuple[float, dict | None, float]:
+    """(rope_theta, rope_scaling or None, partial_rotary_factor) from a Hugging Face config dict, in
+    either spelling: transformers >= 5 ``rope_parameters`` {"rope_type", "rope_theta", scaling fields,
+    "partial_rotary_factor"}, or the older top-level ``rope_theta`` / ``rope_scaling`` (whose kind is
+    ``type`` or ``rope_type``) / ``partial_rotary_factor``. The scaling comes back normalised:
+    {"rope_type": kind, fields...}, or None for plain RoPE."""
+    theta = raw.get("rope_theta")
+    partial = raw.get("partial_rotary_factor")
+    scaling = raw.get("rope_scaling")
+    params = raw.get("rope_parameters")
+    if params is not None:
+        if not isinstance(params, dict):
+            raise ValueError(f"rope_parameters: expected a dict, got {params!r}")
+        if any(isinstance(v, dict) for v in params.values()):
+            raise ValueError("rope_parameters: per-layer-type RoPE settings (a dict of dicts) are not supported "
+                             f"by this Llama; got keys {sorted(params)}")
+        params = dict(params)
+        for name, top in (("rope_theta", theta), ("partial_rotary_factor", partial)):
+            if name in params and top is not None and params[name] != top:
+                raise ValueError(f"{name}: {top!r} at the top level and {params[name]!r} in rope_parameters disagree")
+        theta = params.pop("rope_theta", theta)
+        partial = params.pop("partial_rotary_factor", partial)
+        if scaling is not None and _normalise_scaling(scaling) != _normalise_scaling(params):
+            raise ValueError(f"rope_scaling {scaling!r} and rope_parameters {params!r} disagree")
+        scaling = params
+    return (10000.0 if theta is None else float(theta), _normalise_scaling(scaling),
+            1.0 if partial is None else float(partial))
+
+
+def _normalise_scaling(scaling) -> dict | None:
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        raise ValueError(f"rope_scaling: expected a dict, got {scaling!r}")
+    fields = dict(scaling)
+    kinds = {fields.pop(key) for key in ("rope_type", "type") if key in fields}
+    if len(kinds) > 1:
+        raise ValueError(f"rope_scaling: 'type' and 'rope_type' disagree: {sorted(kinds)}")
+    kind = kinds.pop() if kinds else None
+    if kind in (None, "default"):
+        if fields:
+            raise ValueError(f"rope_scaling: plain RoPE (rope_type {kind!r}) takes no scaling fields, got "
+                             f"{sorted(fields)}")
+        return None
+    return {"rope_type": kind, **fields}
 
 
 @dataclass(frozen=True)
@@ -52,6 +111,12 @@ class LlamaConfig:
             kind = self.rope_scaling_type
             if kind not in ROPE_SCALING_TYPES + ("default",):
                 raise ValueError(f"rope_scaling: rope_type expected one of {list(ROPE_SCALING_TYPES)}, got {kind!r}")
+            unknown = set(self.rope_scaling) - {"rope_type", "type"} - ROPE_SCALING_FIELDS.get(kind, set())
+            if unknown:
+                raise ValueError(f"rope_scaling: {kind!r} scaling does not use {sorted(unknown)}; supported fields: "
+                                 f"{sorted(ROPE_SCALING_FIELDS.get(kind, set()))}")
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(f"partial_rotary_factor: expected a float in (0, 1], got {self.partial_rotary_factor!r}")
 
     @property
     def dim_per_head(self) -> int:
@@ -78,7 +143,10 @@ class LlamaConfig:
     def from_hf(cls, raw: dict[str, Any]) -> "LlamaConfig":
         """From a Hugging Face ``config.json`` dict (unknown keys are kept in ``extra``)."""
         names = {f.name for f in dataclasses.fields(cls)} - {"extra", "rotary_mode"}
+        rope = dict(zip(("rope_theta", "rope_scaling", "partial_rotary_factor"), rope_settings(raw)))
+        raw = {k: v for k, v in raw.items() if k not in ("rope_parameters", *rope)}
         known = {k: v for k, v in raw.items() if k in names and v is not None}
+        known.update(rope)
         if isinstance(known.get("eos_token_id"), list):
             known["eos_token_id"] = tuple(known["eos_token_id"])
         return cls(**known, extra={k: v for k, v in raw.items() if k not in names})
@@ -101,13 +169,15 @@ class LlamaConfig:
                    num_attention_heads=params["n_heads"],
                    num_key_value_heads=params.get("n_kv_heads") or params["n_heads"],
                    max_position_embeddings=params.get("max_seq_len", 4096), rms_norm_eps=params.get("norm_eps", 1e-5),
-                   rope_theta=params.get("rope_theta", 10000.0), rotary_mode=1)
+                   rope_theta=params.get("rope_theta", 10000.0),
+                   rope_scaling=dict(META_SCALED_ROPE) if params.get("use_scaled_rope") else None, rotary_mode=1)
 
     @classmethod
     def from_file(cls, path: str | Path) -> "LlamaConfig":
         return cls.from_hf(json.loads(Path(path).read_text()))
 
     def to_hf(self) -> dict[str, Any]:
+        """The older (transformers < 5) spelling, which every version reads."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("extra", "rotary_mode")}
         out.update({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in out.items() if v is not None}

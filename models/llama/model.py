@@ -31,6 +31,15 @@ LAYOUTS = ("BSH", "TND")
 IGNORE_INDEX = -100  # labels that take no part in the loss (as in Hugging Face)
 
 
+def dtype_name(dtype) -> str:
+    """'float32' | 'float16' | 'bfloat16' for a dtype given as that string or as a MindSpore dtype."""
+    for name, ms_dtype in DTYPES.items():
+        if dtype == name or dtype is ms_dtype or (not isinstance(dtype, str) and dtype == ms_dtype):
+            return name
+    raise ValueError(f"dtype: expected one of {list(DTYPES)} or the MindSpore dtypes "
+                     f"ms.float32/ms.float16/ms.bfloat16, got {dtype!r}")
+
+
 def check_device_dtype(dtype: str) -> None:
     """MindSpore 2.10 has no CPU kernels for bfloat16 Reshape, StridedSlice, Stack, Gather or MatMul,
     so a bfloat16 *model* cannot run on CPU (the fused attention op itself does take bfloat16)."""
@@ -202,17 +211,17 @@ class LlamaForCausalLM(nn.Cell):
     for the whole model, so both run on identical weights.
     """
 
-    def __init__(self, config: LlamaConfig, *, dtype: str = "float32", layout: str = "BSH", backend: str = "auto",
+    def __init__(self, config: LlamaConfig, *, dtype="float32", layout: str = "BSH", backend: str = "auto",
                  logits: str = "all", max_positions: int | None = None):
         super().__init__()
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype: expected one of {list(DTYPES)}, got {dtype!r}")
+        dtype = dtype_name(dtype)
         if layout not in LAYOUTS:
             raise ValueError(f"layout: expected one of {list(LAYOUTS)}, got {layout!r}")
         if logits not in ("all", "last"):
             raise ValueError(f"logits: expected 'all' or 'last', got {logits!r}")
         check_device_dtype(dtype)
-        self.config = config
+        self.config = config  # for Python callers; construct reads only the plain values below (GRAPH_MODE)
+        self.hidden_size, self.vocab_size = config.hidden_size, config.vocab_size
         self.layout = layout
         self.max_positions = max_positions or config.max_position_embeddings
         ms_dtype = DTYPES[dtype]
@@ -240,8 +249,8 @@ class LlamaForCausalLM(nn.Cell):
             else:
                 hidden = hidden[:, -1:, :]
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        logits = self.matmul(hidden.reshape(-1, self.config.hidden_size), weight.astype(hidden.dtype))
-        return logits.astype(ms.float32).reshape(hidden.shape[:-1] + (self.config.vocab_size,)), keys, values
+        logits = self.matmul(hidden.reshape(-1, self.hidden_size), weight.astype(hidden.dtype))
+        return logits.astype(ms.float32).reshape(hidden.shape[:-1] + (self.vocab_size,)), keys, values
 
 
 class LlamaForTraining(nn.Cell):

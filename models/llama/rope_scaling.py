@@ -38,7 +38,7 @@ def linear(inv_freq, scaling, config, max_positions):
 
 def dynamic(inv_freq, scaling, config, max_positions):
     factor, dim = _factor(scaling), config.rotary_dim
-    original = config.max_position_embeddings
+    original = scaling.get("original_max_position_embeddings") or config.max_position_embeddings
     if max_positions <= original:
         return inv_freq, 1.0
     base = config.rope_theta * (factor * max_positions / original - (factor - 1)) ** (dim / (dim - 2))
