@@ -18,6 +18,8 @@ ROTARY_MODES = tuple(_CONTRACT.attr("rotary_mode")["values"])
 TENSOR_DTYPES = tuple(_CONTRACT.input("query")["dtypes"])
 TABLE_DTYPES = tuple(_CONTRACT.input("cos")["dtypes"])
 _RANKS = {"BNSD": 4, "BSND": 4, "BSH": 3, "TND": 3}
+_FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32: the kernel computes in float32
 _SHAPE_TEXT = {"BNSD": "(B, N, S, D)", "BSND": "(B, S, N, D)", "BSH": "(B, S, N*D)", "TND": "(T, N, D)"}
 
 
@@ -60,10 +62,18 @@ def check_attrs(head_num, input_layout, rotary_mode, rotary_dim, scale, causal) 
                                    or rotary_dim < 2 or rotary_dim % 2):
         raise ValueError(f"rotary_dim: expected a positive even int, got {rotary_dim!r}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                              or not math.isfinite(scale) or scale <= 0):
-        raise ValueError(f"scale: expected a finite positive float, got {scale!r}")
+                              or not math.isfinite(scale) or not _FLOAT32_TINY <= scale <= _FLOAT32_MAX):
+        raise ValueError(f"scale: expected a finite positive float within float32's normal range "
+                         f"[{_FLOAT32_TINY:.3g}, {_FLOAT32_MAX:.3g}], got {scale!r}")
     if not isinstance(causal, bool):
         raise ValueError(f"causal: expected a bool, got {causal!r}")
+
+
+def check_flags(**flags) -> None:
+    """Boolean options must be bools: 1, "no" or None would otherwise be read as True or False."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}: expected a bool, got {value!r}")
 
 
 def _split_heads(name, shape, layout, head_num):
@@ -89,8 +99,9 @@ def _split_heads(name, shape, layout, head_num):
 
 def check_inputs(q_shape, k_shape, v_shape, cos_shape, sin_shape, q_dtype, k_dtype, v_dtype, cos_dtype,
                  sin_dtype, head_num, input_layout, rotary_mode, rotary_dim, scale, causal,
-                 has_actual_seq_qlen, has_actual_seq_kvlen) -> Geometry:
-    """Check every static property of a call; returns the resolved geometry."""
+                 actual_seq_qlen, actual_seq_kvlen) -> Geometry:
+    """Check every static property of a call; returns the resolved geometry. ``actual_seq_qlen`` /
+    ``actual_seq_kvlen`` are None (absent) or (dtype, rank) of the offsets tensors."""
     check_attrs(head_num, input_layout, rotary_mode, rotary_dim, scale, causal)
     for name, dtype in (("query", q_dtype), ("key", k_dtype), ("value", v_dtype)):
         if dtype_name(dtype) not in TENSOR_DTYPES:
@@ -118,6 +129,12 @@ def check_inputs(q_shape, k_shape, v_shape, cos_shape, sin_shape, q_dtype, k_dty
     vb, vs, vn, vd = _split_heads("value", v_shape, layout, kv_head_num)
     if tuple(k_shape) != tuple(v_shape) and all(_known(d) for d in tuple(k_shape) + tuple(v_shape)):
         raise ValueError(f"value: expected the same shape as key {tuple(k_shape)}, got {tuple(v_shape)}")
+    for name, heads, shape in (("query", qn, q_shape), ("key", kn, k_shape)):
+        if heads is not None and heads < 1:
+            raise ValueError(f"{name}: expected at least one head, got shape {tuple(shape)} "
+                             f"({_SHAPE_TEXT[layout]} for input_layout={layout!r})")
+    if qd is not None and (qd < 2 or qd % 2):
+        raise ValueError(f"query: head_dim must be even and >= 2 for RoPE, got {qd}")
     if head_num is not None and qn is not None and qn != head_num:
         raise ValueError(f"head_num: {head_num} does not match query's {qn} heads")
     if qb is not None and kb is not None and qb != kb:
@@ -126,17 +143,19 @@ def check_inputs(q_shape, k_shape, v_shape, cos_shape, sin_shape, q_dtype, k_dty
         raise ValueError(f"key: head_dim {kd} does not match query's head_dim {qd}")
     if qn is not None and kn is not None and (kn < 1 or qn % kn):
         raise ValueError(f"key: {kn} heads; query's {qn} heads must be a multiple of them (GQA/MQA)")
-    if qd is not None and qd % 2:
-        raise ValueError(f"query: head_dim must be even for RoPE, got {qd}")
     if layout != "TND" and qs is not None and ks is not None and qs > ks:
         raise ValueError(f"query: q_len {qs} must be <= kv_len {ks} (queries sit at the end of the "
                          "key sequence, bottom-right aligned)")
 
     if layout == "TND":
-        if not (has_actual_seq_qlen and has_actual_seq_kvlen):
+        if actual_seq_qlen is None or actual_seq_kvlen is None:
             raise ValueError("actual_seq_qlen, actual_seq_kvlen: both required for input_layout='TND' "
                              "(cumulative end offsets of each sequence)")
-    elif has_actual_seq_qlen or has_actual_seq_kvlen:
+        for name, (dtype, rank) in (("actual_seq_qlen", actual_seq_qlen), ("actual_seq_kvlen", actual_seq_kvlen)):
+            if dtype_name(dtype) != "int64" or rank != 1:
+                raise TypeError(f"{name}: expected a 1-D int64 tensor of cumulative end offsets, got a rank-{rank} "
+                                f"{dtype_name(dtype)} tensor")
+    elif actual_seq_qlen is not None or actual_seq_kvlen is not None:
         raise ValueError(f"actual_seq_qlen, actual_seq_kvlen: only for input_layout='TND', got {layout!r}")
 
     rd = rotary_dim if rotary_dim is not None else qd

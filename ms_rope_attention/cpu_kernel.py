@@ -10,7 +10,6 @@ import functools
 import os
 from pathlib import Path
 
-import mindspore as ms
 from mindspore import ops
 
 from .gradients import fused_bprop, unfused_autodiff_bprop
@@ -102,12 +101,12 @@ def make_cpu_op(attrs: dict, grads_used: tuple[bool, bool], unfused_forward, str
     _, path = select_library()
     _open(str(path))  # fail here, not inside MindSpore, if the library cannot be loaded
     if FUSED_BACKWARD:
-        grad_op = ops.Custom(f"{path}:{GRAD_KERNEL_SYMBOL}", out_shape=None,
-                             out_dtype=lambda q, k, v, *rest: (q, k, v), func_type="aot",
+        grad_op = ops.Custom(f"{path}:{GRAD_KERNEL_SYMBOL}", out_shape=None, out_dtype=None, func_type="aot",
                              reg_info=build_reg_info("CPU", attrs, any_dtype=True, backward=True))
         bprop = fused_bprop(grad_op, *grads_used)
     else:
         bprop = unfused_autodiff_bprop(unfused_forward, grads_used[0], "no fused backward kernel on CPU", strict)
-    return ops.Custom(f"{path}:{KERNEL_SYMBOL}", out_shape=None,
-                      out_dtype=lambda q, k, *rest: (q, ms.float32, k), func_type="aot",
+    # Shapes and dtypes come from the library's C++ InferShape/InferType (out_shape/out_dtype None): a
+    # Python callable would make GRAPH_MODE with dynamic shapes and MindIR export fail.
+    return ops.Custom(f"{path}:{KERNEL_SYMBOL}", out_shape=None, out_dtype=None, func_type="aot",
                       bprop=bprop, reg_info=build_reg_info("CPU", attrs, any_dtype=True))

@@ -44,10 +44,11 @@ def _fused_factory(device: str):
 
 @ops.constexpr
 def _check_call(q_shape, k_shape, v_shape, cos_shape, sin_shape, q_dtype, k_dtype, v_dtype, cos_dtype, sin_dtype,
-                head_num, input_layout, rotary_mode, rotary_dim, scale, causal, has_aq, has_akv):
+                head_num, input_layout, rotary_mode, rotary_dim, scale, causal, aq_meta, akv_meta):
     """Compile-time (GRAPH_MODE) or eager (PyNative) argument check; returns the static geometry."""
     geo = checks.check_inputs(q_shape, k_shape, v_shape, cos_shape, sin_shape, q_dtype, k_dtype, v_dtype, cos_dtype,
-                              sin_dtype, head_num, input_layout, rotary_mode, rotary_dim, scale, causal, has_aq, has_akv)
+                              sin_dtype, head_num, input_layout, rotary_mode, rotary_dim, scale, causal, aq_meta,
+                              akv_meta)
     return geo.q_heads, geo.kv_heads, geo.head_dim, geo.rotary_dim, geo.scale
 
 
@@ -86,10 +87,10 @@ class RotaryFlashAttentionOp(nn.Cell):
         self.rotary_dim = rotary_dim
         self.scale = scale
         self.causal = causal
-        self.with_softmax_lse = bool(with_softmax_lse)
-        self.with_rotated_key = bool(with_rotated_key)
-        if not isinstance(key_rotated, bool):
-            raise TypeError(f"key_rotated: expected a bool, got {key_rotated!r}")
+        checks.check_flags(with_softmax_lse=with_softmax_lse, with_rotated_key=with_rotated_key,
+                           key_rotated=key_rotated, strict=strict)
+        self.with_softmax_lse = with_softmax_lse
+        self.with_rotated_key = with_rotated_key
         self.key_rotated = key_rotated
         self.fused = None
         self.fallback_reason = None
@@ -111,9 +112,14 @@ class RotaryFlashAttentionOp(nn.Cell):
         self.backend_name = f"fused:{_device()}" if self.use_fused else "unfused"
 
     def construct(self, query, key, value, cos, sin, actual_seq_qlen=None, actual_seq_kvlen=None):
+        geometry = self._geometry(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen)
+        return self.run_checked(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry)
+
+    def run_checked(self, query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry):
+        """The op on arguments ``_geometry`` has checked (it returned ``geometry``): the functional op
+        checks once, the offsets' values too, then calls this."""
         if not self.use_fused:
-            return self.unfused(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen)
-        self._geometry(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen)
+            return self._unfused(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry)
         out, lse, rotated_key = self.fused(query, key, value, self._table(cos), self._table(sin), actual_seq_qlen,
                                            actual_seq_kvlen)
         if not self.with_softmax_lse:
@@ -125,16 +131,20 @@ class RotaryFlashAttentionOp(nn.Cell):
         return _check_call(
             query.shape, key.shape, value.shape, cos.shape, sin.shape, query.dtype, key.dtype, value.dtype, cos.dtype,
             sin.dtype, self.head_num, self.input_layout, self.rotary_mode, self.rotary_dim, self.scale, self.causal,
-            actual_seq_qlen is not None, actual_seq_kvlen is not None)
+            None if actual_seq_qlen is None else (actual_seq_qlen.dtype, actual_seq_qlen.ndim),
+            None if actual_seq_kvlen is None else (actual_seq_kvlen.dtype, actual_seq_kvlen.ndim))
 
     def _table(self, table):
         return table.astype(ms.float32) if _table_needs_cast(table.dtype) else table
 
     def unfused(self, query, key, value, cos, sin, actual_seq_qlen=None, actual_seq_kvlen=None):
-        """The unfused path with this op's attributes (the fallback, and the gradient of a fused
-        forward on a device without a fused backward)."""
-        q_heads, kv_heads, head_dim, rotary_dim, scale = self._geometry(query, key, value, cos, sin, actual_seq_qlen,
-                                                                        actual_seq_kvlen)
+        """The unfused path with this op's attributes: the gradient of a fused forward on a device
+        without a fused backward is its autodiff."""
+        return self._unfused(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen,
+                             self._geometry(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen))
+
+    def _unfused(self, query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry):
+        q_heads, kv_heads, head_dim, rotary_dim, scale = geometry
         _require_static(q_heads, kv_heads, head_dim)
         cos, sin = self._table(cos), self._table(sin)
         return unfused_rotary_flash_attention(
@@ -148,12 +158,18 @@ _ops_cache: dict = {}
 
 
 def _as_offsets(name, value):
+    """Offsets given as a Python or numpy sequence of integers become an int64 Tensor; anything else
+    (floats, which would be truncated, bools, strings) is refused."""
     if value is None or isinstance(value, Tensor):
         return value
     try:
-        return Tensor([int(v) for v in value], ms.int64)
+        items = list(np.asarray(value, dtype=object).reshape(-1)) if not isinstance(value, (str, bytes)) else None
     except (TypeError, ValueError):
-        raise TypeError(f"{name}: expected a sequence of ints or an int64 Tensor, got {value!r}") from None
+        items = None
+    if items is None or any(isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) for v in items):
+        raise TypeError(f"{name}: expected integer cumulative end offsets (a sequence of ints or an int64 Tensor), "
+                        f"got {value!r}")
+    return Tensor(np.asarray(items, np.int64).reshape(np.shape(value)), ms.int64)
 
 
 def rotary_flash_attention(query, key, value, cos, sin, head_num=None, *, input_layout="BNSD", rotary_mode=0,
@@ -172,16 +188,22 @@ def rotary_flash_attention(query, key, value, cos, sin, head_num=None, *, input_
             raise TypeError(f"{name}: expected a mindspore Tensor, got {type(tensor).__name__}")
     actual_seq_qlen = _as_offsets("actual_seq_qlen", actual_seq_qlen)
     actual_seq_kvlen = _as_offsets("actual_seq_kvlen", actual_seq_kvlen)
-    key_attrs = (head_num, input_layout, rotary_mode, rotary_dim, scale, causal, bool(return_softmax_lse),
-                 bool(return_rotated_key), key_rotated, backend, strict, _device())
+    # Keyed by type and value (1 == True == 1.0, but they are not the same argument): the attributes
+    # are validated once, when their op is built.
+    key_attrs = tuple((type(a).__name__, a) for a in (head_num, input_layout, rotary_mode, rotary_dim, scale, causal,
+                                                      return_softmax_lse, return_rotated_key, key_rotated, backend,
+                                                      strict)) + (_device(),)
     op = _ops_cache.get(key_attrs)
     if op is None:
+        checks.check_flags(return_softmax_lse=return_softmax_lse, return_rotated_key=return_rotated_key)
         op = RotaryFlashAttentionOp(head_num, input_layout, rotary_mode, rotary_dim, scale, causal,
                                     return_softmax_lse, return_rotated_key, backend, strict, key_rotated)
         _ops_cache[key_attrs] = op
-    if input_layout == "TND" and actual_seq_qlen is not None and actual_seq_kvlen is not None:
+    # One check per call: the static one (shapes, dtypes, ranks), then the offsets' values.
+    geometry = op._geometry(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen)
+    if input_layout == "TND":
         checks.check_actual_seq(actual_seq_qlen.asnumpy(), actual_seq_kvlen.asnumpy(), query.shape[0], key.shape[0],
                                 cos.shape[0])
-    out, lse, rotated_key = op(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen)
+    out, lse, rotated_key = op.run_checked(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry)
     extra = ((lse,) if return_softmax_lse else ()) + ((rotated_key,) if return_rotated_key else ())
     return (out,) + extra if extra else out

@@ -41,6 +41,18 @@ BAD_INPUTS = [
     (dict(cos=t((16, 8), np.int32)), {}, TypeError, "cos: expected a floating dtype"),
     (dict(query=t((1, 4, 5, 7)), key=t((1, 2, 5, 7)), value=t((1, 2, 5, 7))), dict(rotary_dim=6), ValueError,
      "head_dim must be even"),
+    # Found by trying the op as a hostile caller would (issue 12): each once crashed or was accepted.
+    (dict(query=t((1, 0, 5, 8))), {}, ValueError, "query: expected at least one head"),
+    (dict(query=t((1, 4, 5, 0)), key=t((1, 2, 5, 0)), value=t((1, 2, 5, 0))), dict(rotary_dim=2), ValueError,
+     "head_dim must be even and >= 2"),
+    ({}, dict(scale=1e39), ValueError, "scale: expected a finite positive float within float32's normal range"),
+    ({}, dict(scale=1e-39), ValueError, "scale: expected a finite positive float within float32's normal range"),
+    ({}, dict(causal=1), ValueError, "causal: expected a bool, got 1"),
+    ({}, dict(rotary_mode=True), ValueError, "rotary_mode: expected one of [0, 1]"),
+    ({}, dict(rotary_dim=4.0), ValueError, "rotary_dim: expected a positive even int, got 4.0"),
+    ({}, dict(head_num=True), ValueError, "head_num: expected a positive int, got True"),
+    (dict(query=t((1, 5, 4, 8)), key=t((1, 5, 4, 8)), value=t((1, 5, 4, 8))), dict(input_layout="TND"), ValueError,
+     "query: expected a rank-3 tensor (T, N, D) for input_layout='TND'"),
 ]
 
 
@@ -77,7 +89,12 @@ TND = dict(query=t((5, 4, 8)), key=t((7, 2, 8)), value=t((7, 2, 8)), cos=COS, si
     ([3, 5], [4, 8], "actual_seq_kvlen: last offset must equal the token count 7"),
     ([5, 5], [4, 7], "actual_seq_qlen: sequence 0 has q_len 5 > kv_len 4"),
     ([3, 5], [7], "actual_seq_kvlen: expected 2 sequences"),
-    (["a"], [7], "actual_seq_qlen: expected a sequence of ints"),
+    (["a"], [7], "actual_seq_qlen: expected integer cumulative end offsets"),
+    ([2.5, 5.0], [4, 7], "actual_seq_qlen: expected integer cumulative end offsets"),  # never truncated
+    ([True, 5], [4, 7], "actual_seq_qlen: expected integer cumulative end offsets"),
+    (Tensor(np.array([3, 5], np.int32)), [4, 7], "actual_seq_qlen: expected a 1-D int64 tensor"),
+    (Tensor(np.array([3.0, 5.0], np.float32)), [4, 7], "actual_seq_qlen: expected a 1-D int64 tensor"),
+    (Tensor(np.array([[3, 5]], np.int64)), [4, 7], "actual_seq_qlen: expected a 1-D int64 tensor of cumulative end offsets, got a rank-2"),
 ])
 def test_bad_tnd_offsets_pynative(backend, aq, ak, message):
     ms.set_context(mode=ms.PYNATIVE_MODE)
@@ -106,6 +123,41 @@ def test_offsets_rejected_outside_tnd():
 def test_non_tensor_rejected():
     with pytest.raises(TypeError, match="query: expected a mindspore Tensor"):
         mra.rotary_flash_attention(np.ones((1, 4, 5, 8)), *list(GOOD.values())[1:])
+    with pytest.raises(TypeError, match="cos: expected a mindspore Tensor, got list"):
+        mra.rotary_flash_attention(*list(GOOD.values())[:3], [[1.0] * 8] * 16, COS)
+
+
+@pytest.mark.parametrize("flag", ["return_softmax_lse", "return_rotated_key", "key_rotated", "strict"])
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_flags_must_be_bools(flag, value):
+    """Even after a valid call built and cached an op: 1 == True, but 1 is not a valid flag."""
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    mra.rotary_flash_attention(*GOOD.values())
+    with pytest.raises(TypeError, match=f"{flag}: expected a bool, got {value!r}"):
+        mra.rotary_flash_attention(*GOOD.values(), **{flag: value})
+
+
+@pytest.mark.parametrize("attr,value", [("causal", 1), ("rotary_mode", True), ("rotary_dim", 8.0),
+                                        ("head_num", True)])
+def test_op_cache_does_not_conflate_equal_values_of_other_types(attr, value):
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    valid = {"causal": True, "rotary_mode": 1, "rotary_dim": 8, "head_num": 4}[attr]
+    mra.rotary_flash_attention(*GOOD.values(), **{attr: valid})
+    with pytest.raises(ValueError, match=attr):
+        mra.rotary_flash_attention(*GOOD.values(), **{attr: value})
+
+
+@pytest.mark.parametrize("scale", [1e-20, 1e-25, 3e-38])
+def test_tiny_scale_is_honoured(scale, rng):
+    """A tiny scale is not the 'default' sentinel: the scores vanish and attention is uniform."""
+    from reference import reference
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    q, k, v = (rng.standard_normal(shape) for shape in ((1, 4, 5, 8), (1, 2, 5, 8), (1, 2, 5, 8)))
+    cos = np.ones((16, 8))
+    got = mra.rotary_flash_attention(*(Tensor(x.astype(np.float32)) for x in (q, k, v, cos, cos * 0)), scale=scale)
+    expected = reference(q, k, v, cos, cos * 0, scale=scale)[0]
+    assert np.abs(got.asnumpy() - expected).max() < 1e-5
 
 
 def test_cell_constructor_errors():
@@ -115,3 +167,45 @@ def test_cell_constructor_errors():
         mra.RotaryFlashAttention(head_num=4, head_dim=8, backend="gpu")
     with pytest.raises(ValueError, match="rotary_dim: 16 exceeds head_dim 8"):
         mra.RotaryFlashAttention(head_num=4, head_dim=8, rotary_dim=16)
+
+
+CRASH_GUARD = """
+import sys, numpy as np, mindspore as ms
+from mindspore import Tensor, nn
+ms.set_device("CPU")
+ms.set_context(mode=ms.GRAPH_MODE if sys.argv[1] == "graph" else ms.PYNATIVE_MODE)
+import ms_rope_attention as mra
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.op = mra.RotaryFlashAttentionOp()
+    def construct(self, q, k, v, cos, sin):
+        return self.op(q, k, v, cos, sin)
+
+cos = Tensor(np.ones((16, 8), np.float32))
+cases = {"zero query heads": (Tensor(np.ones((1, 0, 5, 8), np.float32)), Tensor(np.ones((1, 2, 5, 8), np.float32))),
+         "numpy query": (np.ones((1, 4, 5, 8), np.float32), Tensor(np.ones((1, 2, 5, 8), np.float32)))}
+for name, (q, k) in cases.items():
+    try:
+        Net()(q, k, k, cos, cos)
+        print(name, "ran")
+    except (ValueError, TypeError, RuntimeError) as exc:
+        print(name, "raised", type(exc).__name__)
+"""
+
+
+@pytest.mark.parametrize("mode_name", ["pynative", "graph"])
+def test_former_crashes_raise_instead(mode_name, tmp_path):
+    """Inputs that once killed the process (SIGFPE in the kernel's planning for zero query heads;
+    SIGABRT for a numpy array in a GRAPH_MODE Cell, from a Python dtype callable in the graph) now
+    raise, in a subprocess so a crash fails this test instead of the run."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "crash_guard.py"  # GRAPH_MODE compiles from source: a file, not python -c
+    script.write_text(CRASH_GUARD)
+    result = subprocess.run([sys.executable, str(script), mode_name], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"crashed ({result.returncode}): {result.stderr[-2000:]}"
+    assert "zero query heads raised ValueError" in result.stdout, result.stdout
+    assert "numpy query" in result.stdout

@@ -8,7 +8,7 @@ from ms_rope_attention.cpu_kernel import last_error
 from cases import Case
 from conftest import tolerance
 from kernel_check import check_kernel
-from reference import reference
+from reference import reference, rope_tables
 
 
 def check(case, rng, dtype="float32", table_dtype="float32", scale=None, key_rotated=False, **tiling):
@@ -184,3 +184,68 @@ def test_kernel_rejects_bad_offsets_before_reading(aq, ak, message, rng):
     q, k, v, cos, sin, _, _ = Case(layout="TND", q_lens=[3, 2], kv_lens=[4, 3], table_rows=5).make(rng)
     code, *_ = kh.run(q, k, v, cos, sin, aq, ak, input_layout="TND", head_num=4)
     assert code != 0 and message in last_error()
+
+
+@pytest.mark.parametrize("tiling", [{}, {"rows": 8, "kv_block": 16}])
+@pytest.mark.parametrize("poison", [np.nan, np.inf])
+def test_keys_a_row_cannot_see_never_reach_it(tiling, poison, rng):
+    """NaN/Inf in the keys and values past a row's causal bound (a preallocated cache's garbage, or
+    the next sequence's) leaves that row exactly as with clean keys: a masked key is never multiplied
+    by the row's zero probability. GQA 4/2 puts two heads' rows in one GEMM block."""
+    case = Case(q_len=50, kv_len=50, heads=4, kv_heads=2, head_dim=32, batch=1)
+    q, k, v, cos, sin, _, _ = case.make(rng)
+    code, clean, clean_lse, _ = kh.run(q, k, v, cos, sin, **tiling, **case.kwargs)
+    assert code == 0, last_error()
+    k2, v2 = k.copy(), v.copy()
+    k2[:, :, 37:] = poison
+    v2[:, :, 37:] = poison
+    code, out, lse, _ = kh.run(q, k2, v2, cos, sin, **tiling, **case.kwargs)
+    assert code == 0, last_error()
+    np.testing.assert_array_equal(out[:, :, :37], clean[:, :, :37])  # rows at positions 0..36
+    np.testing.assert_array_equal(lse[:, :, :37], clean_lse[:, :, :37])
+    assert not np.isfinite(out[:, :, 37:]).all()  # the rows that do see them
+
+
+@pytest.mark.parametrize("layout,q_shape,k_shape,aq,ak", [
+    ("BNSD", (1, 4, 0, 16), (1, 2, 0, 16), None, None),   # S = 0
+    ("BNSD", (0, 4, 5, 16), (0, 2, 5, 16), None, None),   # B = 0
+    ("BSND", (2, 0, 4, 16), (2, 6, 2, 16), None, None),   # q_len 0: only rotated_key
+    ("TND", (0, 4, 16), (0, 2, 16), [0], [0]),            # a 0-token TND batch
+    ("TND", (0, 4, 16), (7, 2, 16), [0, 0], [3, 7]),      # no queries, keys to rotate
+])
+def test_zero_size_inputs_give_empty_outputs(layout, q_shape, k_shape, aq, ak, rng):
+    q, k, v = rng.standard_normal(q_shape), rng.standard_normal(k_shape), rng.standard_normal(k_shape)
+    cos, sin = rope_tables(16, 8)
+    for _ in range(2):  # the first call of a process and a later one behave the same
+        code, out, lse, rot = kh.run(q, k, v, cos, sin, aq, ak, input_layout=layout, head_num=4)
+        assert code == 0, last_error()
+        assert out.shape == q.shape and rot.shape == k.shape
+        expected = reference(q, k, v, cos, sin, 4, layout, actual_seq_qlen=aq, actual_seq_kvlen=ak)[2] if k.size else rot
+        np.testing.assert_allclose(rot, expected, atol=1e-6)
+        code, dq, dk, dv = kh.run_grad(q, k, v, cos, sin, aq, ak, out, lse, np.zeros(q.shape), None, None,
+                                       input_layout=layout, head_num=4)
+        assert code == 0, last_error()
+        assert dq.shape == q.shape and dk.shape == k.shape and not np.isnan(dk).any()
+
+
+def test_zero_heads_rejected_before_planning(rng):
+    q, k, v = np.ones((1, 0, 5, 8)), np.ones((1, 2, 5, 8)), np.ones((1, 2, 5, 8))
+    cos, sin = rope_tables(8, 8)
+    code, *_ = kh.run(q, k, v, cos, sin)
+    assert code != 0 and "query: expected at least one head" in last_error()
+
+
+def test_zero_size_first_call_of_a_process():
+    """An empty problem as the very first launch (no scratch allocated yet), in a fresh process."""
+    import subprocess
+    import sys
+
+    script = ("import numpy as np\nfrom ms_rope_attention import cpu_direct as kh\n"
+              "from ms_rope_attention.cpu_kernel import last_error\n"
+              "z = np.zeros((1, 4, 0, 16)); cos = np.ones((8, 16))\n"
+              "code, out, lse, rot = kh.run(z, z[:, :2], z[:, :2], cos, cos)\n"
+              "assert code == 0, last_error()\n"
+              "code, *_ = kh.run_grad(z, z[:, :2], z[:, :2], cos, cos, None, None, out, lse, out)\n"
+              "assert code == 0, last_error()\nprint('ok')\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]

@@ -10,6 +10,11 @@
 #include <string>
 #include <vector>
 
+// MindSpore's TypeId (mindapi/base/type_id.h) as the C++ InferType entries receive and return it;
+// only the value of float32 is needed here (the other outputs take an input's type).
+enum TypeId : int {};
+constexpr TypeId kFloat32TypeId = static_cast<TypeId>(43);  // kNumberTypeFloat32 in MindSpore 2.10
+
 namespace mindspore {
 class AotKernelData {
  public:

@@ -1,6 +1,8 @@
 // MindSpore ops.Custom(func_type="aot") entry points of the CPU kernel:
 //   RotaryFlashAttentionInit        reads the attributes once per kernel instance
 //   RotaryFlashAttentionInferShape  output shapes (C++ infer, so GRAPH_MODE compiles once for dynamic S)
+//   RotaryFlashAttentionInferType   output dtypes (C++ too: no Python callable in the graph, so a graph
+//                                   holding the op exports to MindIR and loads in a fresh process)
 //   RotaryFlashAttention            validates shapes, dtypes and TND offsets, then runs the kernel
 //   RotaryFlashAttentionGrad[Init|InferShape]  the same for the backward (d_query, d_key, d_value)
 // Errors never crash: they return non-zero, print the message and keep it for
@@ -71,6 +73,10 @@ extern "C" RFA_EXPORT std::vector<std::vector<int64_t>> RotaryFlashAttentionInfe
   return rfa::InferShapes(a, ndims[0], shapes[0], ndims[1], shapes[1]);
 }
 
+extern "C" RFA_EXPORT std::vector<TypeId> RotaryFlashAttentionInferType(std::vector<TypeId> inputs, AotExtra *) {
+  return {inputs[0], kFloat32TypeId, inputs[1]};  // attention_out: query's; softmax_lse: float32; rotated_key: key's
+}
+
 // Validates, then runs. Shared by the MindSpore entry below and ms_rope_attention.cpu_direct
 // (tests, sanitizer run, benchmark); rows/kv_block/pack_bytes <= 0 keep the default tiling.
 extern "C" RFA_EXPORT int RotaryFlashAttentionRun(const rfa::Attrs *attrs, int *ndims, int64_t **shapes, const char **dtypes,
@@ -114,6 +120,10 @@ extern "C" RFA_EXPORT std::vector<std::vector<int64_t>> RotaryFlashAttentionGrad
                                                                                           AotExtra *) {
   return {std::vector<int64_t>(shapes[0], shapes[0] + ndims[0]), std::vector<int64_t>(shapes[1], shapes[1] + ndims[1]),
           std::vector<int64_t>(shapes[2], shapes[2] + ndims[2])};
+}
+
+extern "C" RFA_EXPORT std::vector<TypeId> RotaryFlashAttentionGradInferType(std::vector<TypeId> inputs, AotExtra *) {
+  return {inputs[0], inputs[1], inputs[2]};  // d_query, d_key, d_value: their inputs' dtypes
 }
 
 // Validates, then runs the backward; block_q/block_k/splits <= 0 keep the default tiling.

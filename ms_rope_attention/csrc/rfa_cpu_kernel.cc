@@ -193,7 +193,7 @@ class Worker {
     m_ = take(R); l_ = take(R); row_ = take(Dp); orig_ = take(Dp); tmp_ = take(Dp);
     ctmp_ = take(p_.rotary_dim); stmp_ = take(p_.rotary_dim); stage_ = take(kLanes * Dp);
     valid_.resize(R);
-    klim_.resize(R / kRows + 1);
+    kmin_.resize(R / kRows + 1);
     nlim_.resize(R / kRows + 1);
     return true;
   }
@@ -237,9 +237,9 @@ class Worker {
         valid_[r] = diagonal ? std::max<int64_t>(0, std::min(n, q_off + t.q0 + r % t.nq - j0 + 1)) : n;
       if (diagonal)
         for (int64_t b = 0; b * kRows < M; ++b) {
-          const auto first = valid_.begin() + b * kRows;
-          klim_[b] = *std::max_element(first, valid_.begin() + std::min(M, (b + 1) * kRows));
-          nlim_[b] = RoundUp(klim_[b], kLanes);
+          const auto first = valid_.begin() + b * kRows, last = valid_.begin() + std::min(M, (b + 1) * kRows);
+          kmin_[b] = *std::min_element(first, last);
+          nlim_[b] = RoundUp(*std::max_element(first, last), kLanes);
         }
       // 4. Scores, then online softmax per row.
       simd::Gemm(M, np, D, q_, D, kt, BK, s_, np, false, diagonal ? nlim_.data() : nullptr);
@@ -279,7 +279,20 @@ class Worker {
         }
         l_[r] += simd::ReduceSum(vsum);
       }
-      simd::Gemm(M, Dp, n, s_, np, v, Dp, o_, Dp, true, nullptr, diagonal ? klim_.data() : nullptr);
+      // P V. On a diagonal tile the GEMM takes, per row block, only the keys every row of the block sees;
+      // each row adds the rest of its own keys itself. A key a row cannot see is never multiplied by
+      // that row's zero probability: 0 x NaN (a preallocated cache's garbage) would poison the row.
+      simd::Gemm(M, Dp, n, s_, np, v, Dp, o_, Dp, true, nullptr, diagonal ? kmin_.data() : nullptr);
+      if (diagonal)
+        for (int64_t r = 0; r < M; ++r) {
+          float *orow = o_ + r * Dp;
+          const float *srow = s_ + r * np;
+          for (int64_t j = kmin_[r / kRows]; j < valid_[r]; ++j) {
+            const simd::vf p = simd::Splat(srow[j]);
+            const float *vrow = v + j * Dp;
+            for (int64_t d = 0; d < Dp; d += kLanes) simd::Store(orow + d, simd::Load(orow + d) + p * simd::Load(vrow + d));
+          }
+        }
     }
     if (plan_.nsplit > 1) {
       std::memcpy(partials_->O(t.item, t.split), o_, M * Dp * sizeof(float));
@@ -392,7 +405,8 @@ class Worker {
   float *row_ = nullptr, *orig_ = nullptr, *tmp_ = nullptr, *ctmp_ = nullptr, *stmp_ = nullptr;
   float *stage_ = nullptr;  // kLanes K rows, before they are written transposed
   std::vector<int64_t> valid_;      // per row of the task: keys of the current tile it sees
-  std::vector<int64_t> klim_, nlim_;  // per micro-tile row block: keys / score columns to compute
+  std::vector<int64_t> kmin_, nlim_;  // per micro-tile row block: keys every row of it sees, and
+                                      // score columns to compute (up to the keys some row sees)
 };
 
 thread_local Scratch tls_scratch, tls_packed;

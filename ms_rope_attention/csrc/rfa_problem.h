@@ -137,6 +137,8 @@ inline std::string BuildProblem(const Attrs &a, const TensorDesc *tensors, const
   for (int i = 0; i < k.ndim; ++i)
     if (v.shape[i] != k.shape[i])
       return "value: expected the same shape as key " + ShapeText(k.ndim, k.shape) + ", got " + ShapeText(v.ndim, v.shape);
+  if (qn < 1) return "query: expected at least one head, got shape " + ShapeText(q.ndim, q.shape);
+  if (kn < 1) return "key: expected at least one head, got shape " + ShapeText(k.ndim, k.shape);
   if (a.head_num > 0 && qn != a.head_num)
     return "head_num: " + std::to_string(a.head_num) + " does not match query's " + std::to_string(qn) + " heads";
   if (kb != qb) return "key: batch " + std::to_string(kb) + " does not match query's batch " + std::to_string(qb);
@@ -159,16 +161,16 @@ inline std::string BuildProblem(const Attrs &a, const TensorDesc *tensors, const
   p->q_len = qs; p->kv_len = ks;
 
   const bool tnd = a.layout == Layout::TND;
-  const bool has_q = tensors[5].dtype != "none" && tensors[5].ndim > 0;
-  const bool has_kv = tensors[6].dtype != "none" && tensors[6].ndim > 0;
+  const bool has_q = tensors[5].dtype != "none";
+  const bool has_kv = tensors[6].dtype != "none";
   p->q_start.clear(); p->q_lens.clear(); p->kv_start.clear(); p->kv_lens.clear();
   if (tnd) {
-    if (!has_q || !has_kv || !q_ends || !kv_ends)
-      return "actual_seq_qlen, actual_seq_kvlen: both required for input_layout TND";
+    if (!has_q || !has_kv) return "actual_seq_qlen, actual_seq_kvlen: both required for input_layout TND";
     for (int i = 5; i < 7; ++i)
       if (tensors[i].ndim != 1 || tensors[i].dtype != "int64")
         return std::string(i == 5 ? "actual_seq_qlen" : "actual_seq_kvlen") + ": expected a 1-D int64 tensor, got " +
                tensors[i].dtype + " " + ShapeText(tensors[i].ndim, tensors[i].shape);
+    if (!q_ends || !kv_ends) return "actual_seq_qlen, actual_seq_kvlen: no data";
     const int64_t nb = tensors[5].shape[0];
     if (nb < 1) return "actual_seq_qlen: expected at least one sequence";
     if (tensors[6].shape[0] != nb)

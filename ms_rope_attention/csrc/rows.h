@@ -144,6 +144,7 @@ struct Scratch {
   std::unique_ptr<float, AlignedFree> mem;
   size_t capacity = 0;
   float *Get(size_t floats) {
+    floats = floats < 16 ? 16 : floats;  // never a zero-byte request: empty problems get a valid pointer
     if (floats > capacity) {
       void *p = nullptr;
       if (posix_memalign(&p, 64, floats * sizeof(float)) != 0) return nullptr;

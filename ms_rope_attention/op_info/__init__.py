@@ -164,6 +164,14 @@ def build_reg_info(target: str, attr_values: dict[str, Any], *, any_dtype: bool 
         value = attr_values.get(attr["name"], attr["default"])
         value = _PY_TYPES[attr["type"]](value)
         reg = reg.attr(attr["name"], "required", _REG_TYPES[attr["type"]], value=value)
+    if target == "CPU":
+        # MindSpore's PyNative kernel cache keys float attributes by a short decimal text, so 1e-20
+        # and 0.0 (the "default" scale) would share one kernel; the exact text of every float
+        # attribute, as an extra string attribute, keeps their kernels apart. The kernel ignores it.
+        for attr in contract.attrs:
+            if attr["type"] == "float":
+                text = repr(float(attr_values.get(attr["name"], attr["default"])))
+                reg = reg.attr(f"{attr['name']}_text", "required", "str", value=text)
     return reg.target(target).get_op_info()
 
 
