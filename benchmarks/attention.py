@@ -18,12 +18,11 @@ import itertools
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
 
-from harness import machine_info, memory_total_bytes, run_isolated, timed
+from harness import alternate, machine_info, memory_total_bytes, run_isolated, timed
 
 
 def _inputs(length, heads, kv_heads, head_dim, seed=0):
@@ -100,22 +99,7 @@ def run_direct(length, heads, kv_heads, head_dim, dtype, repeats):
         series["torch_sdpa_same_process"] = sdpa
     except ImportError:
         pass
-    start = time.perf_counter()
-    for fn in series.values():
-        fn()  # warm-up: scratch allocation, first touch
-    round_seconds = time.perf_counter() - start
-    rounds = max(repeats, min(DIRECT_ROUNDS_MAX, int(DIRECT_ROUNDS_SECONDS / round_seconds)))
-    times = {name: [] for name in series}
-    # The order turns every repeat: a thread pool still spinning after one series (OpenMP pools
-    # wait actively for a while) slows whichever runs next, so no series may always follow the
-    # same one. (Measured: right after a numpy GEMM the kernel's best time was 135 ms at S=2048,
-    # against 130-133 ms for the same call later in the round.)
-    names = list(series)
-    for i in range(rounds):
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            start = time.perf_counter()
-            series[name]()
-            times[name].append(time.perf_counter() - start)
+    times = alternate(series, repeats, DIRECT_ROUNDS_MAX, DIRECT_ROUNDS_SECONDS)
     del keep
     return times
 

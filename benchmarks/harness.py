@@ -26,6 +26,27 @@ def timed(fn, repeats: int) -> tuple[float, list[float]]:
     return first, times
 
 
+def alternate(series: dict, repeats: int, max_rounds: int = 10, budget_s: float = 30.0) -> dict:
+    """{name: times} of callables run side by side in one process: after a warm-up round, as many
+    rounds as fit in about ``budget_s`` (at least ``repeats``, at most ``max_rounds``), the order
+    turning every round: a thread pool still spinning after one series (OpenMP pools wait actively
+    for a while) slows whichever runs next, so no series may always follow the same one. (Measured:
+    right after a numpy GEMM the kernel's best time was 135 ms at S=2048, against 130-133 ms for the
+    same call later in the round.)"""
+    start = time.perf_counter()
+    for fn in series.values():
+        fn()  # warm-up: scratch allocation, first touch
+    rounds = max(repeats, min(max_rounds, int(budget_s / (time.perf_counter() - start))))
+    times = {name: [] for name in series}
+    names = list(series)
+    for i in range(rounds):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            start = time.perf_counter()
+            series[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
 def stats(times: list[float]) -> dict:
     return {"times_s": times, "min_s": min(times), "median_s": statistics.median(times)}
 

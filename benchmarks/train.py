@@ -19,12 +19,11 @@ import ctypes
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
 
-from harness import machine_info, memory_total_bytes, run_isolated, timed
+from harness import alternate, machine_info, memory_total_bytes, run_isolated, timed
 
 
 def _inputs(length, heads, head_dim, seed=0):
@@ -114,17 +113,7 @@ def run_direct(length, heads, head_dim, repeats):
         series["torch_sdpa_same_process"] = _torch_step(length, heads, head_dim, False)
     except ImportError:
         pass
-    start = time.perf_counter()
-    for fn in series.values():
-        fn()  # warm-up: scratch allocation, first touch
-    rounds = max(repeats, min(DIRECT_ROUNDS_MAX, int(DIRECT_ROUNDS_SECONDS / (time.perf_counter() - start))))
-    times = {name: [] for name in series}
-    names = list(series)
-    for i in range(rounds):
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            start = time.perf_counter()
-            series[name]()
-            times[name].append(time.perf_counter() - start)
+    times = alternate(series, repeats, DIRECT_ROUNDS_MAX, DIRECT_ROUNDS_SECONDS)
     del keep, grad_keep
     return times
 
@@ -168,11 +157,8 @@ def competitor(name, args):
 
 
 def measure(name, args, memory_limit):
-    result = run_isolated("train", "competitor", {"name": name, "args": args}, memory_limit_bytes=memory_limit)
-    if result["status"] != "ok":
-        return {"status": result["status"], "error": result["error"],
-                **({"peak_rss_mb": result["peak_rss_mb"]} if "peak_rss_mb" in result else {})}
-    return result
+    """One competitor in its own process: {"status": "ok", "times": ...} or the failure's status and error."""
+    return run_isolated("train", "competitor", {"name": name, "args": args}, memory_limit_bytes=memory_limit)
 
 
 def summarize(result, flops=None, tokens=None):

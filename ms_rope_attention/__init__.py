@@ -1,7 +1,8 @@
 """ms_rope_attention: rotary position embedding fused into FlashAttention, for MindSpore.
 
 Public API:
-- ``rotary_flash_attention(query, key, value, cos, sin, ...)``: the functional op (PyNative).
+- ``rotary_flash_attention(query, key, value, cos, sin, ...)``: the functional op (PyNative, and
+  inside GRAPH_MODE ``construct`` or ``@ms.jit``).
 - ``RotaryFlashAttention``: the Cell with its shared cos/sin cache (GRAPH_MODE and PyNative).
 - ``RotaryFlashAttentionOp``: the op as a Cell with explicit cos/sin inputs.
 - ``rope_tables`` / ``shared_rope_tables``: cos/sin tables.

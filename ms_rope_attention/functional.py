@@ -1,9 +1,11 @@
-"""``rotary_flash_attention``: the functional op, and the backend dispatch behind it.
+"""``rotary_flash_attention``: the functional op, and the backend dispatch behind it (its one place).
 
-``RotaryFlashAttentionOp`` fixes the attributes, picks a backend once (at construction, where the
-device is known) and is usable in GRAPH_MODE and PyNative. The fused kernel is preferred; a
-fallback to the unfused path is never silent: it logs a one-time warning containing
+The op runs eagerly (PyNative), inside a Cell's ``construct`` under GRAPH_MODE and inside ``@ms.jit``
+(AST and bytecode capture): arguments are checked and the backend chosen by ``ops.constexpr``
+helpers, which run when a graph is compiled, or at the call when eager. The fused kernel is
+preferred; a fallback to the unfused path is never silent: it logs a one-time warning containing
 ``rotary_fusion_fallback`` and the reason, and ``strict=True`` raises instead.
+``RotaryFlashAttentionOp`` is the same op as a Cell with fixed attributes.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from . import checks
-from .gradients import RotaryFusionFallbackError, announce_fallback
+from .gradients import RotaryFusionFallbackError, announce_fallback  # noqa: F401 (re-exported)
 from .unfused import unfused_rotary_flash_attention
 
 logger = logging.getLogger("ms_rope_attention")
@@ -40,6 +42,62 @@ def _fused_factory(device: str):
         reason = package_status()
         return (None, reason) if reason else (make_ascend_op, None)
     return None, f"no fused kernel registered for device {device!r}"
+
+
+class Backend:
+    """The kernels of one attribute set: ``fused`` (the primitive, or None when the unfused path runs),
+    ``name`` ('fused:CPU', 'fused:Ascend' or 'unfused') and ``fallback_reason``."""
+
+    def __init__(self, fused, name: str, fallback_reason: str | None):
+        self.fused, self.name, self.fallback_reason = fused, name, fallback_reason
+
+
+_backends: dict = {}
+
+
+def backend_for(head_num, input_layout, rotary_mode, rotary_dim, scale, causal, with_softmax_lse, with_rotated_key,
+                key_rotated, backend, strict) -> Backend:
+    """The dispatch: one ``Backend`` per attribute set and device, built (attributes validated,
+    a fallback announced) the first time it is asked for. Keyed by type and value: 1 == True == 1.0,
+    but they are not the same argument."""
+    attrs = (head_num, input_layout, rotary_mode, rotary_dim, scale, causal, with_softmax_lse, with_rotated_key,
+             key_rotated, backend, strict)
+    key = tuple((type(a).__name__, a) for a in attrs) + (_device(),)
+    found = _backends.get(key)
+    if found is not None:
+        return found
+    checks.check_attrs(head_num, input_layout, rotary_mode, rotary_dim, scale, causal)
+    checks.check_flags(with_softmax_lse=with_softmax_lse, with_rotated_key=with_rotated_key, key_rotated=key_rotated,
+                       strict=strict)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
+    fused, reason = None, None
+    if backend != "unfused":
+        factory, reason = _fused_factory(_device())
+        if factory is None:
+            announce_fallback(reason, strict or backend == "fused")
+        else:
+            # The fused forward always emits softmax_lse: the backward needs it (a float per row);
+            # the op returns an empty lse when it was not asked for.
+            fused = factory({
+                "head_num": head_num or 0, "input_layout": input_layout, "rotary_mode": rotary_mode,
+                "rotary_dim": rotary_dim or 0, "scale": float(scale or 0.0), "causal": causal,
+                "with_softmax_lse": True, "with_rotated_key": with_rotated_key, "key_rotated": key_rotated},
+                (with_softmax_lse, with_rotated_key),
+                _unfused_forward(head_num, input_layout, rotary_mode, rotary_dim, scale, causal, with_softmax_lse,
+                                 with_rotated_key, key_rotated),
+                strict or backend == "fused")
+    found = _backends[key] = Backend(fused, f"fused:{_device()}" if fused is not None else "unfused", reason)
+    return found
+
+
+@ops.constexpr(reuse_result=False)
+def _fused_primitive(head_num, input_layout, rotary_mode, rotary_dim, scale, causal, with_softmax_lse,
+                     with_rotated_key, key_rotated, backend, strict):
+    """``backend_for(...).fused`` as a graph constant (None: the unfused path). Not reused by value:
+    constexpr's own result cache would take causal=1 for causal=True."""
+    return backend_for(head_num, input_layout, rotary_mode, rotary_dim, scale, causal, with_softmax_lse,
+                       with_rotated_key, key_rotated, backend, strict).fused
 
 
 @ops.constexpr
@@ -70,6 +128,59 @@ def _require_static(q_heads, kv_heads, head_dim):
     return True
 
 
+def _geometry(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, head_num, input_layout, rotary_mode,
+              rotary_dim, scale, causal):
+    """The static check of one call: (q_heads, kv_heads, head_dim, rotary_dim, scale)."""
+    return _check_call(query.shape, key.shape, value.shape, cos.shape, sin.shape, query.dtype, key.dtype, value.dtype,
+                       cos.dtype, sin.dtype, head_num, input_layout, rotary_mode, rotary_dim, scale, causal,
+                       None if actual_seq_qlen is None else (actual_seq_qlen.dtype, actual_seq_qlen.ndim),
+                       None if actual_seq_kvlen is None else (actual_seq_kvlen.dtype, actual_seq_kvlen.ndim))
+
+
+def _table(table):
+    return table.astype(ms.float32) if _table_needs_cast(table.dtype) else table
+
+
+def _unfused(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry, input_layout, rotary_mode,
+             causal, with_softmax_lse, with_rotated_key, key_rotated):
+    q_heads, kv_heads, head_dim, rotary_dim, scale = geometry
+    _require_static(q_heads, kv_heads, head_dim)
+    return unfused_rotary_flash_attention(
+        query, key, value, _table(cos), _table(sin), actual_seq_qlen, actual_seq_kvlen, head_num=q_heads,
+        kv_head_num=kv_heads, head_dim=head_dim, input_layout=input_layout, rotary_mode=rotary_mode,
+        rotary_dim=rotary_dim, scale=scale, causal=causal, with_softmax_lse=with_softmax_lse,
+        with_rotated_key=with_rotated_key, key_rotated=key_rotated)
+
+
+def _unfused_forward(head_num, input_layout, rotary_mode, rotary_dim, scale, causal, with_softmax_lse,
+                     with_rotated_key, key_rotated):
+    """The unfused path with fixed attributes: the gradient of a fused forward on a device without a
+    fused backward is its autodiff."""
+
+    def forward(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen):
+        geometry = _geometry(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, head_num, input_layout,
+                             rotary_mode, rotary_dim, scale, causal)
+        return _unfused(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry, input_layout,
+                        rotary_mode, causal, with_softmax_lse, with_rotated_key, key_rotated)
+
+    return forward
+
+
+def _attention(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry, head_num, input_layout,
+               rotary_mode, rotary_dim, scale, causal, with_softmax_lse, with_rotated_key, key_rotated, backend,
+               strict):
+    """(attention_out, softmax_lse, rotated_key), disabled outputs empty, on checked arguments."""
+    fused = _fused_primitive(head_num, input_layout, rotary_mode, rotary_dim, scale, causal, with_softmax_lse,
+                             with_rotated_key, key_rotated, backend, strict)
+    if fused is None:
+        return _unfused(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry, input_layout,
+                        rotary_mode, causal, with_softmax_lse, with_rotated_key, key_rotated)
+    out, lse, rotated_key = fused(query, key, value, _table(cos), _table(sin), actual_seq_qlen, actual_seq_kvlen)
+    if not with_softmax_lse:
+        lse = _EMPTY_LSE
+    return out, lse, rotated_key
+
+
 class RotaryFlashAttentionOp(nn.Cell):
     """The op with fixed attributes; ``construct(query, key, value, cos, sin, actual_seq_qlen=None,
     actual_seq_kvlen=None)`` returns ``(attention_out, softmax_lse, rotated_key)`` (disabled
@@ -78,92 +189,45 @@ class RotaryFlashAttentionOp(nn.Cell):
     def __init__(self, head_num=None, input_layout="BNSD", rotary_mode=0, rotary_dim=None, scale=None, causal=True,
                  with_softmax_lse=False, with_rotated_key=False, backend="auto", strict=False, key_rotated=False):
         super().__init__()
-        checks.check_attrs(head_num, input_layout, rotary_mode, rotary_dim, scale, causal)
-        if backend not in BACKENDS:
-            raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
-        self.head_num = head_num
-        self.input_layout = input_layout
-        self.rotary_mode = rotary_mode
-        self.rotary_dim = rotary_dim
-        self.scale = scale
-        self.causal = causal
-        checks.check_flags(with_softmax_lse=with_softmax_lse, with_rotated_key=with_rotated_key,
-                           key_rotated=key_rotated, strict=strict)
-        self.with_softmax_lse = with_softmax_lse
-        self.with_rotated_key = with_rotated_key
-        self.key_rotated = key_rotated
-        self.fused = None
-        self.fallback_reason = None
-        if backend != "unfused":
-            factory, reason = _fused_factory(_device())
-            if factory is None:
-                announce_fallback(reason, strict or backend == "fused")
-                self.fallback_reason = reason
-            else:
-                # The fused forward always emits softmax_lse: the backward needs it (a few bytes per
-                # row); the Cell returns an empty lse when it was not asked for.
-                self.fused = factory({
-                    "head_num": head_num or 0, "input_layout": input_layout, "rotary_mode": rotary_mode,
-                    "rotary_dim": rotary_dim or 0, "scale": float(scale or 0.0), "causal": causal,
-                    "with_softmax_lse": True, "with_rotated_key": self.with_rotated_key,
-                    "key_rotated": key_rotated}, (self.with_softmax_lse, self.with_rotated_key), self.unfused,
-                    strict or backend == "fused")
-        self.use_fused = self.fused is not None
-        self.backend_name = f"fused:{_device()}" if self.use_fused else "unfused"
+        self.attrs = (head_num, input_layout, rotary_mode, rotary_dim, scale, causal, with_softmax_lse,
+                      with_rotated_key, key_rotated, backend, strict)
+        chosen = backend_for(*self.attrs)
+        self.backend_name, self.fallback_reason = chosen.name, chosen.fallback_reason
 
     def construct(self, query, key, value, cos, sin, actual_seq_qlen=None, actual_seq_kvlen=None):
-        geometry = self._geometry(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen)
-        return self.run_checked(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry)
-
-    def run_checked(self, query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry):
-        """The op on arguments ``_geometry`` has checked (it returned ``geometry``): the functional op
-        checks once, the offsets' values too, then calls this."""
-        if not self.use_fused:
-            return self._unfused(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry)
-        out, lse, rotated_key = self.fused(query, key, value, self._table(cos), self._table(sin), actual_seq_qlen,
-                                           actual_seq_kvlen)
-        if not self.with_softmax_lse:
-            lse = _EMPTY_LSE
-        return out, lse, rotated_key
-
-    def _geometry(self, query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen):
-        """The static argument check of one call; returns (q_heads, kv_heads, head_dim, rotary_dim, scale)."""
-        return _check_call(
-            query.shape, key.shape, value.shape, cos.shape, sin.shape, query.dtype, key.dtype, value.dtype, cos.dtype,
-            sin.dtype, self.head_num, self.input_layout, self.rotary_mode, self.rotary_dim, self.scale, self.causal,
-            None if actual_seq_qlen is None else (actual_seq_qlen.dtype, actual_seq_qlen.ndim),
-            None if actual_seq_kvlen is None else (actual_seq_kvlen.dtype, actual_seq_kvlen.ndim))
-
-    def _table(self, table):
-        return table.astype(ms.float32) if _table_needs_cast(table.dtype) else table
-
-    def unfused(self, query, key, value, cos, sin, actual_seq_qlen=None, actual_seq_kvlen=None):
-        """The unfused path with this op's attributes: the gradient of a fused forward on a device
-        without a fused backward is its autodiff."""
-        return self._unfused(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen,
-                             self._geometry(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen))
-
-    def _unfused(self, query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry):
-        q_heads, kv_heads, head_dim, rotary_dim, scale = geometry
-        _require_static(q_heads, kv_heads, head_dim)
-        cos, sin = self._table(cos), self._table(sin)
-        return unfused_rotary_flash_attention(
-            query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, head_num=q_heads, kv_head_num=kv_heads,
-            head_dim=head_dim, input_layout=self.input_layout, rotary_mode=self.rotary_mode, rotary_dim=rotary_dim,
-            scale=scale, causal=self.causal, with_softmax_lse=self.with_softmax_lse,
-            with_rotated_key=self.with_rotated_key, key_rotated=self.key_rotated)
+        geometry = _geometry(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, *self.attrs[:6])
+        return _attention(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry, *self.attrs)
 
 
-_ops_cache: dict = {}
+@ops.constexpr(check=False)
+def _check_arguments(query, key, value, cos, sin, return_softmax_lse, return_rotated_key):
+    for name, tensor in (("query", query), ("key", key), ("value", value), ("cos", cos), ("sin", sin)):
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"{name}: expected a mindspore Tensor, got {type(tensor).__name__}")
+    checks.check_flags(return_softmax_lse=return_softmax_lse, return_rotated_key=return_rotated_key)
+    return True
 
 
-def _as_offsets(name, value):
-    """Offsets given as a Python or numpy sequence of integers become an int64 Tensor; anything else
+def _eager_marker():
+    """Passed to a constexpr: it arrives as itself when the call is eager, as None inside a graph."""
+
+
+@ops.constexpr(check=False, reuse_result=False)
+def _check_offsets_when_eager(marker, actual_seq_qlen, actual_seq_kvlen, total_q, total_kv, table_rows):
+    """The TND offsets' values, eagerly (inside a graph the tensors are placeholders: the kernel
+    checks the values when it launches, before reading any memory)."""
+    if marker is not None:
+        checks.check_actual_seq(actual_seq_qlen.asnumpy(), actual_seq_kvlen.asnumpy(), total_q, total_kv,
+                                table_rows)
+    return True
+
+
+@ops.constexpr(reuse_result=False)
+def _offsets_constant(name, value):
+    """Offsets given as a Python or numpy sequence of integers, as an int64 Tensor; anything else
     (floats, which would be truncated, bools, strings) is refused."""
-    if value is None or isinstance(value, Tensor):
-        return value
     try:
-        items = list(np.asarray(value, dtype=object).reshape(-1)) if not isinstance(value, (str, bytes)) else None
+        items = None if isinstance(value, (str, bytes)) else list(np.asarray(value, dtype=object).reshape(-1))
     except (TypeError, ValueError):
         items = None
     if items is None or any(isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) for v in items):
@@ -180,30 +244,27 @@ def rotary_flash_attention(query, key, value, cos, sin, head_num=None, *, input_
 
     See the README's semantics table (generated from ``op_info``). With ``return_softmax_lse`` /
     ``return_rotated_key`` a tuple ``(out, lse?, rotated_key?)`` is returned. ``key_rotated=True``
-    says key already carries RoPE (a KV cache of earlier ``rotated_key`` outputs): only query is rotated. For PyNative use; in
-    GRAPH_MODE hold a ``RotaryFlashAttentionOp`` or ``RotaryFlashAttention`` Cell instead.
+    says key already carries RoPE (a KV cache of earlier ``rotated_key`` outputs): only query is
+    rotated. Works eagerly, inside ``construct`` under GRAPH_MODE and inside ``@ms.jit``; eagerly,
+    the TND offsets' values are checked here, inside a graph by the kernel when it launches.
     """
-    for name, tensor in (("query", query), ("key", key), ("value", value), ("cos", cos), ("sin", sin)):
-        if not isinstance(tensor, Tensor):
-            raise TypeError(f"{name}: expected a mindspore Tensor, got {type(tensor).__name__}")
-    actual_seq_qlen = _as_offsets("actual_seq_qlen", actual_seq_qlen)
-    actual_seq_kvlen = _as_offsets("actual_seq_kvlen", actual_seq_kvlen)
-    # Keyed by type and value (1 == True == 1.0, but they are not the same argument): the attributes
-    # are validated once, when their op is built.
-    key_attrs = tuple((type(a).__name__, a) for a in (head_num, input_layout, rotary_mode, rotary_dim, scale, causal,
-                                                      return_softmax_lse, return_rotated_key, key_rotated, backend,
-                                                      strict)) + (_device(),)
-    op = _ops_cache.get(key_attrs)
-    if op is None:
-        checks.check_flags(return_softmax_lse=return_softmax_lse, return_rotated_key=return_rotated_key)
-        op = RotaryFlashAttentionOp(head_num, input_layout, rotary_mode, rotary_dim, scale, causal,
-                                    return_softmax_lse, return_rotated_key, backend, strict, key_rotated)
-        _ops_cache[key_attrs] = op
-    # One check per call: the static one (shapes, dtypes, ranks), then the offsets' values.
-    geometry = op._geometry(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen)
+    _check_arguments(query, key, value, cos, sin, return_softmax_lse, return_rotated_key)
+    if actual_seq_qlen is not None and not isinstance(actual_seq_qlen, Tensor):
+        actual_seq_qlen = _offsets_constant("actual_seq_qlen", actual_seq_qlen)
+    if actual_seq_kvlen is not None and not isinstance(actual_seq_kvlen, Tensor):
+        actual_seq_kvlen = _offsets_constant("actual_seq_kvlen", actual_seq_kvlen)
+    geometry = _geometry(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, head_num, input_layout,
+                         rotary_mode, rotary_dim, scale, causal)
     if input_layout == "TND":
-        checks.check_actual_seq(actual_seq_qlen.asnumpy(), actual_seq_kvlen.asnumpy(), query.shape[0], key.shape[0],
-                                cos.shape[0])
-    out, lse, rotated_key = op.run_checked(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry)
-    extra = ((lse,) if return_softmax_lse else ()) + ((rotated_key,) if return_rotated_key else ())
-    return (out,) + extra if extra else out
+        _check_offsets_when_eager(_eager_marker, actual_seq_qlen, actual_seq_kvlen, query.shape[0], key.shape[0],
+                                  cos.shape[0])
+    out, lse, rotated_key = _attention(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry,
+                                       head_num, input_layout, rotary_mode, rotary_dim, scale, causal,
+                                       return_softmax_lse, return_rotated_key, key_rotated, backend, strict)
+    if return_softmax_lse and return_rotated_key:
+        return out, lse, rotated_key
+    if return_softmax_lse:
+        return out, lse
+    if return_rotated_key:
+        return out, rotated_key
+    return out

@@ -116,6 +116,7 @@ def test_fallback_is_loud_and_strict_raises(monkeypatch, caplog):
     ms.set_context(mode=ms.PYNATIVE_MODE)
     monkeypatch.setattr(functional, "_fused_factory", lambda device: (None, "test: kernel missing"))
     monkeypatch.setattr(gradients, "_announced", set())
+    monkeypatch.setattr(functional, "_backends", {})
     with caplog.at_level(logging.WARNING, logger="ms_rope_attention"):
         cell = mra.RotaryFlashAttention(head_num=2, head_dim=8)
         mra.RotaryFlashAttention(head_num=2, head_dim=8)

@@ -227,8 +227,10 @@ inline std::vector<std::vector<int64_t>> InferShapes(const Attrs &a, int ndims_q
 // shapes, dtype names, data pointers): inputs, TND offsets (read only once their rank and dtype are
 // right), and the output buffers against InferShapes. Every backend runs it before touching memory.
 constexpr int kInputs = 7, kOutputs = 3;
-inline std::string ValidateCall(const Attrs &attrs, const int *ndims, int64_t *const *shapes, const char *const *dtypes,
-                                void *const *params, Problem *problem) {
+// BuildProblem on the forward's 7 inputs of a launch (the backward's first 7 are the same): the TND
+// offsets' data is read only once their rank and dtype are right.
+inline std::string ProblemOfCall(const Attrs &attrs, const int *ndims, int64_t *const *shapes,
+                                 const char *const *dtypes, void *const *params, Problem *problem) {
   TensorDesc tensors[kInputs];
   for (int i = 0; i < kInputs; ++i) {
     tensors[i].ndim = ndims[i];
@@ -237,8 +239,13 @@ inline std::string ValidateCall(const Attrs &attrs, const int *ndims, int64_t *c
   }
   const bool offsets_ok = tensors[5].dtype == "int64" && tensors[5].ndim == 1 && tensors[6].dtype == "int64" &&
                           tensors[6].ndim == 1 && params[5] && params[6];
-  std::string err = BuildProblem(attrs, tensors, offsets_ok ? static_cast<const int64_t *>(params[5]) : nullptr,
-                                 offsets_ok ? static_cast<const int64_t *>(params[6]) : nullptr, problem);
+  return BuildProblem(attrs, tensors, offsets_ok ? static_cast<const int64_t *>(params[5]) : nullptr,
+                      offsets_ok ? static_cast<const int64_t *>(params[6]) : nullptr, problem);
+}
+
+inline std::string ValidateCall(const Attrs &attrs, const int *ndims, int64_t *const *shapes, const char *const *dtypes,
+                                void *const *params, Problem *problem) {
+  std::string err = ProblemOfCall(attrs, ndims, shapes, dtypes, params, problem);
   if (!err.empty()) return err;
   const auto expect = InferShapes(attrs, ndims[0], shapes[0], ndims[1], shapes[1]);
   const char *names[kOutputs] = {"attention_out", "softmax_lse", "rotated_key"};
@@ -248,9 +255,10 @@ inline std::string ValidateCall(const Attrs &attrs, const int *ndims, int64_t *c
     for (int i = 0; same && i < ndims[idx]; ++i) same = shapes[idx][i] == expect[o][i];
     if (!same) return std::string(names[o]) + ": output buffer has shape " + ShapeText(ndims[idx], shapes[idx]);
   }
-  if (std::string(dtypes[kInputs]) != tensors[0].dtype) return "attention_out: expected query's dtype";
+  const std::string q_dtype = dtypes[0] ? dtypes[0] : "none", k_dtype = dtypes[1] ? dtypes[1] : "none";
+  if (std::string(dtypes[kInputs]) != q_dtype) return "attention_out: expected query's dtype";
   if (attrs.with_lse && std::string(dtypes[kInputs + 1]) != "float32") return "softmax_lse: expected float32";
-  if (attrs.with_rotated_key && std::string(dtypes[kInputs + 2]) != tensors[1].dtype)
+  if (attrs.with_rotated_key && std::string(dtypes[kInputs + 2]) != k_dtype)
     return "rotated_key: expected key's dtype";
   return "";
 }
@@ -276,22 +284,13 @@ constexpr int kGradInputs = 12, kGradOutputs = 3;
 inline std::string ValidateGradCall(const Attrs &attrs, const int *ndims, int64_t *const *shapes,
                                     const char *const *dtypes, void *const *params, Problem *problem, bool *has_dlse,
                                     bool *has_drk) {
-  TensorDesc tensors[kInputs];
-  for (int i = 0; i < kInputs; ++i) {
-    tensors[i].ndim = ndims[i];
-    tensors[i].shape = shapes[i];
-    tensors[i].dtype = dtypes[i] ? dtypes[i] : "none";
-  }
-  const bool offsets_ok = tensors[5].dtype == "int64" && tensors[5].ndim == 1 && tensors[6].dtype == "int64" &&
-                          tensors[6].ndim == 1 && params[5] && params[6];
-  std::string err = BuildProblem(attrs, tensors, offsets_ok ? static_cast<const int64_t *>(params[5]) : nullptr,
-                                 offsets_ok ? static_cast<const int64_t *>(params[6]) : nullptr, problem);
+  std::string err = ProblemOfCall(attrs, ndims, shapes, dtypes, params, problem);
   if (!err.empty()) return err;
   Attrs all = attrs;
   all.with_lse = all.with_rotated_key = true;
   const auto fwd = InferShapes(all, ndims[0], shapes[0], ndims[1], shapes[1]);
   const std::vector<int64_t> v_shape(shapes[2], shapes[2] + ndims[2]);
-  const std::string &qd = tensors[0].dtype;
+  const std::string qd = dtypes[0] ? dtypes[0] : "none";
   auto absent = [&](int idx) {
     const std::string d = dtypes[idx] ? dtypes[idx] : "none";
     return d == "none" || (ndims[idx] == 1 && shapes[idx][0] == 0) || !params[idx];
