@@ -49,3 +49,13 @@ def mode(request):
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--long", action="store_true", default=False,
+                     help="run the long form of the property tests (thousands of random cases)")
+
+
+@pytest.fixture
+def long_run(request):
+    return request.config.getoption("--long")

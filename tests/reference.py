@@ -42,6 +42,8 @@ def attention_one_sequence(q, k, v, cos, sin, mode, rotary_dim, scale, causal, k
     ``key_rotated``: k already carries RoPE and is used as given."""
     sq, n, d = q.shape
     skv, nkv, _ = k.shape
+    if skv == 0:  # an empty sequence (then q_len is 0 too)
+        return np.zeros(q.shape), np.full((sq, n), -np.inf), np.zeros(k.shape)
     qr = rotate(q, cos, sin, np.arange(skv - sq, skv), mode, rotary_dim)
     kr = k.astype(np.float64) if key_rotated else rotate(k, cos, sin, np.arange(skv), mode, rotary_dim)
     group = n // nkv
