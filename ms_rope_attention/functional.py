@@ -131,10 +131,23 @@ def _require_static(q_heads, kv_heads, head_dim):
 def _geometry(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, head_num, input_layout, rotary_mode,
               rotary_dim, scale, causal):
     """The static check of one call: (q_heads, kv_heads, head_dim, rotary_dim, scale)."""
+    _check_tensors(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen)
     return _check_call(query.shape, key.shape, value.shape, cos.shape, sin.shape, query.dtype, key.dtype, value.dtype,
                        cos.dtype, sin.dtype, head_num, input_layout, rotary_mode, rotary_dim, scale, causal,
                        None if actual_seq_qlen is None else (actual_seq_qlen.dtype, actual_seq_qlen.ndim),
                        None if actual_seq_kvlen is None else (actual_seq_kvlen.dtype, actual_seq_kvlen.ndim))
+
+
+@ops.constexpr(check=False, reuse_result=False)
+def _check_tensors(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen):
+    """Every input is a Tensor (the offsets may be None): anything else is named, eagerly or when the
+    graph compiles, before any attribute of it is read."""
+    named = (("query", query), ("key", key), ("value", value), ("cos", cos), ("sin", sin),
+             ("actual_seq_qlen", actual_seq_qlen), ("actual_seq_kvlen", actual_seq_kvlen))
+    for name, tensor in named:
+        if not isinstance(tensor, Tensor) and not (name.startswith("actual") and tensor is None):
+            raise TypeError(f"{name}: expected a mindspore Tensor, got {type(tensor).__name__}")
+    return True
 
 
 def _table(table):
@@ -199,11 +212,8 @@ class RotaryFlashAttentionOp(nn.Cell):
         return _attention(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry, *self.attrs)
 
 
-@ops.constexpr(check=False)
-def _check_arguments(query, key, value, cos, sin, return_softmax_lse, return_rotated_key):
-    for name, tensor in (("query", query), ("key", key), ("value", value), ("cos", cos), ("sin", sin)):
-        if not isinstance(tensor, Tensor):
-            raise TypeError(f"{name}: expected a mindspore Tensor, got {type(tensor).__name__}")
+@ops.constexpr(reuse_result=False)
+def _check_return_flags(return_softmax_lse, return_rotated_key):
     checks.check_flags(return_softmax_lse=return_softmax_lse, return_rotated_key=return_rotated_key)
     return True
 
@@ -248,7 +258,7 @@ def rotary_flash_attention(query, key, value, cos, sin, head_num=None, *, input_
     rotated. Works eagerly, inside ``construct`` under GRAPH_MODE and inside ``@ms.jit``; eagerly,
     the TND offsets' values are checked here, inside a graph by the kernel when it launches.
     """
-    _check_arguments(query, key, value, cos, sin, return_softmax_lse, return_rotated_key)
+    _check_return_flags(return_softmax_lse, return_rotated_key)
     if actual_seq_qlen is not None and not isinstance(actual_seq_qlen, Tensor):
         actual_seq_qlen = _offsets_constant("actual_seq_qlen", actual_seq_qlen)
     if actual_seq_kvlen is not None and not isinstance(actual_seq_kvlen, Tensor):

@@ -209,3 +209,9 @@ def test_former_crashes_raise_instead(mode_name, tmp_path):
     assert result.returncode == 0, f"crashed ({result.returncode}): {result.stderr[-2000:]}"
     assert "zero query heads raised ValueError" in result.stdout, result.stdout
     assert "numpy query" in result.stdout
+
+
+def test_offsets_of_the_wrong_type_are_named_in_graph_mode():
+    ms.set_context(mode=ms.GRAPH_MODE)
+    with pytest.raises(TypeError, match="actual_seq_qlen: expected a mindspore Tensor, got str"):
+        OpNet(input_layout="TND")(*TND.values(), "3,5", "4,7")
