@@ -123,3 +123,26 @@ def test_bad_gradient_inputs_rejected(which, shape, message, rng):
     code, *_ = kh.run_grad(q, k, v, cos, sin, None, None, args["out"], args["lse"], args["d_out"], None, args["d_rk"],
                            out_shapes=out_shapes, **case.kwargs)
     assert code != 0 and message in last_error(), last_error()
+
+
+@pytest.mark.parametrize("tiling", [{}, {"block_q": 16, "block_k": 7}, {"block_q": 8, "block_k": 32, "splits": 2}])
+@pytest.mark.parametrize("poison", [np.nan, np.inf])
+def test_keys_a_query_cannot_see_never_reach_its_gradient(tiling, poison, rng):
+    """NaN/Inf in the keys and values past a query's causal bound leave its d_query bit-identical:
+    on a causal diagonal tile no masked key meets the query's zero dS."""
+    case = Case(q_len=50, kv_len=50, heads=4, kv_heads=2, head_dim=32, batch=1)
+    q, k, v, cos, sin, _, _ = case.make(rng)
+    d_out = rng.standard_normal(q.shape)
+    grads = []
+    for poisoned in (False, True):
+        k2, v2 = k.copy(), v.copy()
+        if poisoned:
+            k2[:, :, 37:] = poison
+            v2[:, :, 37:] = poison
+        code, out, lse, _ = kh.run(q, k2, v2, cos, sin, **case.kwargs)
+        assert code == 0, last_error()
+        code, dq, dk, dv = kh.run_grad(q, k2, v2, cos, sin, None, None, out, lse, d_out, **tiling, **case.kwargs)
+        assert code == 0, last_error()
+        grads.append(dq)
+    np.testing.assert_array_equal(grads[1][:, :, :37], grads[0][:, :, :37])
+    assert np.isfinite(grads[0]).all()

@@ -205,10 +205,38 @@ class GradWorker {
           Softmax(n, j0, q_off + i0, nq, masked, lse2, delta);
           simd::Gemm(n, Dp, nq, st_, BQ, dout, Dp, dv_, Dp, true);
           simd::Gemm(n, Dp, nq, dpt_, BQ, qs, Dp, dk_, Dp, true);
-          simd::Gemm(D, BQ, n, kt_, BKp, dpt_, BQ, slabs_.dqt + t.dq_offset + gi * D * ld + i0, ld, true);
+          AccumulateQueryGradient(n, j0, q_off + i0, causal, slabs_.dqt + t.dq_offset + gi * D * ld + i0, ld);
         }
       }
       StoreKeyGradients(kvhead, j0, n);
+    }
+  }
+
+  // dQ^T (D x block_q, row stride ld) += K^T dS^T. On a causal diagonal tile the GEMM takes only the
+  // keys every query of the block sees; each later key is added to the queries that see it alone, so
+  // a key a query cannot see (NaN in a preallocated cache's garbage) never meets its zero dS.
+  void AccumulateQueryGradient(int64_t n, int64_t j0, int64_t qpos0, bool causal, float *dqt, int64_t ld) {
+    const int64_t D = p_.head_dim, Dp = plan_.head_pad, BQ = plan_.block_q, BKp = RoundUp(plan_.block_k, kLanes);
+    const int64_t seen_by_all = causal ? std::max<int64_t>(0, std::min(n, qpos0 - j0 + 1)) : n;
+    if (seen_by_all > 0) simd::Gemm(D, BQ, seen_by_all, kt_, BKp, dpt_, BQ, dqt, ld, true);
+    // The later keys a group of kLanes at a time: a GEMM over the columns (queries) that see the whole
+    // group, from a vector boundary on, and each key alone over the few columns before that.
+    for (int64_t r0 = seen_by_all; r0 < n; r0 += kLanes) {
+      const int64_t r1 = std::min(n, r0 + kLanes);
+      const int64_t first_col_of_last = j0 + r1 - 1 - qpos0;  // columns from here on see every key of the group
+      const int64_t aligned = std::min(BQ, RoundUp(first_col_of_last, kLanes));
+      if (aligned < BQ)
+        simd::Gemm(D, BQ - aligned, r1 - r0, kt_ + r0, BKp, dpt_ + r0 * BQ + aligned, BQ, dqt + aligned, ld, true);
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t first_col = j0 + r - qpos0;  // the first query of the block at or after key j0 + r
+        if (first_col >= aligned) continue;
+        const float *ds = dpt_ + r * BQ, *krow = k_ + r * Dp;
+        for (int64_t d = 0; d < D; ++d) {
+          const float kv = krow[d];
+          float *crow = dqt + d * ld;
+          for (int64_t c = first_col; c < aligned; ++c) crow[c] += kv * ds[c];
+        }
+      }
     }
   }
 
