@@ -140,3 +140,33 @@ def test_table_dtypes_are_cast_not_fallen_back(mode, rng):
         out, _, _ = net(*(Tensor(t.astype(np.float32)) for t in (q, k, v)), Tensor(cos.astype(table_dtype)),
                         Tensor(sin.astype(table_dtype)))
         np.testing.assert_allclose(out.asnumpy(), ro, atol=atol)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("poison", [np.nan, np.inf])
+def test_keys_a_row_cannot_see_never_reach_it(mode, backend, poison, rng):
+    """NaN/Inf in keys and values a row cannot see leave its output and lse bit-identical, on both
+    backends: past the causal bound (BSND), and in the next sequence of a TND batch. Rows that do see
+    them are not finite."""
+    for layout, q_lens, kv_lens in (("BSND", None, None), ("TND", [20, 13], [37, 13])):
+        case = Case(layout=layout, heads=4, kv_heads=2, q_len=50, kv_len=50, head_dim=16, batch=1,
+                    q_lens=q_lens or [], kv_lens=kv_lens or [])
+        q, k, v, cos, sin, aq, ak = case.make(rng)
+        k2, v2 = k.copy(), v.copy()
+        if layout == "BSND":
+            k2[:, 37:], v2[:, 37:] = poison, poison   # keys 37.. : rows 0..36 cannot see them
+            hidden = (slice(None), slice(0, 37))
+            seeing = (slice(None), slice(37, None))
+        else:
+            k2[37:], v2[37:] = poison, poison         # the second sequence's keys
+            hidden = (slice(0, 20),)
+            seeing = (slice(20, None),)
+        net = OpNet(backend=backend, **case.kwargs)
+        offsets = (Tensor(np.array(aq, np.int64)), Tensor(np.array(ak, np.int64))) if aq is not None else ()
+        f32 = lambda x: Tensor(x.astype(np.float32))  # noqa: E731
+        clean_out, clean_lse, _ = net(f32(q), f32(k), f32(v), f32(cos), f32(sin), *offsets)
+        out, lse, _ = net(f32(q), f32(k2), f32(v2), f32(cos), f32(sin), *offsets)
+        np.testing.assert_array_equal(out.asnumpy()[hidden], clean_out.asnumpy()[hidden])
+        lse_hidden = (slice(None), slice(None), slice(0, 37)) if layout == "BSND" else hidden
+        np.testing.assert_array_equal(lse.asnumpy()[lse_hidden], clean_lse.asnumpy()[lse_hidden])
+        assert not np.isfinite(out.asnumpy()[seeing]).all()
