@@ -116,14 +116,23 @@ def check_inputs(q_shape, k_shape, v_shape, cos_shape, sin_shape, q_dtype, k_dty
         raise TypeError(f"sin: expected the same dtype as cos ({dtype_name(cos_dtype)}), got {dtype_name(sin_dtype)}")
 
     layout = input_layout
+    for name, tensor_shape in (("query", q_shape), ("key", k_shape), ("value", v_shape)):
+        if len(tuple(tensor_shape)) != _RANKS[layout]:
+            raise ValueError(f"{name}: expected a rank-{_RANKS[layout]} tensor {_SHAPE_TEXT[layout]} for "
+                             f"input_layout={layout!r}, got shape {tuple(tensor_shape)}")
     kv_head_num = None
     if layout == "BSH" and _known(k_shape[-1] if len(k_shape) else None) and _known(q_shape[-1] if len(q_shape) else None):
         if q_shape[-1] % head_num:
             raise ValueError(f"query: hidden size {q_shape[-1]} is not a multiple of head_num={head_num} (BSH)")
         head_dim = q_shape[-1] // head_num
+        if head_dim < 2 or head_dim % 2:
+            raise ValueError(f"query: head_dim must be even and >= 2 for RoPE, got {head_dim} "
+                             f"(hidden size {q_shape[-1]} / head_num {head_num}, BSH)")
         if k_shape[-1] % head_dim:
             raise ValueError(f"key: hidden size {k_shape[-1]} is not a multiple of head_dim={head_dim} (BSH)")
         kv_head_num = k_shape[-1] // head_dim
+        if kv_head_num < 1:
+            raise ValueError(f"key: expected at least one head, got hidden size {k_shape[-1]} (BSH)")
     qb, qs, qn, qd = _split_heads("query", q_shape, layout, head_num)
     kb, ks, kn, kd = _split_heads("key", k_shape, layout, kv_head_num)
     vb, vs, vn, vd = _split_heads("value", v_shape, layout, kv_head_num)
