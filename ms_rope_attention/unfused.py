@@ -60,17 +60,6 @@ def _segments(ends, total):
     return seg, tokens - starts[seg], ends - starts
 
 
-def _sees_non_finite(x, first_key, seen, any_feature):
-    """(B, N, Sq, D or 1) bool: whether the keys each query row sees (``seen`` keys of its sequence from
-    key index ``first_key``) hold a non-finite value in x (B, N, Skv, D), per feature or in any."""
-    bad = ops.logical_not(ops.isfinite(x))
-    if any_feature:
-        bad = bad.any(axis=-1, keep_dims=True)
-    counts = ops.cumsum(bad.astype(ms.float32), axis=2)  # bad keys up to and including each key
-    counts = ops.concat([ops.zeros_like(counts[:, :, :1]), counts], axis=2)
-    return (ops.gather(counts, first_key + seen, 2) - ops.gather(counts, first_key, 2)) > 0
-
-
 def _allowed(q_pos, k_pos, same_sequence, causal):
     """Boolean (Sq, Skv) mask of the keys each query sees."""
     if causal:
@@ -123,39 +112,26 @@ def unfused_rotary_flash_attention(query, key, value, cos, sin, actual_seq_qlen=
         k_seg, k_pos, kv_lens = _segments(actual_seq_kvlen.astype(ms.int64), kv_len)
         q_pos = q_local + (kv_lens - q_lens)[q_seg]
         same_sequence = q_seg.expand_dims(1) == k_seg.expand_dims(0)
-        first_key = (actual_seq_kvlen.astype(ms.int64) - kv_lens)[q_seg]  # of each query row's sequence
-        seen = q_pos + 1 if causal else kv_lens[q_seg]
     else:
         q_pos = ops.arange(0, q_len, dtype=ms.int64) + (kv_len - q_len)
         k_pos = ops.arange(0, kv_len, dtype=ms.int64)
         same_sequence = None
-        first_key = ops.zeros_like(q_pos)
-        seen = q_pos + 1 if causal else ops.ones_like(q_pos) * kv_len
     qr = _rope(q, cos, sin, q_pos, rotary_mode, rotary_dim)
     kr = k if key_rotated else _rope(k, cos, sin, k_pos, rotary_mode, rotary_dim)
-    # A masked key must not reach a row even holding NaN/Inf (a preallocated cache's garbage): 0 x NaN
-    # in the matmuls would. The matmuls get K/V with non-finite values zeroed, and a row that does see
-    # one gets NaN there, found from prefix counts over the keys (O(S D), no S x S work).
-    key_poison = _sees_non_finite(kr, first_key, seen, any_feature=True)      # (B, Nkv, Sq, 1)
-    value_poison = _sees_non_finite(v, first_key, seen, any_feature=False)    # (B, Nkv, Sq, D)
-    k_clean = ops.where(ops.isfinite(kr), kr, 0.0)
-    v_clean = ops.where(ops.isfinite(v), v, 0.0)
     group = head_num // kv_head_num
     # GQA without copying K/V: query heads of one KV head share a broadcast batch dimension. The
     # scale goes on Q and rows that see no key are zeroed on the output, not on S x S tensors:
     # every elementwise op on the scores is one more score-sized temporary.
     q5 = (qr * scale).reshape(qr.shape[0], kv_head_num, group, -1, head_dim)
-    scores = ops.matmul(q5, k_clean.expand_dims(2).swapaxes(-1, -2))
+    scores = ops.matmul(q5, kr.expand_dims(2).swapaxes(-1, -2))
     allowed = _allowed(q_pos, k_pos, same_sequence, causal)
     scores = ops.where(allowed, scores, _NEG)
     row_sees_a_key = allowed.any(axis=-1, keep_dims=True).astype(ms.float32)
-    attended = ops.matmul(ops.softmax(scores, axis=-1), v_clean.expand_dims(2)) * row_sees_a_key
-    attended = ops.where(ops.logical_or(key_poison, value_poison).expand_dims(2), float("nan"), attended)
+    attended = ops.matmul(ops.softmax(scores, axis=-1), v.expand_dims(2)) * row_sees_a_key
     attended = attended.reshape(qr.shape[0], head_num, -1, head_dim)
     out = _from_bnsd(attended, layout).astype(out_dtype)
     if with_softmax_lse:
         lse = ops.where(row_sees_a_key.squeeze(-1) > 0, ops.logsumexp(scores, -1), -float("inf"))
-        lse = ops.where(key_poison.expand_dims(2).squeeze(-1), float("nan"), lse)
         lse = lse.reshape(qr.shape[0], head_num, -1)
         lse = lse.squeeze(0).transpose(1, 0) if layout == "TND" else lse
     else:

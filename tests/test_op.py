@@ -142,12 +142,12 @@ def test_table_dtypes_are_cast_not_fallen_back(mode, rng):
         np.testing.assert_allclose(out.asnumpy(), ro, atol=atol)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ["fused"])  # the unfused path does not guarantee it (README)
 @pytest.mark.parametrize("poison", [np.nan, np.inf])
 def test_keys_a_row_cannot_see_never_reach_it(mode, backend, poison, rng):
-    """NaN/Inf in keys and values a row cannot see leave its output and lse bit-identical, on both
-    backends: past the causal bound (BSND), and in the next sequence of a TND batch. Rows that do see
-    them are not finite."""
+    """NaN/Inf in keys and values a row cannot see leave its output and lse bit-identical: past the
+    causal bound (BSND), and in the next sequence of a TND batch. Rows that do see them are not
+    finite."""
     for layout, q_lens, kv_lens in (("BSND", None, None), ("TND", [20, 13], [37, 13])):
         case = Case(layout=layout, heads=4, kv_heads=2, q_len=50, kv_len=50, head_dim=16, batch=1,
                     q_lens=q_lens or [], kv_lens=kv_lens or [])
