@@ -77,11 +77,8 @@ def check_flags(**flags) -> None:
 
 
 def _split_heads(name, shape, layout, head_num):
-    """(batch, seq, heads, head_dim) of one q/k/v tensor; None for dynamic dims."""
-    shape = tuple(shape)
-    if len(shape) != _RANKS[layout]:
-        raise ValueError(f"{name}: expected a rank-{_RANKS[layout]} tensor {_SHAPE_TEXT[layout]} for "
-                         f"input_layout={layout!r}, got shape {shape}")
+    """(batch, seq, heads, head_dim) of one q/k/v tensor of the layout's rank (``check_inputs``
+    checks the ranks first); None for dynamic dims."""
     dims = tuple(d if _known(d) else None for d in shape)
     if layout == "BNSD":
         return dims[0], dims[2], dims[1], dims[3]
@@ -121,7 +118,7 @@ def check_inputs(q_shape, k_shape, v_shape, cos_shape, sin_shape, q_dtype, k_dty
             raise ValueError(f"{name}: expected a rank-{_RANKS[layout]} tensor {_SHAPE_TEXT[layout]} for "
                              f"input_layout={layout!r}, got shape {tuple(tensor_shape)}")
     kv_head_num = None
-    if layout == "BSH" and _known(k_shape[-1] if len(k_shape) else None) and _known(q_shape[-1] if len(q_shape) else None):
+    if layout == "BSH" and _known(k_shape[-1]) and _known(q_shape[-1]):
         if q_shape[-1] % head_num:
             raise ValueError(f"query: hidden size {q_shape[-1]} is not a multiple of head_num={head_num} (BSH)")
         head_dim = q_shape[-1] // head_num

@@ -267,7 +267,7 @@ class LlamaForTraining(nn.Cell):
     def __init__(self, lm: LlamaForCausalLM):
         super().__init__(auto_prefix=False)  # parameters keep their Hugging Face names
         self.lm = lm
-        self.vocab_size = lm.config.vocab_size
+        self.vocab_size = lm.vocab_size
         self.packed = lm.layout == "TND"
         self.ignore_index = IGNORE_INDEX  # an attribute: amp O1's rewrite drops module constants
 
