@@ -101,6 +101,15 @@ def test_cli_bad_data(content, message, tmp_path):
         train_cli.main(["--model", "tiny", "--data", str(path), "--out", str(tmp_path / "o"), "--seq-len", "64"])
 
 
+def test_cli_too_little_data_for_a_batch(tmp_path):
+    """Two short documents fill one row: a batch of 4 rows can never be made (this used to hang)."""
+    path = tmp_path / "small.txt"
+    path.write_text("the cat\nthe dog\n")
+    with pytest.raises(ValueError, match="pack into 1 rows of --seq-len 64 tokens, fewer than --batch-size 4"):
+        train_cli.main(["--model", "tiny", "--data", str(path), "--out", str(tmp_path / "o"), "--seq-len", "64",
+                        "--batch-size", "4"])
+
+
 def test_cli_missing_tokenizer(tmp_path, corpus):
     with pytest.raises(ValueError, match="tokenizer: a preset has no tokenizer"):
         train_cli.main(["--model", "7b", "--layers", "1", "--data", str(corpus), "--out", str(tmp_path / "o")])

@@ -97,6 +97,9 @@ def batches(docs: list[list[int]], packing: str, batch_size: int, seq_len: int, 
             row.append(docs[index])
             used += len(docs[index])
         rows.append(row)
+        if len(rows) < batch_size:  # no batch in any epoch: the loop would never yield
+            raise ValueError(f"data: the {len(docs)} documents pack into {len(rows)} rows of --seq-len {seq_len} "
+                             f"tokens, fewer than --batch-size {batch_size}; lower --batch-size or add data")
         for start in range(0, len(rows) - batch_size + 1, batch_size):
             group = rows[start:start + batch_size]
             if packing == "fixed":
