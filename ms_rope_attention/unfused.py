@@ -60,14 +60,28 @@ def _segments(ends, total):
     return seg, tokens - starts[seg], ends - starts
 
 
-def _allowed(q_pos, k_pos, same_sequence, causal):
-    """Boolean (Sq, Skv) mask of the keys each query sees."""
-    if causal:
-        allowed = k_pos.expand_dims(0) <= q_pos.expand_dims(1)
-        return allowed if same_sequence is None else ops.logical_and(allowed, same_sequence)
-    if same_sequence is None:
-        return ops.ones((q_pos.shape[0], k_pos.shape[0]), ms.bool_)
-    return same_sequence
+def _visible_keys(q_pos, q_first_key, q_seq_len, causal):
+    """Each query row sees one contiguous run of keys: ``[first, first + count)`` in key index space
+    (its sequence's keys, causally cut at its position). (Sq,) int64 each."""
+    count = ops.minimum(ops.maximum(q_pos + 1, 0), q_seq_len) if causal else q_seq_len
+    return q_first_key, count
+
+
+def _mask(first, count, kv_len):
+    """(Sq, Skv) bool: True where the key is hidden from the row."""
+    k_index = ops.arange(0, kv_len, dtype=ms.int64).expand_dims(0)
+    return ops.logical_or(k_index < first.expand_dims(1), k_index >= (first + count).expand_dims(1))
+
+
+def _rows_seeing_non_finite(x, first, count, any_feature):
+    """(B, N, Sq, D or 1) bool: whether a row's visible keys hold a non-finite value in x (B, N, Skv, D),
+    per feature or in any; from prefix counts over the keys, so O(S D) work and memory."""
+    bad = ops.logical_not(ops.isfinite(x))
+    if any_feature:
+        bad = bad.any(axis=-1, keep_dims=True)
+    prefix = ops.cumsum(bad.astype(ms.float32), axis=2)
+    prefix = ops.concat([ops.zeros_like(prefix[:, :, :1]), prefix], axis=2)  # bad keys before each index
+    return (ops.gather(prefix, first + count, 2) - ops.gather(prefix, first, 2)) > 0
 
 
 def apply_rope(x, cos_rows, sin_rows, rotary_mode, rotary_dim):
@@ -108,31 +122,47 @@ def unfused_rotary_flash_attention(query, key, value, cos, sin, actual_seq_qlen=
     q_len = q.shape[2]
     kv_len = k.shape[2]
     if layout == "TND":
+        kv_ends = actual_seq_kvlen.astype(ms.int64)
         q_seg, q_local, q_lens = _segments(actual_seq_qlen.astype(ms.int64), q_len)
-        k_seg, k_pos, kv_lens = _segments(actual_seq_kvlen.astype(ms.int64), kv_len)
-        q_pos = q_local + (kv_lens - q_lens)[q_seg]
-        same_sequence = q_seg.expand_dims(1) == k_seg.expand_dims(0)
+        _, k_pos, kv_lens = _segments(kv_ends, kv_len)
+        row_kv_len = kv_lens[q_seg]
+        q_pos = q_local + row_kv_len - q_lens[q_seg]
+        first, count = _visible_keys(q_pos, (kv_ends - kv_lens)[q_seg], row_kv_len, causal)
     else:
         q_pos = ops.arange(0, q_len, dtype=ms.int64) + (kv_len - q_len)
         k_pos = ops.arange(0, kv_len, dtype=ms.int64)
-        same_sequence = None
+        first, count = _visible_keys(q_pos, ops.zeros_like(q_pos), ops.full_like(q_pos, kv_len), causal)
     qr = _rope(q, cos, sin, q_pos, rotary_mode, rotary_dim)
     kr = k if key_rotated else _rope(k, cos, sin, k_pos, rotary_mode, rotary_dim)
+    # A hidden key must not reach a row even holding NaN/Inf (a preallocated cache's garbage), but
+    # 0 x NaN in the matmuls would carry it there. So the matmuls get K/V with non-finite values
+    # zeroed, and the rows that do see one get NaN, found from prefix counts over the keys.
+    key_poison = _rows_seeing_non_finite(kr, first, count, any_feature=True)      # (B, Nkv, Sq, 1)
+    value_poison = _rows_seeing_non_finite(v, first, count, any_feature=False)    # (B, Nkv, Sq, D)
+    k_clean = ops.where(ops.isfinite(kr), kr, ops.zeros_like(kr))
+    v_clean = ops.where(ops.isfinite(v), v, ops.zeros_like(v))
     group = head_num // kv_head_num
-    # GQA without copying K/V: query heads of one KV head share a broadcast batch dimension. The
-    # scale goes on Q and rows that see no key are zeroed on the output, not on S x S tensors:
-    # every elementwise op on the scores is one more score-sized temporary.
-    q5 = (qr * scale).reshape(qr.shape[0], kv_head_num, group, -1, head_dim)
-    scores = ops.matmul(q5, kr.expand_dims(2).swapaxes(-1, -2))
-    allowed = _allowed(q_pos, k_pos, same_sequence, causal)
-    scores = ops.where(allowed, scores, _NEG)
-    row_sees_a_key = allowed.any(axis=-1, keep_dims=True).astype(ms.float32)
-    attended = ops.matmul(ops.softmax(scores, axis=-1), v.expand_dims(2)) * row_sees_a_key
-    attended = attended.reshape(qr.shape[0], head_num, -1, head_dim)
+    batch = qr.shape[0]
+    # GQA without copying K/V: query heads of one KV head share a broadcast batch dimension. Every
+    # elementwise op on the (B, N, Sq, Skv) scores is one more score-sized temporary, so: the scale
+    # goes on Q, rows that see no key are zeroed on the output, and the mask is a full-shape bool for
+    # masked_fill (MindSpore's CPU Select/Add broadcasting a (Sq, Skv) mask or a scalar over the
+    # heads took 3-4 score-sized buffers more).
+    q5 = (qr * scale).reshape(batch, kv_head_num, group, -1, head_dim)
+    scores = ops.matmul(q5, k_clean.expand_dims(2).swapaxes(-1, -2))
+    hidden = _mask(first, count, kv_len)
+    scores = ops.masked_fill(scores, ops.tile(hidden, (batch, kv_head_num, group, 1, 1)), _NEG)
+    row_sees_a_key = (count > 0).astype(ms.float32).expand_dims(-1)
+    attended = ops.matmul(ops.softmax(scores, axis=-1), v_clean.expand_dims(2)) * row_sees_a_key
+    poison = ops.logical_or(key_poison, value_poison).expand_dims(2)
+    attended = ops.masked_fill(attended, ops.broadcast_to(poison, attended.shape), float("nan"))
+    attended = attended.reshape(batch, head_num, -1, head_dim)
     out = _from_bnsd(attended, layout).astype(out_dtype)
     if with_softmax_lse:
-        lse = ops.where(row_sees_a_key.squeeze(-1) > 0, ops.logsumexp(scores, -1), -float("inf"))
-        lse = lse.reshape(qr.shape[0], head_num, -1)
+        lse = ops.logsumexp(scores, -1)
+        lse = ops.masked_fill(lse, ops.broadcast_to(count == 0, lse.shape), -float("inf"))
+        lse = ops.masked_fill(lse, ops.broadcast_to(key_poison.squeeze(-1).expand_dims(2), lse.shape), float("nan"))
+        lse = lse.reshape(batch, head_num, -1)
         lse = lse.squeeze(0).transpose(1, 0) if layout == "TND" else lse
     else:
         lse = ops.zeros((0,), ms.float32)

@@ -76,6 +76,28 @@ def test_lse_and_rotated_key_gradients(mode, backend, layout, rng):
     check_grads(case, rng, backend=backend, use_lse=True, use_rk=True)
 
 
+@pytest.mark.parametrize("backend", ["fused", "unfused"])
+@pytest.mark.parametrize("poison", [np.nan, np.inf])
+def test_keys_a_row_cannot_see_never_reach_its_gradient(mode, backend, poison, rng):
+    """NaN/Inf in keys/values past the causal bound of rows 0..36 leave those rows' d_query
+    bit-identical (0 x NaN in dS K would carry them there)."""
+    case = Case(layout="BSND", heads=4, kv_heads=2, q_len=50, kv_len=50, head_dim=16)
+    q, k, v, cos, sin, _, _ = case.make(rng)
+    d_out = rng.standard_normal(q.shape)
+    net = Loss(False, False, backend=backend, **case.kwargs)
+    f32 = lambda x: Tensor(np.asarray(x, np.float32))  # noqa: E731
+    d_query = []
+    for poisoned in (False, True):
+        k2, v2 = k.copy(), v.copy()
+        if poisoned:
+            k2[:, 37:], v2[:, 37:] = poison, poison
+        grads = ms.grad(net, grad_position=(0,))(f32(q), f32(k2), f32(v2), f32(cos), f32(sin), f32(d_out),
+                                                 f32(np.zeros(1)), f32(np.zeros(1)))
+        d_query.append(grads.asnumpy())
+    np.testing.assert_array_equal(d_query[1][:, :37], d_query[0][:, :37])
+    assert np.isfinite(d_query[0]).all()
+
+
 @pytest.mark.parametrize("layout", ["BSH", "TND"])
 def test_key_rotated(mode, layout, rng):
     case = Case(layout=layout, mode=1, heads=4, kv_heads=1, q_len=1, kv_len=13, q_lens=[1, 1], kv_lens=[13, 4])

@@ -142,7 +142,7 @@ def test_table_dtypes_are_cast_not_fallen_back(mode, rng):
         np.testing.assert_allclose(out.asnumpy(), ro, atol=atol)
 
 
-@pytest.mark.parametrize("backend", ["fused"])  # the unfused path does not guarantee it (README)
+@pytest.mark.parametrize("backend", ["fused", "unfused"])
 @pytest.mark.parametrize("poison", [np.nan, np.inf])
 def test_keys_a_row_cannot_see_never_reach_it(mode, backend, poison, rng):
     """NaN/Inf in keys and values a row cannot see leave its output and lse bit-identical: past the
