@@ -49,6 +49,7 @@ extensions.append(Extension(
     "ms_rope_attention._rfa_ascend_emulated", sources=[f"{ACLNN}/emulator/rfa_ascend_emulated.cc"],
     include_dirs=[f"{ACLNN}/emulator", f"{ACLNN}/op_kernel", f"{ACLNN}/op_host", CSRC],
     depends=[f"{ACLNN}/emulator/kernel_operator.h", f"{ACLNN}/emulator/lib/matmul_intf.h",
+             f"{ACLNN}/emulator/kernel_tiling/kernel_tiling.h",
              f"{ACLNN}/op_kernel/rotary_flash_attention.h", f"{ACLNN}/op_kernel/rotary_flash_attention.cpp",
              f"{ACLNN}/op_kernel/rotary_flash_attention_tiling.h", f"{ACLNN}/op_host/rotary_flash_attention_plan.h",
              f"{CSRC}/rfa_problem.h"],

@@ -47,7 +47,7 @@ def run(*args, **kwargs):
     return cpu_direct.run(*args, kernel=library(), **kwargs)
 
 
-def plan(q, k, v, cos, sin, aq=None, ak=None, *, cores=48, ub_bytes=192 * 1024, block_q=0, block_kv=0, **kwargs):
+def plan(q, k, v, cos, sin, aq=None, ak=None, *, cores=48, ub_bytes=192 * 1024 - 256, block_q=0, block_kv=0, **kwargs):
     """(code, tiling dict, work per core (query rows x keys), workspace bytes) for one problem."""
     args, _, keep = cpu_direct.prepare(q, k, v, cos, sin, aq, ak, **kwargs)
     tiling = Tiling()

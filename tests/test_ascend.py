@@ -8,7 +8,7 @@ from ms_rope_attention import ascend_emulated as emu
 from cases import Case
 from kernel_check import check_kernel
 
-UB = 192 * 1024
+UB = 192 * 1024 - 256  # GetCoreMemSize(UB) on Atlas A2
 
 
 def plan(case, rng, **kwargs):
@@ -145,9 +145,72 @@ def test_emulated_kernel_reports_instead_of_crashing(rng):
     assert code != 0 and "q_len 20 must be <= kv_len 10" in emu.last_error()
 
 
-@pytest.mark.parametrize("which,rule", [(0, "Unified Buffer overflow"), (1, "not a multiple of 32 bytes"),
-                                        (2, "not 32-byte aligned"), (3, "buffers are in use"),
-                                        (4, "GM access out of bounds")])
-def test_emulation_enforces_hardware_limits(which, rule):
+# Each rule of the emulation fed the pattern it must refuse (emulator/rfa_ascend_emulated.cc,
+# namespace violation), with the words its error must contain.
+EMULATION_RULES = {
+    0: "Unified Buffer overflow",
+    15: "Unified Buffer overflow",                  # the real 196352 bytes, not 192 KiB
+    1: "not a multiple of 32 bytes",
+    2: "not 32-byte aligned",
+    3: "buffers are in use",
+    4: "GM access out of bounds",
+    5: "read after write: DataCopy UB->GM on pipe MTE3",   # P tile through a TBuf with no V_MTE3
+    6: "read after write: LocalTensor::GetValue",           # vector result read by the scalar unit
+    7: "WaitFlag with no SetFlag",
+    8: "write after read: Duplicate",                       # overwriting what MTE3 still copies out
+    9: "64-byte line",                                      # scalar GM writes of two cores in one line
+    10: "returned without reaching it",                     # SyncAll skipped by an idle core
+    11: "float -> bfloat16 does not support CAST_NONE",
+    12: "half/bfloat16 -> float takes CAST_NONE only",
+    13: "SyncAll with this core's MTE3 GM writes",
+    14: "on the cube core",                                 # vector work on the AIC
+    20: "REGIST_MATMUL_OBJ",                                # registration inside Init
+    21: "the cube reads GM this core's MTE3 wrote",
+    22: "REGIST_MATMUL_OBJ",                                # InitBuffer before the registration
+    23: "did not declare KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIC_1_2)",
+    24: "has not called End()",
+}
+
+
+@pytest.mark.parametrize("which,rule", sorted(EMULATION_RULES.items()))
+def test_emulation_refuses_what_hardware_would_not_do(which, rule):
     assert emu.library().RfaEmulatorViolation(which) == 1
     assert rule in emu.last_error()
+
+
+@pytest.mark.parametrize("which", [-1, -2])
+def test_emulation_accepts_the_same_patterns_synchronised(which):
+    assert emu.library().RfaEmulatorViolation(which) == 0, emu.last_error()
+
+
+@pytest.mark.parametrize("cores", [7, 3])
+def test_emulated_kernel_idle_vector_cores_join_the_sync(cores, monkeypatch, rng):
+    """An odd worker count leaves one of the 2 x blockDim vector cores without tasks: it must still
+    reach the K pre-pass's SyncAll (the emulation fails the launch otherwise, as the NPU would hang)."""
+    monkeypatch.setenv("RFA_EMULATED_CORES", str(cores))
+    check(Case(layout="BSND", heads=4, kv_heads=2, q_len=13, kv_len=29, head_dim=32, batch=2), rng)
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf])
+@pytest.mark.parametrize("layout", ["BSND", "TND"])
+def test_emulated_kernel_keys_a_row_cannot_see_never_reach_it(layout, poison, rng):
+    """NaN/Inf in keys and values a row cannot see (past its causal bound; another TND sequence)
+    leave its output and lse bit-identical; rows that see them are not finite."""
+    tnd = layout == "TND"
+    case = Case(layout=layout, heads=4, kv_heads=2, q_len=50, kv_len=50, head_dim=32, batch=1,
+                q_lens=[20, 13] if tnd else [], kv_lens=[37, 13] if tnd else [])
+    q, k, v, cos, sin, aq, ak = case.make(rng)
+    k2, v2 = k.copy(), v.copy()
+    hidden = (slice(0, 20),) if tnd else (slice(None), slice(0, 37))
+    seeing = (slice(20, None),) if tnd else (slice(None), slice(37, None))
+    if tnd:
+        k2[37:], v2[37:] = poison, poison
+    else:
+        k2[:, 37:], v2[:, 37:] = poison, poison
+    runs = [emu.run(q, kk, vv, cos, sin, aq, ak, rows=4, kv_block=16, **case.kwargs) for kk, vv in ((k, v), (k2, v2))]
+    (code0, out0, lse0, _), (code1, out1, lse1, _) = runs
+    assert code0 == 0 and code1 == 0, emu.last_error()
+    np.testing.assert_array_equal(out1[hidden], out0[hidden])
+    lse_hidden = hidden if tnd else (slice(None), slice(None), slice(0, 37))
+    np.testing.assert_array_equal(lse1[lse_hidden], lse0[lse_hidden])
+    assert not np.isfinite(out1[seeing]).all()

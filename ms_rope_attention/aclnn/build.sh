@@ -11,7 +11,7 @@
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 install_path=""
-if [[ "${1:-}" == "--install-path" ]]; then install_path=$2; fi
+if [[ "${1:-}" == "--install-path" ]]; then install_path=$2; mkdir -p "$install_path"; fi  # the compiler needs it to exist
 : "${ASCEND_HOME_PATH:?source <CANN>/set_env.sh first (ASCEND_HOME_PATH is not set)}"
 python=${PYTHON:-python3}
 stage=$(mktemp -d)

@@ -24,9 +24,12 @@ struct Attrs {
   bool key_rotated = false;  // key already carries RoPE (a rotated KV cache): rotate query only
 };
 
-// One tensor's element strides: D is always contiguous.
+// One tensor's element strides: D is always contiguous. A constructor, not default member
+// initialisers: op_host includes this header and CANN compiles it as C++11, where `= {b, h, r}`
+// needs one.
 struct Strides {
-  int64_t batch = 0, head = 0, row = 0;
+  int64_t batch, head, row;
+  Strides(int64_t b = 0, int64_t h = 0, int64_t r = 0) : batch(b), head(h), row(r) {}
 };
 
 struct Problem {

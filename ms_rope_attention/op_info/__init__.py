@@ -118,7 +118,6 @@ def opdef_source() -> str:
         types = "{" + ", ".join(ge[row[column]] for row in rows) + "}"
         param = "OPTIONAL" if item.get("optional") else "REQUIRED"
         line = f'this->{kind}("{item["name"]}").ParamType({param}).DataType({types}).Format({fmt})'
-        line += f".UnknownShapeFormat({fmt})"
         if item.get("optional"):
             line += ".ValueDepend(OPTIONAL)"  # TND offsets: the tiling reads them on the host
         elif kind == "Input":

@@ -9,19 +9,59 @@
 #include "kernel_operator.h"
 #include "rotary_flash_attention_plan.h"
 
-// What the CANN build provides around the kernel entry (new-style tiling data: a plain struct).
-#define REGISTER_TILING_DEFAULT(type)
-#define GET_TILING_DATA_WITH_STRUCT(type, name, ptr) const type &name = *reinterpret_cast<const type *>(ptr)
-
-// The real entry file compiles here too (one dtype combination, renamed): the other combinations
-// are instantiated directly below, as the CANN build does with its DTYPE_* macros.
+// The real entry file compiles here once per dtype combination, renamed, as the CANN build compiles
+// it with its DTYPE_* macros: every emulated launch runs the entry itself (registration included).
 #define DTYPE_QUERY float
 #define DTYPE_COS float
-#define rotary_flash_attention rotary_flash_attention_f32_f32
+#define rotary_flash_attention rfa_entry_f32_f32
 #include "rotary_flash_attention.cpp"
 #undef rotary_flash_attention
-#undef DTYPE_QUERY
 #undef DTYPE_COS
+#define DTYPE_COS half
+#define rotary_flash_attention rfa_entry_f32_f16
+#include "rotary_flash_attention.cpp"
+#undef rotary_flash_attention
+#undef DTYPE_COS
+#define DTYPE_COS bfloat16_t
+#define rotary_flash_attention rfa_entry_f32_bf16
+#include "rotary_flash_attention.cpp"
+#undef rotary_flash_attention
+#undef DTYPE_COS
+#undef DTYPE_QUERY
+#define DTYPE_QUERY half
+#define DTYPE_COS float
+#define rotary_flash_attention rfa_entry_f16_f32
+#include "rotary_flash_attention.cpp"
+#undef rotary_flash_attention
+#undef DTYPE_COS
+#define DTYPE_COS half
+#define rotary_flash_attention rfa_entry_f16_f16
+#include "rotary_flash_attention.cpp"
+#undef rotary_flash_attention
+#undef DTYPE_COS
+#define DTYPE_COS bfloat16_t
+#define rotary_flash_attention rfa_entry_f16_bf16
+#include "rotary_flash_attention.cpp"
+#undef rotary_flash_attention
+#undef DTYPE_COS
+#undef DTYPE_QUERY
+#define DTYPE_QUERY bfloat16_t
+#define DTYPE_COS float
+#define rotary_flash_attention rfa_entry_bf16_f32
+#include "rotary_flash_attention.cpp"
+#undef rotary_flash_attention
+#undef DTYPE_COS
+#define DTYPE_COS half
+#define rotary_flash_attention rfa_entry_bf16_f16
+#include "rotary_flash_attention.cpp"
+#undef rotary_flash_attention
+#undef DTYPE_COS
+#define DTYPE_COS bfloat16_t
+#define rotary_flash_attention rfa_entry_bf16_bf16
+#include "rotary_flash_attention.cpp"
+#undef rotary_flash_attention
+#undef DTYPE_COS
+#undef DTYPE_QUERY
 
 #define RFA_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -39,29 +79,13 @@ int Fail(const std::string &message) {
 using Kernel = void (*)(GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR,
                         GM_ADDR, GM_ADDR);
 
-template <typename T, typename TT>
-void Entry(GM_ADDR q, GM_ADDR k, GM_ADDR v, GM_ADDR c, GM_ADDR s, GM_ADDR aq, GM_ADDR akv, GM_ADDR out, GM_ADDR lse,
-           GM_ADDR rk, GM_ADDR ws, GM_ADDR tiling) {
-  rfa::ascend::RotaryFlashAttentionKernel<T, TT> op;
-  op.Init(q, k, v, c, s, aq, akv, out, lse, rk, ws, reinterpret_cast<const RotaryFlashAttentionTilingData *>(tiling));
-  op.Process();
-}
-
-template <typename T>
-Kernel ForTable(rfa::DType table) {
-  switch (table) {
-    case rfa::DType::F32: return Entry<T, float>;
-    case rfa::DType::F16: return Entry<T, half>;
-    default: return Entry<T, bfloat16_t>;
-  }
-}
+// The entries by dtype: rows query/key/value float32, float16, bfloat16; columns the table dtype.
+const Kernel kEntries[3][3] = {{rfa_entry_f32_f32, rfa_entry_f32_f16, rfa_entry_f32_bf16},
+                               {rfa_entry_f16_f32, rfa_entry_f16_f16, rfa_entry_f16_bf16},
+                               {rfa_entry_bf16_f32, rfa_entry_bf16_f16, rfa_entry_bf16_bf16}};
 
 Kernel Select(rfa::DType qkv, rfa::DType table) {
-  switch (qkv) {
-    case rfa::DType::F32: return ForTable<float>(table);
-    case rfa::DType::F16: return ForTable<half>(table);
-    default: return ForTable<bfloat16_t>(table);
-  }
+  return kEntries[static_cast<int>(qkv)][static_cast<int>(table)];
 }
 
 int64_t Cores() {
@@ -94,7 +118,9 @@ RFA_EXPORT int RotaryFlashAttentionRun(const rfa::Attrs *attrs, int *ndims, int6
     auto gm = [&](int i) { return static_cast<GM_ADDR>(params[i]); };
     static uint8_t empty[64];
     auto out_or_empty = [&](int i, bool on) { return on ? gm(i) : empty; };
-    EmuRunKernel(Select(problem.qkv_dtype, problem.cos_dtype), tiling.rfa.core_num, gm(0), gm(1), gm(2), gm(3), gm(4),
+    // MIX 1:2: blockDim AI cores carry 2 x blockDim vector cores for the tiling's core_num workers.
+    const int64_t block_dim = (tiling.rfa.core_num + 1) / 2;
+    EmuRunKernel(Select(problem.qkv_dtype, problem.cos_dtype), block_dim, workspace.data(), gm(0), gm(1), gm(2), gm(3), gm(4),
                  params[5] ? gm(5) : empty, params[6] ? gm(6) : empty, gm(7), out_or_empty(8, attrs->with_lse),
                  out_or_empty(9, attrs->with_rotated_key), workspace.data(), reinterpret_cast<GM_ADDR>(&tiling));
     return 0;
@@ -129,43 +155,200 @@ RFA_EXPORT int RfaAscendPlan(const rfa::Attrs *attrs, int *ndims, int64_t **shap
   }
 }
 
-// Breaks one hardware rule on purpose (tests: the emulation must refuse, naming the rule).
-RFA_EXPORT int RfaEmulatorViolation(int which) {
-  using namespace AscendC;
-  try {
-    Core().ub_used = 0;
-    TPipe pipe;
-    TQue<TPosition::VECIN, 1> que;
-    TBuf<TPosition::VECCALC> buf;
-    std::vector<float> gm_data(64);
-    GlobalTensor<float> gm;
-    gm.SetGlobalBuffer(gm_data.data(), gm_data.size());
-    switch (which) {
-      case 0: pipe.InitBuffer(buf, 200 * 1024); break;  // beyond the 192 KiB Unified Buffer
-      case 1: {                                          // DataCopy of 7 floats (28 bytes)
-        pipe.InitBuffer(buf, 1024);
-        DataCopy(buf.Get<float>(), gm, 7);
-        break;
-      }
-      case 2: {  // vector op on a tensor starting 4 bytes into a block
-        pipe.InitBuffer(buf, 1024);
-        LocalTensor<float> t = buf.Get<float>();
-        Add(t[1], t[1], t[1], 8);
-        break;
-      }
-      case 3: {  // a second AllocTensor from a one-buffer queue
-        pipe.InitBuffer(que, 1, 256);
-        que.AllocTensor<float>();
-        que.AllocTensor<float>();
-        break;
-      }
-      default: {  // read past the end of a GM buffer
-        pipe.InitBuffer(buf, 1024);
-        DataCopy(buf.Get<float>(), gm[32], 64);
-        break;
-      }
+// ------------------------------------------------------------------------------------------------
+// The emulation's rules, each fed the faulty pattern it must refuse (tests/test_ascend.py). Case -1
+// runs the same patterns written correctly and must pass: the rules are not refusing everything.
+namespace violation {
+
+using namespace AscendC;
+using Mm = matmul::Matmul<matmul::MatmulType<TPosition::GM, CubeFormat::ND, float>,
+                          matmul::MatmulType<TPosition::GM, CubeFormat::ND, float>,
+                          matmul::MatmulType<TPosition::VECIN, CubeFormat::ND, float>,
+                          matmul::MatmulType<TPosition::GM, CubeFormat::ND, float>>;
+
+int g_case = 0;
+std::vector<float> g_gm(4096);
+AscendC::tiling::TCubeTiling g_tiling{};
+
+// One vector core (0) runs single-core patterns; the cube core and vector core 1 stay out.
+bool OnlyVector0() { return !Core().aic && GetBlockIdx() == 0; }
+
+void SingleCore(int which) {
+  TPipe pipe;
+  TBuf<TPosition::VECCALC> buf;
+  TQue<TPosition::VECIN, 1> que;
+  GlobalTensor<float> gm;
+  gm.SetGlobalBuffer(g_gm.data(), g_gm.size());
+  if (which == 0) pipe.InitBuffer(buf, 200 * 1024);  // beyond the UB
+  if (which == 15) pipe.InitBuffer(buf, 192 * 1024);  // 256 bytes more than an A2 vector core has
+  pipe.InitBuffer(buf, 4096);
+  LocalTensor<float> t = buf.Get<float>();
+  switch (which) {
+    case 1: DataCopy(t, gm, 7); break;                           // 28 bytes
+    case 2: Add(t[1], t[1], t[1], 8); break;                     // 4 bytes into a block
+    case 3: {                                                    // a second AllocTensor from a one-buffer queue
+      pipe.InitBuffer(que, 1, 256);
+      que.AllocTensor<float>();
+      que.AllocTensor<float>();
+      break;
     }
-    return Fail("no violation detected");
+    case 4: DataCopy(t, gm[4064], 64); break;                    // past the end of GM
+    case 5: Duplicate(t, 1.0f, 64); DataCopy(gm, t, 64); break;  // V -> MTE3 through a TBuf, no V_MTE3
+    case 6: Duplicate(t, 1.0f, 64); (void)t.GetValue(3); break;  // V -> S, no V_S
+    case 7: WaitFlag<HardEvent::V_S>(0); break;                  // no SetFlag: hangs
+    case 8: {                                                    // MTE3 still reading while V overwrites
+      Duplicate(t, 1.0f, 64);
+      SetFlag<HardEvent::V_MTE3>(0);
+      WaitFlag<HardEvent::V_MTE3>(0);
+      DataCopy(gm, t, 64);
+      Duplicate(t, 2.0f, 64);
+      break;
+    }
+    case 11: {  // float -> bfloat16 with CAST_NONE
+      LocalTensor<bfloat16_t> h = t[512].ReinterpretCast<bfloat16_t>();
+      Cast(h, t, RoundMode::CAST_NONE, 16);
+      break;
+    }
+    case 12: {  // half -> float with CAST_RINT
+      LocalTensor<half> h = t[512].ReinterpretCast<half>();
+      Cast(t, h, RoundMode::CAST_RINT, 16);
+      break;
+    }
+    case -1: {  // the same data flows, synchronised
+      Duplicate(t, 1.0f, 64);
+      SetFlag<HardEvent::V_MTE3>(0);
+      WaitFlag<HardEvent::V_MTE3>(0);
+      DataCopy(gm, t, 64);
+      SetFlag<HardEvent::MTE3_V>(1);
+      WaitFlag<HardEvent::MTE3_V>(1);
+      Duplicate(t, 2.0f, 64);
+      SetFlag<HardEvent::V_S>(2);
+      WaitFlag<HardEvent::V_S>(2);
+      if (t.GetValue(3) != 2.0f) EmuFail("control case computed the wrong value");
+      pipe.InitBuffer(que, 1, 256);
+      LocalTensor<float> in = que.AllocTensor<float>();
+      DataCopy(in, gm, 64);
+      que.EnQue(in);
+      in = que.DeQue<float>();
+      Add(t, in, in, 64);
+      que.FreeTensor(in);
+      Cast(t[512].ReinterpretCast<half>(), t, RoundMode::CAST_RINT, 16);
+      break;
+    }
+    default: break;
+  }
+}
+
+// Matmul / MIX patterns: the kernel entry of a one-AI-core launch.
+struct Op {
+  Mm mm, mm2;
+  TBuf<TPosition::VECIN> c_buf;
+  GlobalTensor<float> a, b;
+  void Init(TPipe *pipe) {
+    pipe->InitBuffer(c_buf, 1024);
+    a.SetGlobalBuffer(g_gm.data(), 64);
+    b.SetGlobalBuffer(g_gm.data() + 64, 64);
+    mm.SetOrgShape(8, 8, 8);
+    mm2.SetOrgShape(8, 8, 8);
+  }
+  void InitRegistering(TPipe *pipe) {  // registration inside Init: the old kernel's pattern
+    REGIST_MATMUL_OBJ(pipe, GetSysWorkSpacePtr(), mm, &g_tiling, mm2, &g_tiling);
+    Init(pipe);
+  }
+  void Multiply(Mm &m) {
+    m.SetTensorA(a);
+    m.SetTensorB(b);
+    m.IterateAll(c_buf.Get<float>());
+  }
+};
+
+void Mix(int which) {
+  if (which != 23) KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIC_1_2);
+  TPipe pipe;
+  Op op;
+  if (which == 20) {  // registration inside Init
+    op.InitRegistering(&pipe);
+    op.Multiply(op.mm);
+    return;
+  }
+  if (which == 22) {  // InitBuffer before the registration
+    op.Init(&pipe);
+    REGIST_MATMUL_OBJ(&pipe, GetSysWorkSpacePtr(), op.mm, &g_tiling, op.mm2, &g_tiling);
+    return;
+  }
+  REGIST_MATMUL_OBJ(&pipe, GetSysWorkSpacePtr(), op.mm, &g_tiling, op.mm2, &g_tiling);
+  op.Init(&pipe);
+  GlobalTensor<float> gm;
+  gm.SetGlobalBuffer(g_gm.data(), g_gm.size());
+  switch (which) {
+    case 21: {  // the cube reads A this core just wrote, unfenced
+      TBuf<TPosition::VECCALC> buf;
+      pipe.InitBuffer(buf, 256);
+      Duplicate(buf.Get<float>(), 1.0f, 64);
+      SetFlag<HardEvent::V_MTE3>(0);
+      WaitFlag<HardEvent::V_MTE3>(0);
+      DataCopy(gm, buf.Get<float>(), 64);
+      op.Multiply(op.mm);
+      break;
+    }
+    case 24:  // two objects alternating without End()
+      op.Multiply(op.mm);
+      op.Multiply(op.mm2);
+      break;
+    case -2:  // control: registered in the entry, End() between objects
+      op.Multiply(op.mm);
+      op.mm.End();
+      op.Multiply(op.mm2);
+      op.mm2.End();
+      break;
+    default: break;
+  }
+}
+
+void Kernel(GM_ADDR) {
+  const int which = g_case;
+  if (which >= 20 || which == -2) return Mix(which);
+  if (which == 9) {  // neighbouring floats of one 64-byte line, scalar-written by two cores
+    if (Core().aic) return;
+    GlobalTensor<float> gm;
+    gm.SetGlobalBuffer(g_gm.data(), g_gm.size());
+    gm.SetValue(GetBlockIdx(), 1.0f);
+    return;
+  }
+  if (which == 10 || which == 13) {  // SyncAll that vector core 1 never reaches; one with MTE3 in flight
+    if (Core().aic) return;
+    if (which == 10 && GetBlockIdx() == 1) return;
+    if (which == 13) {
+      TPipe pipe;
+      TBuf<TPosition::VECCALC> buf;
+      pipe.InitBuffer(buf, 256);
+      Duplicate(buf.Get<float>(), 1.0f, 64);
+      SetFlag<HardEvent::V_MTE3>(0);
+      WaitFlag<HardEvent::V_MTE3>(0);
+      GlobalTensor<float> gm;
+      gm.SetGlobalBuffer(g_gm.data() + 128 * GetBlockIdx(), 64);
+      DataCopy(gm, buf.Get<float>(), 64);
+    }
+    SyncAll();
+    return;
+  }
+  if (which == 14) {  // a vector instruction on the cube core
+    TPipe pipe;
+    TBuf<TPosition::VECCALC> buf;
+    pipe.InitBuffer(buf, 256);
+    return;
+  }
+  if (OnlyVector0()) SingleCore(which);
+}
+
+}  // namespace violation
+
+RFA_EXPORT int RfaEmulatorViolation(int which) {
+  try {
+    violation::g_case = which;
+    std::vector<uint8_t> sys(64);
+    EmuRunKernel(violation::Kernel, 1, sys.data(), sys.data());
+    return which < 0 ? 0 : Fail("no violation detected");
   } catch (const std::exception &e) {
     Fail(e.what());
     return 1;

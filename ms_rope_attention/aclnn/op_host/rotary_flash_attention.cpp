@@ -3,7 +3,7 @@
 // not compiled on machines without CANN. The decisions live in CANN-free headers that are tested on
 // any machine: rfa_problem.h (validation, output shapes; shared with the CPU kernel) and
 // rotary_flash_attention_plan.h (block sizes, UB budget, workspace, task order).
-#include <cstring>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -13,13 +13,6 @@
 
 #include "rfa_problem.h"
 #include "rotary_flash_attention_plan.h"
-
-// The kernel-side tiling data (a plain struct of RfaTiling + two TCubeTiling), as in op_kernel.
-struct RotaryFlashAttentionTilingData {
-  rfa::ascend::RfaTiling rfa;
-  TCubeTiling qk;
-  TCubeTiling pv;
-};
 
 namespace {
 
@@ -58,15 +51,18 @@ matmul_tiling::DataType MatmulDType(rfa::DType dt) {
          : dt == rfa::DType::F16 ? matmul_tiling::DataType::DT_FLOAT16 : matmul_tiling::DataType::DT_BF16;
 }
 
-// One matmul's API tiling: A (m x k) and B from GM in the input dtype, C float32 to the UB.
+// One matmul's API tiling: A (m x k) and B from GM in the input dtype, C float32 to the vector
+// core's UB (VECIN: on A2 C may be at GM, VECIN or CO1), no bias (its type set explicitly: it
+// defaults to C's, and A2 allows a bias at GM or VECOUT only). The kernel declares the same types.
 bool MatmulTiling(const platform_ascendc::PlatformAscendC &platform, rfa::DType dt, int64_t m, int64_t n, int64_t k,
-                  bool transpose_b, TCubeTiling *out) {
+                  bool transpose_b, AscendC::tiling::TCubeTiling *out) {
   matmul_tiling::MatmulApiTiling mm(platform);
   mm.SetAType(matmul_tiling::TPosition::GM, matmul_tiling::CubeFormat::ND, MatmulDType(dt));
   mm.SetBType(matmul_tiling::TPosition::GM, matmul_tiling::CubeFormat::ND, MatmulDType(dt), transpose_b);
-  mm.SetCType(matmul_tiling::TPosition::VECCALC, matmul_tiling::CubeFormat::ND, matmul_tiling::DataType::DT_FLOAT);
-  mm.SetShape(m, n, k);
-  mm.SetOrgShape(m, n, k);
+  mm.SetCType(matmul_tiling::TPosition::VECIN, matmul_tiling::CubeFormat::ND, matmul_tiling::DataType::DT_FLOAT);
+  mm.SetBiasType(matmul_tiling::TPosition::GM, matmul_tiling::CubeFormat::ND, matmul_tiling::DataType::DT_FLOAT);
+  mm.SetShape(static_cast<int32_t>(m), static_cast<int32_t>(n), static_cast<int32_t>(k));
+  mm.SetOrgShape(static_cast<int32_t>(m), static_cast<int32_t>(n), static_cast<int32_t>(k));
   mm.SetBias(false);
   mm.SetBufferSpace(-1, -1, -1);
   return mm.GetTiling(*out) != -1;
@@ -134,27 +130,28 @@ static ge::graphStatus TilingFunc(gert::TilingContext *context) {
   auto platform = platform_ascendc::PlatformAscendC(context->GetPlatformInfo());
   uint64_t ub = 0;
   platform.GetCoreMemSize(platform_ascendc::CoreMemType::UB, ub);
-  rfa::ascend::Platform pf{static_cast<int64_t>(platform.GetCoreNumAiv()), static_cast<int64_t>(ub)};
-  RotaryFlashAttentionTilingData data{};
-  if (error.empty()) error = rfa::ascend::PlanTiling(problem, pf, &data.rfa);
-  const int64_t m = data.rfa.group * data.rfa.block_q;
-  if (error.empty() && (!MatmulTiling(platform, problem.qkv_dtype, m, data.rfa.block_kv, data.rfa.head_pad, true,
-                                      &data.qk) ||
-                        !MatmulTiling(platform, problem.qkv_dtype, m, data.rfa.head_pad, data.rfa.block_kv, false,
-                                      &data.pv)))
-    error = "tiling: the Matmul API found no tiling for the QK^T / PV blocks";
+  const rfa::ascend::Platform pf(static_cast<int64_t>(platform.GetCoreNumAiv()), static_cast<int64_t>(ub));
+  RotaryFlashAttentionTilingData *data = context->GetTilingData<RotaryFlashAttentionTilingData>();
+  if (error.empty() && data == nullptr) error = "tiling: the context's tiling buffer is smaller than the tiling data";
+  if (error.empty()) error = rfa::ascend::PlanTiling(problem, pf, &data->rfa);
+  if (error.empty()) {
+    const int64_t m = data->rfa.group * data->rfa.block_q;
+    if (!MatmulTiling(platform, problem.qkv_dtype, m, data->rfa.block_kv, data->rfa.head_pad, true, &data->qk) ||
+        !MatmulTiling(platform, problem.qkv_dtype, m, data->rfa.head_pad, data->rfa.block_kv, false, &data->pv))
+      error = "tiling: the Matmul API found no tiling for the QK^T / PV blocks";
+  }
   if (!error.empty()) {
     std::fprintf(stderr, "[RotaryFlashAttention] %s\n", error.c_str());
     return ge::GRAPH_FAILED;
   }
-  gert::TilingData *raw = context->GetRawTilingData();
-  std::memcpy(raw->GetData(), &data, sizeof(data));
-  raw->SetDataSize(sizeof(data));
-  // MIX mode (1 cube : 2 vector cores): the launch counts AI cores; the kernel spreads its tasks over
-  // data.rfa.core_num vector workers.
-  context->SetBlockDim(platform.CalcTschBlockDim(data.rfa.core_num, platform.GetCoreNumAic(), data.rfa.core_num));
+  // MIX mode (1 cube : 2 vector cores): the launch counts AI cores, the kernel spreads its tasks
+  // over data->rfa.core_num vector workers. SyncAll (the K pre-pass) needs every core of the launch
+  // running at once: batch scheduling (mode 1).
+  context->SetBlockDim(platform.CalcTschNumBlocks(static_cast<uint32_t>(data->rfa.core_num), platform.GetCoreNumAic(),
+                                                  platform.GetCoreNumAiv()));
+  context->SetScheduleMode(1);
   size_t *workspace = context->GetWorkspaceSizes(1);
-  workspace[0] = platform.GetLibApiWorkSpaceSize() + rfa::ascend::WorkspaceBytes(data.rfa, rfa::ascend::ElemBytes(
+  workspace[0] = platform.GetLibApiWorkSpaceSize() + rfa::ascend::WorkspaceBytes(data->rfa, rfa::ascend::ElemBytes(
                                                         problem.qkv_dtype)) - rfa::ascend::kSysWorkspaceBytes;
   return ge::GRAPH_SUCCESS;
 }

@@ -12,9 +12,9 @@
 namespace rfa {
 namespace ascend {
 
-struct Platform {
-  int64_t vector_cores = kA2VectorCores;
-  int64_t ub_bytes = kA2UbBytes;
+struct Platform {  // a constructor for C++11 brace-initialisation (see rfa_problem.h, Strides)
+  int64_t vector_cores, ub_bytes;
+  Platform(int64_t cores = kA2VectorCores, int64_t ub = kA2UbBytes) : vector_cores(cores), ub_bytes(ub) {}
 };
 
 inline int64_t ElemBytes(DType t) { return t == DType::F32 ? 4 : 2; }

@@ -1,6 +1,11 @@
-// RotaryFlashAttention on an Ascend AI core (Atlas A2, MIX mode: this code runs on the vector core
-// and drives the cube through the high-level Matmul API). See ../DESIGN.md for the data flow, the
+// RotaryFlashAttention on an Ascend AI core (Atlas A2, MIX 1:2: this code runs on the two vector
+// cores of an AI core and drives its cube core through the high-level Matmul API; the cube core
+// leaves the kernel inside REGIST_MATMUL_OBJ in the entry). See ../DESIGN.md for the data flow, the
 // buffer plan and the bytes moved compared with a standalone RoPE.
+//
+// Synchronisation: data crossing pipes (S scalar, V vector, MTE2 GM->UB, MTE3 UB->GM) goes through
+// a TQue hand-off (VECIN: MTE2 -> V, VECOUT: V -> MTE3) or an explicit SetFlag/WaitFlag pair
+// (Sync<...>), and GM the cube reads is fenced with PipeBarrier<PIPE_ALL> before each matmul.
 //
 // Per task (one sequence, one KV head, block_q query rows of each of the `group` query heads):
 //   1. ROTATE Q (here, once per task): each Q row is loaded GM->UB, cast to float32, rotated as
@@ -12,7 +17,11 @@
 //      writes the rotated K to the `rotated_key` output (for the KV cache).
 //   3. S = Q K^T on the cube into the UB (float32); online softmax per row on the vector unit;
 //      P (input dtype) to the workspace; O = O * alpha + P V on the cube.
-//   4. O / l cast to the output dtype; lse = m + ln l.
+//   4. O / l cast to the output dtype; lse = m + ln l, staged in the UB and stored with DataCopyPad
+//      (never scalar GM writes: cores share the 64-byte lines of the lse).
+// Keys a row cannot see never reach it: their scores are masked before the softmax, and V rows
+// holding NaN/Inf are zeroed in the workspace (P is exactly 0 there, but 0 x NaN is NaN); a row that
+// does see such a value gets NaN.
 // No rotated Q/K tensor of the problem's size is ever written to HBM: only per-core tiles that the
 // cube consumes immediately (L2-resident on A2), instead of a standalone RoPE's full read + write of
 // Q and K and the attention kernel's second read.
@@ -20,12 +29,6 @@
 #include "kernel_operator.h"
 #include "lib/matmul_intf.h"
 #include "rotary_flash_attention_tiling.h"
-
-struct RotaryFlashAttentionTilingData {
-  rfa::ascend::RfaTiling rfa;
-  TCubeTiling qk;  // S = Q K^T: M = group * block_q, N = block_kv, K = head_dim
-  TCubeTiling pv;  // O += P V:  M = group * block_q, N = head_dim, K = block_kv
-};
 
 namespace rfa {
 namespace ascend {
@@ -44,12 +47,18 @@ class RotaryFlashAttentionKernel {
   using AType = matmul::MatmulType<TPosition::GM, CubeFormat::ND, T>;
   using BTransType = matmul::MatmulType<TPosition::GM, CubeFormat::ND, T, true>;
   using BType = matmul::MatmulType<TPosition::GM, CubeFormat::ND, T>;
-  using CType = matmul::MatmulType<TPosition::VECCALC, CubeFormat::ND, float>;
+  using CType = matmul::MatmulType<TPosition::VECIN, CubeFormat::ND, float>;
+  using BiasType = matmul::MatmulType<TPosition::GM, CubeFormat::ND, float>;
 
  public:
+  // Registered by REGIST_MATMUL_OBJ in the kernel entry, before Init.
+  matmul::Matmul<AType, BTransType, CType, BiasType> mm_qk;
+  matmul::Matmul<AType, BType, CType, BiasType> mm_pv;
+
   __aicore__ inline void Init(GM_ADDR query, GM_ADDR key, GM_ADDR value, GM_ADDR cos, GM_ADDR sin, GM_ADDR aq,
                               GM_ADDR akv, GM_ADDR out, GM_ADDR lse, GM_ADDR rotated_key, GM_ADDR workspace,
-                              const RotaryFlashAttentionTilingData *tiling) {
+                              const RotaryFlashAttentionTilingData *tiling, AscendC::TPipe *pipe) {
+    pipe_ = pipe;
     t_ = tiling->rfa;
     const int64_t q_elems = t_.layout == kLayoutTND ? t_.q_len * t_.q_heads * t_.head_dim
                                                     : t_.batch * t_.q_heads * t_.q_len * t_.head_dim;
@@ -67,7 +76,6 @@ class RotaryFlashAttentionKernel {
       aq_.SetGlobalBuffer(reinterpret_cast<__gm__ int64_t *>(aq), t_.batch);
       akv_.SetGlobalBuffer(reinterpret_cast<__gm__ int64_t *>(akv), t_.batch);
     }
-    AscendC::SetSysWorkspace(workspace);
     GM_ADDR user = AscendC::GetUserWorkspace(workspace);
     GM_ADDR mine = user + AscendC::GetBlockIdx() * t_.ws_per_core;
     // Where attention reads rotated keys from: the key itself (key_rotated), the rotated_key output
@@ -86,44 +94,45 @@ class RotaryFlashAttentionKernel {
     ws_p_.SetGlobalBuffer(reinterpret_cast<__gm__ T *>(mine + t_.ws_p), m * t_.block_kv);
 
     const UbPlan u = PlanUb(m, t_.block_kv, t_.head_pad, sizeof(T), sizeof(TT));
-    pipe_.InitBuffer(row_in_, 2, u.row_in);
-    pipe_.InitBuffer(table_in_, 2, u.table_in);
-    pipe_.InitBuffer(row_out_, 2, u.row_out);
-    pipe_.InitBuffer(x_buf_, u.f32_row);
-    pipe_.InitBuffer(perm_buf_, u.f32_row);
-    pipe_.InitBuffer(y_buf_, u.f32_row);
-    pipe_.InitBuffer(cos_buf_, u.table_f32);
-    pipe_.InitBuffer(sin_buf_, u.table_f32);
-    pipe_.InitBuffer(offsets_buf_, u.offsets);
-    pipe_.InitBuffer(scores_buf_, u.scores);
-    pipe_.InitBuffer(probs_buf_, u.probs);
-    pipe_.InitBuffer(o_buf_, u.acc);
-    pipe_.InitBuffer(pv_buf_, u.acc);
-    pipe_.InitBuffer(m_buf_, u.stats);
-    pipe_.InitBuffer(l_buf_, u.stats);
-    pipe_.InitBuffer(rowmax_buf_, u.stats);
-    pipe_.InitBuffer(rowsum_buf_, u.stats);
-    pipe_.InitBuffer(alpha_buf_, u.stats);
-    pipe_.InitBuffer(reduce_buf_, u.reduce_tmp);
-    pipe_.InitBuffer(scalar_buf_, u.scalar);
-    REGIST_MATMUL_OBJ(&pipe_, AscendC::GetSysWorkSpacePtr(), mm_qk_, &tiling->qk, mm_pv_, &tiling->pv);
-    mm_qk_.SetOrgShape(m, t_.block_kv, t_.head_pad);
-    mm_pv_.SetOrgShape(m, t_.head_pad, t_.block_kv);
+    pipe_->InitBuffer(row_in_, 2, u.row_in);
+    pipe_->InitBuffer(table_in_, 2, u.table_in);
+    pipe_->InitBuffer(row_out_, 2, u.row_out);
+    pipe_->InitBuffer(x_buf_, u.f32_row);
+    pipe_->InitBuffer(perm_buf_, u.f32_row);
+    pipe_->InitBuffer(y_buf_, u.f32_row);
+    pipe_->InitBuffer(cos_buf_, u.table_f32);
+    pipe_->InitBuffer(sin_buf_, u.table_f32);
+    pipe_->InitBuffer(sign_buf_, u.table_f32);
+    pipe_->InitBuffer(offsets_buf_, u.offsets);
+    pipe_->InitBuffer(scores_buf_, u.scores);
+    pipe_->InitBuffer(probs_buf_, u.probs);
+    pipe_->InitBuffer(o_buf_, u.acc);
+    pipe_->InitBuffer(pv_buf_, u.acc);
+    pipe_->InitBuffer(m_buf_, u.stats);
+    pipe_->InitBuffer(l_buf_, u.stats);
+    pipe_->InitBuffer(rowmax_buf_, u.stats);
+    pipe_->InitBuffer(rowsum_buf_, u.stats);
+    pipe_->InitBuffer(alpha_buf_, u.stats);
+    pipe_->InitBuffer(poison_buf_, u.stats);
+    pipe_->InitBuffer(reduce_buf_, u.reduce_tmp);
+    pipe_->InitBuffer(reduce_out_buf_, u.reduce_out);
+    pipe_->InitBuffer(lse_stage_buf_, u.lse_stage);
+    mm_qk.SetOrgShape(m, t_.block_kv, t_.head_pad);
+    mm_pv.SetOrgShape(m, t_.head_pad, t_.block_kv);
     PrepareRotation();
   }
 
   __aicore__ inline void Process() {
-    // Tasks are spread over the tiling's vector workers (the launch may round the core count up).
+    // Tasks are spread over the tiling's vector workers; the launch has 2 x blockDim vector cores,
+    // and the ones past core_num idle but still join the SyncAll (it waits for every launched core).
     const int64_t me = AscendC::GetBlockIdx(), cores = t_.core_num;
-    if (me >= cores) return;
     if (t_.k_prepass) {  // every K row rotated exactly once, then every core may read any of them
-      RotateAllKeys(me, cores);
+      if (me < cores) RotateAllKeys(me, cores);
+      AscendC::PipeBarrier<PIPE_ALL>();  // this core's rotated keys are in GM before the others read them
       AscendC::SyncAll();
     }
-    ForEachTask(t_, [this](int64_t b) { return QLen(b); }, [&](int64_t index, const Task &task) {
-      if (CoreOfTask(index, cores) == me) RunTask(task);
-      return true;
-    });
+    if (me >= cores) return;
+    ForEachTask(t_, QLenOf{this}, RunOwnTasks{this, me, cores});
     // Sequences with no query still owe their rotated keys. Without a pre-pass that only happens with
     // key_rotated (a requested rotated_key always takes the pre-pass), so it is a copy.
     if (t_.with_rotated_key && t_.layout == kLayoutTND && !t_.k_prepass) {
@@ -132,11 +141,31 @@ class RotaryFlashAttentionKernel {
         for (int64_t g = 0; g < t_.kv_heads; ++g)
           if (QLen(b) == 0 && CoreOfTask(index++, cores) == me) EmitKeysOnly(b, g);
     }
-    mm_qk_.End();
-    mm_pv_.End();
   }
 
  private:
+  // ForEachTask's callbacks (device code takes __aicore__ functors, not lambdas).
+  struct QLenOf {
+    RotaryFlashAttentionKernel *k;
+    __aicore__ inline int64_t operator()(int64_t b) const { return k->QLen(b); }
+  };
+  struct RunOwnTasks {
+    RotaryFlashAttentionKernel *k;
+    int64_t me, cores;
+    __aicore__ inline bool operator()(int64_t index, const Task &task) const {
+      if (CoreOfTask(index, cores) == me) k->RunTask(task);
+      return true;
+    }
+  };
+
+  // Makes pipe DST wait for what pipe SRC has issued so far (E = SRC_DST).
+  template <AscendC::HardEvent E>
+  __aicore__ inline void Sync() {
+    const int32_t id = static_cast<int32_t>(pipe_->FetchEventID(E));
+    AscendC::SetFlag<E>(id);
+    AscendC::WaitFlag<E>(id);
+  }
+
   // ---- sequence geometry (TND offsets are read from GM; batch layouts are uniform) ----
   __aicore__ inline int64_t QStart(int64_t b) { return t_.layout == kLayoutTND && b > 0 ? aq_.GetValue(b - 1) : 0; }
   __aicore__ inline int64_t KvStart(int64_t b) { return t_.layout == kLayoutTND && b > 0 ? akv_.GetValue(b - 1) : 0; }
@@ -153,11 +182,11 @@ class RotaryFlashAttentionKernel {
     return b * t_.kv_batch_stride + head * t_.kv_head_stride + (KvStart(b) + row) * t_.kv_row_stride;
   }
 
-  // perm(x)[i] = x[partner(i)] as Gather byte offsets; sin' carries the rotation's sign; features
-  // past rotary_dim pass through (cos 1, sin 0).
+  // perm(x)[i] = x[partner(i)] as Gather byte offsets; sign[i] is the rotation's sign, folded into
+  // sin' per position; features past rotary_dim pass through (cos 1, sin 0).
   __aicore__ inline void PrepareRotation() {
     LocalTensor<uint32_t> offsets = offsets_buf_.Get<uint32_t>();
-    LocalTensor<float> cosf = cos_buf_.Get<float>(), sinf = sin_buf_.Get<float>();
+    LocalTensor<float> cosf = cos_buf_.Get<float>(), sinf = sin_buf_.Get<float>(), sign = sign_buf_.Get<float>();
     const int64_t rd = t_.rotary_dim, h = rd / 2;
     for (int64_t i = 0; i < t_.head_pad; ++i) {
       int64_t partner = i;
@@ -165,7 +194,10 @@ class RotaryFlashAttentionKernel {
       offsets.SetValue(i, static_cast<uint32_t>(partner * sizeof(float)));
       cosf.SetValue(i, 1.0f);
       sinf.SetValue(i, 0.0f);
+      const bool negate = t_.rotary_mode == 0 ? i < h : (i % 2 == 0);  // rotate-half: first half; interleaved: even
+      sign.SetValue(i, negate ? -1.0f : 1.0f);
     }
+    Sync<AscendC::HardEvent::S_V>();
   }
 
   // Loads table row `pos` into cos/sin (float32, first rotary_dim features) with sin's sign folded.
@@ -180,17 +212,13 @@ class RotaryFlashAttentionKernel {
       raw = table_in_.DeQue<TT>();
       LocalTensor<float> dst = which == 0 ? cosf : sinf;
       if constexpr (AscendC::IsSameType<TT, float>::value) {
-        for (int64_t i = 0; i < rd; ++i) dst.SetValue(i, raw.GetValue(i));  // rd may not fill 32 bytes
+        AscendC::Muls(dst, raw, 1.0f, static_cast<int32_t>(rd));
       } else {
-        AscendC::Cast(dst, raw, AscendC::RoundMode::CAST_NONE, rd);
+        AscendC::Cast(dst, raw, AscendC::RoundMode::CAST_NONE, static_cast<int32_t>(rd));
       }
       table_in_.FreeTensor(raw);
     }
-    const int64_t h = rd / 2;
-    for (int64_t i = 0; i < rd; ++i) {  // rotate-half: first half negated; interleaved: even lanes
-      const bool negate = t_.rotary_mode == 0 ? i < h : (i % 2 == 0);
-      if (negate) sinf.SetValue(i, -sinf.GetValue(i));
-    }
+    AscendC::Mul(sinf, sinf, sign_buf_.Get<float>(), static_cast<int32_t>(rd));
   }
 
   // GM row (head_dim elements of T) -> float32 x.
@@ -260,36 +288,54 @@ class RotaryFlashAttentionKernel {
     const bool emit_key = t_.with_rotated_key && !t_.k_prepass && task.q0 + task.nq == lq;
     const bool keys_ready = t_.key_rotated || t_.k_prepass;
     const int64_t kv_end = t_.causal ? q_off + task.q0 + task.nq : lk;
+    AscendC::Duplicate(poison_buf_.Get<float>(), 0.0f, static_cast<int32_t>(m));
     for (int64_t j0 = 0; j0 < kv_end; j0 += nb) {
       const int64_t n = kv_end - j0 < nb ? kv_end - j0 : nb;
-      // 2. K rows rotated into the workspace tile (and the rotated-key output); V rows beside them.
+      // 2. K rows rotated into the workspace tile (and the rotated-key output); V rows beside them,
+      //    each with a finiteness probe (sum of x - x: 0, or NaN when a value is NaN/Inf).
+      LocalTensor<float> probe = perm_buf_.Get<float>(), probes = reduce_out_buf_.Get<float>();
       for (int64_t j = 0; j < n; ++j) {
         const int64_t at = KvRow(task.seq, task.group, j0 + j);
         RotatedKey(at, j0 + j, keys_ready, x, y);
         const GlobalTensor<T> rk = rk_[at];
         StoreRow(y, ws_k_[j * t_.head_pad], emit_key ? &rk : nullptr);
         LoadRow(value_[at], x);
+        AscendC::Sub(probe, x, x, static_cast<int32_t>(d));
+        AscendC::ReduceSum(probes[j * kSlot], probe, reduce_buf_.Get<float>(), static_cast<int32_t>(d));
         StoreRow(x, ws_v_[j * t_.head_pad], nullptr);
       }
       for (int64_t j = n; j < nb; ++j) {  // tail tile: zero K and V rows, so full-size matmuls add nothing
         ZeroRow(ws_k_[j * t_.head_pad]);
         ZeroRow(ws_v_[j * t_.head_pad]);
       }
-      AscendC::PipeBarrier<AscendC::PIPE_ALL>();  // workspace writes (MTE3) before the cube reads them
+      // A V row with NaN/Inf is zeroed (after its first store: MTE3 keeps order); the rows that see
+      // it are marked in OnlineSoftmax.
+      Sync<AscendC::HardEvent::V_S>();
+      int64_t first_bad = n;
+      for (int64_t j = n - 1; j >= 0; --j) {
+        const float p = probes.GetValue(j * kSlot);
+        if (p != p) {
+          first_bad = j;
+          ZeroRow(ws_v_[j * t_.head_pad]);
+        }
+      }
+      AscendC::PipeBarrier<PIPE_ALL>();  // workspace writes (MTE3) land before the cube reads them
       // 3. S = Q K^T (float32, in the UB).
       LocalTensor<float> s = scores_buf_.Get<float>();
-      mm_qk_.SetTensorA(ws_q_);
-      mm_qk_.SetTensorB(ws_k_, true);
-      mm_qk_.SetTail(static_cast<int>(m), static_cast<int>(nb), static_cast<int>(d));
-      mm_qk_.IterateAll(s);
-      OnlineSoftmax(task, q_off, j0, n, m);
-      AscendC::PipeBarrier<AscendC::PIPE_ALL>();
+      mm_qk.SetTensorA(ws_q_);
+      mm_qk.SetTensorB(ws_k_, true);
+      mm_qk.SetTail(static_cast<int>(m), static_cast<int>(nb), static_cast<int>(d));
+      mm_qk.IterateAll(s);
+      mm_qk.End();
+      OnlineSoftmax(task, q_off, j0, n, m, first_bad);
+      AscendC::PipeBarrier<PIPE_ALL>();  // P in the workspace before the cube reads it
       // O = O * alpha + P V.
       LocalTensor<float> pv = pv_buf_.Get<float>(), alpha = alpha_buf_.Get<float>();
-      mm_pv_.SetTensorA(ws_p_);
-      mm_pv_.SetTensorB(ws_v_);
-      mm_pv_.SetTail(static_cast<int>(m), static_cast<int>(t_.head_pad), static_cast<int>(nb));
-      mm_pv_.IterateAll(pv);
+      mm_pv.SetTensorA(ws_p_);
+      mm_pv.SetTensorB(ws_v_);
+      mm_pv.SetTail(static_cast<int>(m), static_cast<int>(t_.head_pad), static_cast<int>(nb));
+      mm_pv.IterateAll(pv);
+      mm_pv.End();
       for (int64_t r = 0; r < m; ++r) {
         LocalTensor<float> orow = o[r * t_.head_pad];
         AscendC::Muls(orow, orow, alpha.GetValue(r), static_cast<int32_t>(d));
@@ -299,66 +345,102 @@ class RotaryFlashAttentionKernel {
     Finish(task, m);
   }
 
-  // Scores of one tile -> P (input dtype) in the workspace; updates m, l and alpha per row.
-  __aicore__ inline void OnlineSoftmax(const Task &task, int64_t q_off, int64_t j0, int64_t n, int64_t m) {
+  // Scores of one tile -> P (input dtype) in the workspace; updates m, l and alpha per row, and marks
+  // the rows that see key `first_bad` of the tile (a V row with NaN/Inf; n when none).
+  __aicore__ inline void OnlineSoftmax(const Task &task, int64_t q_off, int64_t j0, int64_t n, int64_t m,
+                                       int64_t first_bad) {
     const int64_t nb = t_.block_kv;
-    LocalTensor<float> s = scores_buf_.Get<float>(), red = reduce_buf_.Get<float>();
-    LocalTensor<float> mrow = m_buf_.Get<float>(), lrow = l_buf_.Get<float>();
+    LocalTensor<float> s = scores_buf_.Get<float>(), red = reduce_buf_.Get<float>(), out = reduce_out_buf_.Get<float>();
+    LocalTensor<float> mrow = m_buf_.Get<float>(), lrow = l_buf_.Get<float>(), poison = poison_buf_.Get<float>();
     LocalTensor<float> rowmax = rowmax_buf_.Get<float>(), rowsum = rowsum_buf_.Get<float>();
-    LocalTensor<float> alpha = alpha_buf_.Get<float>(), one = scalar_buf_.Get<float>();
+    LocalTensor<float> alpha = alpha_buf_.Get<float>();
+    // Mask what a row does not see: past its causal bound (diagonal tile) and the tail columns.
     for (int64_t r = 0; r < m; ++r) {
-      LocalTensor<float> row = s[r * nb];
       int64_t valid = n;
       if (t_.causal) {
         const int64_t pos = q_off + task.q0 + r % task.nq;
         valid = pos - j0 + 1 < 0 ? 0 : (pos - j0 + 1 < n ? pos - j0 + 1 : n);
       }
-      for (int64_t c = valid; c < nb; ++c) row.SetValue(c, kMaskValue);  // diagonal and tail tiles only
-      AscendC::ReduceMax(one, row, red, static_cast<int32_t>(nb));
-      rowmax.SetValue(r, one.GetValue(0));
+      LocalTensor<float> row = s[r * nb];
+      for (int64_t c = valid; c < nb; ++c) row.SetValue(c, kMaskValue);
+      if (first_bad < valid) poison.SetValue(r, 1.0f);
     }
+    Sync<AscendC::HardEvent::S_V>();
+    for (int64_t r = 0; r < m; ++r)
+      AscendC::ReduceMax(out[r * kSlot], s[r * nb], red, static_cast<int32_t>(nb));
+    CollectSlots(rowmax, out, m);
     // Vector over rows: m_new = max(m, rowmax); alpha = exp(m - m_new).
     AscendC::Max(rowmax, rowmax, mrow, static_cast<int32_t>(m));
     AscendC::Sub(alpha, mrow, rowmax, static_cast<int32_t>(m));
     AscendC::Exp(alpha, alpha, static_cast<int32_t>(m));
     AscendC::Muls(mrow, rowmax, 1.0f, static_cast<int32_t>(m));
+    Sync<AscendC::HardEvent::V_S>();
     LocalTensor<T> p = probs_buf_.Get<T>();
     for (int64_t r = 0; r < m; ++r) {
       LocalTensor<float> row = s[r * nb];
       AscendC::Adds(row, row, -mrow.GetValue(r), static_cast<int32_t>(nb));
       AscendC::Exp(row, row, static_cast<int32_t>(nb));
-      AscendC::ReduceSum(one, row, red, static_cast<int32_t>(nb));
-      rowsum.SetValue(r, one.GetValue(0));
+      AscendC::ReduceSum(out[r * kSlot], row, red, static_cast<int32_t>(nb));
       if constexpr (AscendC::IsSameType<T, float>::value) {
         AscendC::Muls(p[r * nb], row, 1.0f, static_cast<int32_t>(nb));
       } else {
         AscendC::Cast(p[r * nb], row, AscendC::RoundMode::CAST_RINT, static_cast<int32_t>(nb));
       }
     }
+    CollectSlots(rowsum, out, m);
     // l = l * alpha + rowsum.
     AscendC::Mul(lrow, lrow, alpha, static_cast<int32_t>(m));
     AscendC::Add(lrow, lrow, rowsum, static_cast<int32_t>(m));
+    Sync<AscendC::HardEvent::V_MTE3>();  // P was written by the vector unit into a TBuf: no queue syncs it
     AscendC::DataCopy(ws_p_, p, static_cast<uint32_t>(m * nb));
   }
 
-  // 4. O / l to the output, lse = m + ln l; a row that saw no key is 0 with lse -inf.
+  // dst[r] = the reduction result in slot r of `slots`, for r < m (vector -> scalar -> vector).
+  __aicore__ inline void CollectSlots(const LocalTensor<float> &dst, const LocalTensor<float> &slots, int64_t m) {
+    Sync<AscendC::HardEvent::V_S>();
+    for (int64_t r = 0; r < m; ++r) dst.SetValue(r, slots.GetValue(r * kSlot));
+    Sync<AscendC::HardEvent::S_V>();
+  }
+
+  // 4. O / l to the output, lse = m + ln l; a row that saw no key is 0 with lse -inf, a row that saw
+  //    a non-finite value is NaN.
   __aicore__ inline void Finish(const Task &task, int64_t m) {
     LocalTensor<float> o = o_buf_.Get<float>(), mrow = m_buf_.Get<float>(), lrow = l_buf_.Get<float>();
-    LocalTensor<float> lse = rowsum_buf_.Get<float>();
+    LocalTensor<float> lse = rowsum_buf_.Get<float>(), poison = poison_buf_.Get<float>();
     AscendC::Ln(lse, lrow, static_cast<int32_t>(m));
     AscendC::Add(lse, lse, mrow, static_cast<int32_t>(m));
+    Sync<AscendC::HardEvent::V_S>();
     for (int64_t r = 0; r < m; ++r) {
       const int64_t gi = r / task.nq, i = r % task.nq, head = task.group * t_.group + gi;
       const float l = lrow.GetValue(r);
+      const float scale = poison.GetValue(r) != 0.0f ? __builtin_nanf("") : (l > 0.0f ? 1.0f / l : 0.0f);
       LocalTensor<float> orow = o[r * t_.head_pad];
-      AscendC::Muls(orow, orow, l > 0.0f ? 1.0f / l : 0.0f, static_cast<int32_t>(t_.head_dim));
+      AscendC::Muls(orow, orow, scale, static_cast<int32_t>(t_.head_dim));
       StoreRow(orow, out_[QRow(task.seq, head, task.q0 + i)], nullptr);
-      if (t_.with_lse) {
-        const int64_t row = QStart(task.seq) + task.q0 + i;
-        const int64_t at = task.seq * t_.lse_batch_stride + head * t_.lse_head_stride + row * t_.lse_row_stride;
-        lse_.SetValue(at, l > 0.0f ? lse.GetValue(r) : kNegInf);
-      }
     }
+    if (t_.with_lse) StoreLse(task, lse, lrow);
+  }
+
+  // The task's lse rows, staged as DataCopyPad blocks: per head (nq rows) when rows are contiguous in
+  // the lse (B, N, S), per row (the group's heads) when heads are (TND's (T, N)).
+  __aicore__ inline void StoreLse(const Task &task, const LocalTensor<float> &lse, const LocalTensor<float> &lrow) {
+    LocalTensor<float> stage = lse_stage_buf_.Get<float>();
+    const int64_t g = t_.group, nq = task.nq;
+    const bool per_head = t_.lse_row_stride == 1;
+    const int64_t len = per_head ? nq : g, count = per_head ? g : nq;
+    const int64_t slot = RoundUp(len * 4, kBlockBytes) / 4;
+    for (int64_t r = 0; r < g * nq; ++r) {
+      const int64_t gi = r / nq, i = r % nq;
+      const int64_t at = per_head ? gi * slot + i : i * slot + gi;
+      stage.SetValue(at, lrow.GetValue(r) > 0.0f ? lse.GetValue(r) : kNegInf);
+    }
+    Sync<AscendC::HardEvent::S_MTE3>();
+    const int64_t first = task.seq * t_.lse_batch_stride + task.group * g * t_.lse_head_stride +
+                          (QStart(task.seq) + task.q0) * t_.lse_row_stride;
+    const int64_t gap = (per_head ? t_.lse_head_stride : t_.lse_row_stride) - len;
+    const AscendC::DataCopyExtParams copy{static_cast<uint16_t>(count), static_cast<uint32_t>(len * 4), 0,
+                                          static_cast<uint32_t>(gap * 4), 0};
+    AscendC::DataCopyPad(lse_[first], stage, copy);
   }
 
   // K pre-pass: this core's contiguous share of all (token, KV head) rows, rotated into keys_.
@@ -406,18 +488,20 @@ class RotaryFlashAttentionKernel {
     Rotate(x, y, 1.0f);
   }
 
+  static constexpr int64_t kSlot = kBlockBytes / sizeof(float);  // one reduction result per 32-byte slot
+
   RfaTiling t_;
-  AscendC::TPipe pipe_;
+  AscendC::TPipe *pipe_ = nullptr;
   AscendC::TQue<TPosition::VECIN, 2> row_in_, table_in_;
   AscendC::TQue<TPosition::VECOUT, 2> row_out_;
-  AscendC::TBuf<TPosition::VECCALC> x_buf_, perm_buf_, y_buf_, cos_buf_, sin_buf_, offsets_buf_, scores_buf_,
-      probs_buf_, o_buf_, pv_buf_, m_buf_, l_buf_, rowmax_buf_, rowsum_buf_, alpha_buf_, reduce_buf_, scalar_buf_;
+  AscendC::TBuf<TPosition::VECIN> scores_buf_, pv_buf_;  // the matmuls' C
+  AscendC::TBuf<TPosition::VECCALC> x_buf_, perm_buf_, y_buf_, cos_buf_, sin_buf_, sign_buf_, offsets_buf_,
+      probs_buf_, o_buf_, m_buf_, l_buf_, rowmax_buf_, rowsum_buf_, alpha_buf_, poison_buf_, reduce_buf_,
+      reduce_out_buf_, lse_stage_buf_;
   GlobalTensor<T> query_, key_, value_, out_, rk_, keys_, ws_q_, ws_k_, ws_v_, ws_p_;
   GlobalTensor<TT> cos_, sin_;
   GlobalTensor<float> lse_;
   GlobalTensor<int64_t> aq_, akv_;
-  matmul::Matmul<AType, BTransType, CType> mm_qk_;
-  matmul::Matmul<AType, BType, CType> mm_pv_;
 };
 
 }  // namespace ascend

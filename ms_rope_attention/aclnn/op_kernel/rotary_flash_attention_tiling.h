@@ -1,8 +1,12 @@
 // Tiling data shared by the host (op_host tiling) and the AI-core kernel, plus the task order both
-// sides must agree on. Kernel-safe: plain integers, no STL, no CANN types, so the same header is
-// compiled by the Ascend C compiler, by the host tiling, and by the CPU emulation and its tests.
+// sides must agree on. It is the one definition of the tiling struct (in op_kernel/, as CANN's
+// standard-C++ tiling requires; the host includes it). Kernel-safe: plain integers, no STL, and of
+// CANN only the Matmul API's plain tiling struct, so the same header is compiled by the Ascend C
+// compiler, by the host tiling (C++11), and by the CPU emulation and its tests.
 #pragma once
 #include <stdint.h>
+
+#include "kernel_tiling/kernel_tiling.h"
 
 #ifndef __aicore__
 #define __aicore__
@@ -13,7 +17,7 @@ namespace ascend {
 
 // Hardware facts of the first target, Atlas A2 (ascend910b). The tiling takes them as inputs
 // (PlatformAscendC on a real device) and these are the defaults used when none are given.
-constexpr int64_t kA2UbBytes = 192 * 1024;   // Unified Buffer per vector core
+constexpr int64_t kA2UbBytes = 192 * 1024 - 256;  // UB per vector core, as GetCoreMemSize(UB) reports it
 constexpr int64_t kA2VectorCores = 48;       // AIV cores of a 910B (2 per AI core, 24 AI cores)
 constexpr int64_t kBlockBytes = 32;          // UB address / DataCopy granularity
 constexpr int64_t kSysWorkspaceBytes = 16 * 1024 * 1024;  // reserved for the Matmul API (MIX mode)
@@ -51,15 +55,16 @@ struct UbPlan {
   int64_t row_in;      // one q/k/v row in the input dtype (queue depth 2: load of row i+1 overlaps row i)
   int64_t table_in;    // one cos or sin row in the table dtype (depth 2)
   int64_t f32_row;     // x, permuted x, rotated y (float32, one each)
-  int64_t table_f32;   // cos and sin rows in float32 (sign folded into sin)
+  int64_t table_f32;   // cos and sin rows in float32, and the rotation's sign per lane
   int64_t offsets;     // byte offsets of the rotation permutation (uint32, for Gather)
   int64_t row_out;     // one rotated row in the input dtype (depth 2)
-  int64_t scores;      // S tile, M x block_kv float32
+  int64_t scores;      // S tile, M x block_kv float32 (the QK^T matmul's C, VECIN)
   int64_t probs;       // P tile in the input dtype (the P V matmul's A)
   int64_t acc;         // O accumulator and the P V result, M x head_dim float32 (one each)
-  int64_t stats;       // running max m, sum l, row max, row sum, alpha: M float32 each
+  int64_t stats;       // running max m, sum l, row max, row sum, alpha, poison: M float32 each
   int64_t reduce_tmp;  // ReduceMax/ReduceSum shared temporary buffer
-  int64_t scalar;      // ReduceMax/ReduceSum destination (32 bytes)
+  int64_t reduce_out;  // ReduceMax/ReduceSum results, one 32-byte slot per row or key
+  int64_t lse_stage;   // lse of a task laid out as its DataCopyPad blocks (32 bytes per row at most)
   int64_t total;
 };
 
@@ -76,9 +81,10 @@ __aicore__ inline UbPlan PlanUb(int64_t m, int64_t block_kv, int64_t head_pad, i
   u.acc = RoundUp(m * head_pad * 4, kBlockBytes);
   u.stats = RoundUp(m * 4, kBlockBytes);
   u.reduce_tmp = RoundUp(block_kv * 4, kBlockBytes);
-  u.scalar = kBlockBytes;
-  u.total = 2 * u.row_in + 2 * u.table_in + 3 * u.f32_row + 2 * u.table_f32 + u.offsets + 2 * u.row_out + u.scores +
-            u.probs + 2 * u.acc + 5 * u.stats + u.reduce_tmp + u.scalar;
+  u.reduce_out = kBlockBytes * (m > block_kv ? m : block_kv);
+  u.lse_stage = kBlockBytes * m;
+  u.total = 2 * u.row_in + 2 * u.table_in + 3 * u.f32_row + 3 * u.table_f32 + u.offsets + 2 * u.row_out + u.scores +
+            u.probs + 2 * u.acc + 6 * u.stats + u.reduce_tmp + u.reduce_out + u.lse_stage;
   return u;
 }
 
@@ -121,3 +127,11 @@ __aicore__ inline void ForEachTask(const RfaTiling &t, QLenOf q_len_of, Visit vi
 
 }  // namespace ascend
 }  // namespace rfa
+
+// The op's tiling data: what REGISTER_TILING_DEFAULT names in the kernel entry and what the host's
+// TilingFunc fills through GetTilingData.
+struct RotaryFlashAttentionTilingData {
+  rfa::ascend::RfaTiling rfa;
+  AscendC::tiling::TCubeTiling qk;  // S = Q K^T: M = group * block_q, N = block_kv, K = head_dim
+  AscendC::tiling::TCubeTiling pv;  // O += P V:  M = group * block_q, N = head_dim, K = block_kv
+};
