@@ -19,8 +19,8 @@
 //     addresses and DataCopy lengths, queue depths, bounds of every GM and UB access, and the
 //     Cast round modes the A2 vector unit accepts.
 // Each function names the CANN documentation page whose semantics it assumes (cannmirror/asc-devkit,
-// docs/api/context/<page>.md); the hardware facts are listed in ../../../shared/research-era review
-// (aclnn/README.md, "What the emulation enforces").
+// docs/api/context/<page>.md); ../README.md ("What the emulation enforces") lists the rules, their
+// sources and the tests that feed each one its faulty pattern.
 #pragma once
 #include <cmath>
 #include <cstdint>
