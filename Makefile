@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+PEERS := $(VENV)/.peers
 KERNEL_SOURCES := $(wildcard ms_rope_attention/csrc/*) $(wildcard ms_rope_attention/aclnn/*/*.h) \
 	$(wildcard ms_rope_attention/aclnn/*/*.cpp) $(wildcard ms_rope_attention/aclnn/*/*.cc) setup.py
 
@@ -34,8 +35,13 @@ sanitize: $(STAMP)
 
 # The main job: Llama2-7B-dimension time to first token, fused vs unfused, over prompt lengths
 # (benchmarks/results/results.json and ttft.png). The kernel-level benchmark is benchmarks/attention.py.
-bench: $(STAMP)
+bench: $(STAMP) $(PEERS)
 	$(PY) benchmarks/ttft.py
+
+# The peers the TTFT benchmark measures beside this project (Hugging Face transformers on PyTorch).
+$(PEERS): $(STAMP)
+	$(PY) -m pip install --quiet "torch==2.13.0" "transformers>=5,<6"
+	touch $(PEERS)
 
 clean:
 	rm -rf build $(VENV) ms_rope_attention/_rfa_cpu_*.so *.egg-info

@@ -1,22 +1,27 @@
-"""Llama2 time-to-first-token: fused RoPE+FlashAttention vs the unfused path, over prompt lengths.
+"""Llama2 time-to-first-token: fused RoPE+FlashAttention vs the unfused path and vs what a user would
+pick instead (Hugging Face transformers' LlamaForCausalLM with PyTorch sdpa, when installed), over
+prompt lengths.
 
-Each (backend, length) point runs in a fresh process on identical weights (same seed; a checksum
-proves it): the model is built (Llama2-7B dimensions, a few layers, random weights, or a real
-checkpoint), the prefill graph is compiled once (reported as compile time, not in TTFT), then the
+Each (system, length) point runs in a fresh process on identical weights (a checksum proves it):
+with a peer in the sweep and no --checkpoint, the seeded random weights are written once as a
+Hugging Face checkpoint that every system loads. The model is built (Llama2-7B dimensions, a few
+layers), the prefill is compiled or warmed up once (reported as compile time, not in TTFT), then the
 prefill + first-token choice is timed ``--repeats`` times. The same process also times one layer's
 attention alone and the embedding/norm/LM-head part, which give the attention share of TTFT and the
 extrapolation to the model's full depth: full = head + per_layer * full_layers, where
 per_layer = (TTFT - head) / layers. A fitted exponent b of TTFT ~ S^b summarises growth per backend.
 A point that runs out of memory is reported as such (the watchdog stops it first).
 
-    python benchmarks/ttft.py                      # 7B dims, 2 layers, S = 512..4096, both backends
-    python benchmarks/ttft.py --lengths 512 1024 2048 4096 8192 16384 --repeats 2
+    python benchmarks/ttft.py                      # 7B dims, 2 layers, S = 512..16384, every system
+    python benchmarks/ttft.py --lengths 32768 --systems fused   # the long-context option
     python benchmarks/ttft.py --checkpoint /path/to/Llama-2-7b-hf --layers 32 --device Ascend
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,8 +29,16 @@ import numpy as np
 
 from harness import machine_info, memory_total_bytes, run_isolated, stats, timed
 
-SCHEMA_VERSION = 1
-BACKENDS = ("fused", "unfused")
+SCHEMA_VERSION = 2
+BACKENDS = ("fused", "unfused")  # this project's two paths, in MindSpore
+PEERS = {"hf": "Hugging Face transformers LlamaForCausalLM (sdpa), PyTorch"}
+SYSTEMS = BACKENDS + tuple(PEERS)
+
+
+def weights_checksum(down_proj_rows: np.ndarray) -> float:
+    """Layer 0's MLP down projection, first rows: stored the same way by every system (q/k projections
+    may be permuted for a rotary layout, this one never is)."""
+    return float(np.asarray(down_proj_rows, np.float64).sum())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,9 +102,70 @@ def ttft_point(model: str, layers: int, dtype: str, batch: int, backend: str, le
     ids = Tensor(np.array(prompts, np.int32))
     _, attention_times = timed(lambda: attention_net(q, k, v)[0].asnumpy(), repeats)
     _, head_times = timed(lambda: head_net(ids).asnumpy(), repeats)
-    probe = lm.model.layers[0].self_attn.q_proj.weight.asnumpy()
+    probe = lm.model.layers[0].mlp.down_proj.weight[:8].astype(ms.float32).asnumpy()
     return {"backend_ran": lm.backend, "build_s": build_s, "compile_s": compile_s, "ttft": stats(ttft),
-            "attention": stats(attention_times), "head": stats(head_times), "weights_checksum": float(probe[:8].astype(np.float64).sum())}
+            "attention": stats(attention_times), "head": stats(head_times), "weights_checksum": weights_checksum(probe)}
+
+
+def hf_point(checkpoint: str, length: int, repeats: int, seed: int, batch: int, dtype: str) -> dict:
+    """The peer: transformers' LlamaForCausalLM with PyTorch's sdpa attention on the same checkpoint, all
+    cores, the prefill a ``generate`` call would run (KV cache on, logits of the last token only)."""
+    import torch
+    import torch.nn.functional as F
+    import transformers
+
+    torch.set_num_threads(os.cpu_count())
+    start = time.perf_counter()
+    lm = transformers.LlamaForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype),
+                                                       attn_implementation="sdpa").eval()
+    build_s = time.perf_counter() - start
+    config = lm.config
+    rng = np.random.default_rng(seed)
+    ids = torch.tensor(rng.integers(0, config.vocab_size, (batch, length)))
+
+    def prefill():
+        with torch.inference_mode():
+            return lm(ids, logits_to_keep=1).logits[:, -1].argmax(-1)
+    compile_s, ttft = timed(prefill, repeats)
+
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = config.hidden_size // heads
+    q = torch.randn(batch, heads, length, head_dim, dtype=getattr(torch, dtype))
+    k, v = (torch.randn(batch, kv_heads, length, head_dim, dtype=q.dtype) for _ in range(2))
+    rotary = lm.model.rotary_emb
+    position_ids = torch.arange(length).unsqueeze(0)
+    apply_rope = transformers.models.llama.modeling_llama.apply_rotary_pos_emb
+
+    def attention():  # one layer's RoPE + sdpa, as the model runs them
+        with torch.inference_mode():
+            cos, sin = rotary(q, position_ids)
+            qr, kr = apply_rope(q, k, cos, sin)
+            return F.scaled_dot_product_attention(qr, kr, v, is_causal=True, enable_gqa=kv_heads != heads)
+
+    def head():  # embedding, final norm, LM head on the last token
+        with torch.inference_mode():
+            return lm.lm_head(lm.model.norm(lm.model.embed_tokens(ids))[:, -1:])
+    _, attention_times = timed(attention, repeats)
+    _, head_times = timed(head, repeats)
+    probe = lm.model.layers[0].mlp.down_proj.weight[:8].detach().float().numpy()
+    return {"backend_ran": f"transformers {transformers.__version__}, torch {torch.__version__}", "build_s": build_s,
+            "compile_s": compile_s, "ttft": stats(ttft), "attention": stats(attention_times), "head": stats(head_times),
+            "weights_checksum": weights_checksum(probe)}
+
+
+def write_checkpoint(model: str, layers: int, seed: int, directory: str) -> dict:
+    """The sweep's seeded random weights as a Hugging Face checkpoint (child process)."""
+    import mindspore as ms
+
+    ms.set_device("CPU")
+    from models.llama import LlamaForCausalLM, preset
+    from models.llama.weights import model_state, save_hf_checkpoint
+
+    ms.set_seed(seed)
+    config = preset(model, num_hidden_layers=layers)
+    lm = LlamaForCausalLM(config, dtype="float32", backend="unfused", logits="last")
+    save_hf_checkpoint(model_state(lm), config, directory)
+    return {"directory": directory}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,7 +187,8 @@ def extrapolate(ttft_s: float, head_s: float, layers: int, full_layers: int) -> 
 
 
 def summarize(runs: list[dict], layers: int, full_layers: int) -> dict:
-    """Per-length rows (both backends side by side, ratios) and the growth exponent per backend."""
+    """Per-length rows (every system side by side, each one's TTFT over fused) and the growth exponent
+    per system."""
     rows = []
     for length in sorted({r["length"] for r in runs}):
         row = {"length": length}
@@ -128,16 +203,20 @@ def summarize(runs: list[dict], layers: int, full_layers: int) -> dict:
             else:
                 cell["error"] = run.get("error", "")
             row[run["backend"]] = cell
-        fused, unfused = row.get("fused", {}), row.get("unfused", {})
-        if fused.get("status") == "ok" and unfused.get("status") == "ok":
-            row["unfused_over_fused"] = unfused["ttft_min_s"] / fused["ttft_min_s"]
-            row["unfused_over_fused_full_depth"] = unfused["full_depth_s"] / fused["full_depth_s"]
-            row["fused_ttft_change"] = fused["full_depth_s"] / unfused["full_depth_s"] - 1
+        fused = row.get("fused", {})
+        for other in SYSTEMS[1:]:
+            cell = row.get(other, {})
+            if fused.get("status") == "ok" and cell.get("status") == "ok":
+                row[f"{other}_over_fused"] = cell["ttft_min_s"] / fused["ttft_min_s"]
+                row[f"{other}_over_fused_full_depth"] = cell["full_depth_s"] / fused["full_depth_s"]
+        if "unfused_over_fused" in row:
+            row["fused_ttft_change"] = 1 / row["unfused_over_fused_full_depth"] - 1
         rows.append(row)
     exponents = {}
-    for backend in BACKENDS:
+    for backend in SYSTEMS:
         ok = [(r["length"], r[backend]["full_depth_s"]) for r in rows if r.get(backend, {}).get("status") == "ok"]
-        exponents[backend] = fit_exponent(*zip(*ok)) if ok else None
+        if ok:
+            exponents[backend] = fit_exponent(*zip(*ok))
     return {"rows": rows, "exponents": exponents}
 
 
@@ -175,71 +254,96 @@ def same_weights(runs: list[dict]) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 def sweep(args, progress=True) -> dict:
+    with tempfile.TemporaryDirectory(prefix="ttft-weights-") as scratch:
+        return _sweep(args, scratch, progress)
+
+
+def _sweep(args, scratch: str, progress: bool) -> dict:
     from tqdm import tqdm
 
-    limit = int(args.memory_limit_gb * 2**30)
-    backends = BACKENDS if args.backend == "both" else (args.backend,)
-    points = [(length, backend) for length in args.lengths for backend in backends]
-    runs, out_of_memory = [], set()
-    bar = tqdm(points, desc="TTFT sweep", unit="point", disable=not progress)
-    for length, backend in bar:
-        bar.set_postfix_str(f"{backend} S={length}")
-        base = {"backend": backend, "length": length}
-        if backend in out_of_memory:  # a longer prompt needs at least as much memory
-            runs.append({**base, "status": "oom", "error": "not run: a shorter length already ran out of memory"})
-            continue
-        kwargs = {"model": args.model, "layers": args.layers, "dtype": args.dtype, "batch": args.batch,
-                  "backend": backend, "length": length, "repeats": args.repeats, "checkpoint": args.checkpoint,
-                  "seed": args.seed, "device": args.device}
-        result = run_isolated("ttft", "ttft_point", kwargs, memory_limit_bytes=limit, timeout_s=args.timeout)
-        if result["status"] == "oom":
-            out_of_memory.add(backend)
-        runs.append({**base, **result})
     from models.llama import preset
     from models.llama.weights import read_config
+
+    limit = int(args.memory_limit_gb * 2**30)
+    checkpoint = args.checkpoint
+    if any(system in PEERS for system in args.systems) and not checkpoint:
+        # One set of weights for every system: the seeded random model, written once.
+        written = run_isolated("ttft", "write_checkpoint", {"model": args.model, "layers": args.layers,
+                                                             "seed": args.seed, "directory": scratch})
+        if written["status"] != "ok":
+            raise RuntimeError(f"could not write the shared weights: {written.get('error')}")
+        checkpoint = scratch
+    points = [(length, system) for length in args.lengths for system in args.systems]
+    runs, not_again = [], {}  # system -> the record of a point it cannot run at any later length
+    bar = tqdm(points, desc="TTFT sweep", unit="point", disable=not progress)
+    for length, system in bar:
+        bar.set_postfix_str(f"{system} S={length}")
+        base = {"backend": system, "length": length}
+        if system in not_again:
+            runs.append({**base, **not_again[system]})
+            continue
+        if system in PEERS:
+            function, kwargs = f"{system}_point", {"checkpoint": checkpoint, "length": length, "repeats": args.repeats,
+                                                   "seed": args.seed, "batch": args.batch, "dtype": args.dtype}
+        else:
+            function, kwargs = "ttft_point", {
+                "model": args.model, "layers": args.layers, "dtype": args.dtype, "batch": args.batch,
+                "backend": system, "length": length, "repeats": args.repeats, "checkpoint": checkpoint,
+                "seed": args.seed, "device": args.device}
+        result = run_isolated("ttft", function, kwargs, memory_limit_bytes=limit, timeout_s=args.timeout)
+        if result["status"] == "oom":  # a longer prompt needs at least as much memory
+            not_again[system] = {"status": "oom", "error": "not run: a shorter length already ran out of memory"}
+        if result["status"] == "skipped":  # a peer that is not installed
+            not_again[system] = {"status": "skipped", "error": result["error"]}
+        runs.append({**base, **result})
     # Extrapolate to the depth of the model the layers come from.
     full_layers = (read_config(args.checkpoint)[0] if args.checkpoint else preset(args.model)).num_hidden_layers
     results = {"schema_version": SCHEMA_VERSION, "machine": machine_info(),
                "settings": {**vars(args), "full_layers": full_layers}, "runs": runs,
                "summary": summarize(runs, args.layers, full_layers)}
     if not same_weights(runs):
-        raise RuntimeError("backends ran on different weights (checksums differ): the comparison is void")
+        raise RuntimeError("systems ran on different weights (checksums differ): the comparison is void")
     validate(results)
     return results
 
 
+NAMES = {"fused": "fused", "unfused": "unfused", "hf": "HF transformers"}
+
+
 def table(results: dict) -> str:
+    """Markdown: TTFT of every system (min / median), each one over fused, full-depth TTFT, attention
+    share and peak memory."""
     s = results["settings"]
+    rows = results["summary"]["rows"]
+    systems = [name for name in SYSTEMS if any(name in r for r in rows)]
+    others = [name for name in systems if name != "fused"]
+    head = ["S"] + [f"{NAMES[n]} TTFT min / median" for n in systems] + [f"{NAMES[n]} / fused" for n in others]
+    head += [f"full depth ({s['full_layers']} layers) " + " / ".join(NAMES[n] for n in systems),
+             "attention share " + " / ".join(NAMES[n] for n in systems), "peak RSS " + " / ".join(NAMES[n] for n in systems)]
     lines = [f"Llama2 {s['model']} dims, {s['layers']} layers (extrapolated to {s['full_layers']}), {s['dtype']}, "
              f"batch {s['batch']}, min/median of {s['repeats']}",
-             "| S | fused TTFT min / median | unfused TTFT min / median | unfused / fused | fused TTFT change "
-             f"| full depth ({s['full_layers']} layers) fused / unfused | attention share fused / unfused "
-             "| peak RSS fused / unfused |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def ms(x):
         return f"{x * 1e3:.0f} ms" if x < 10 else f"{x:.1f} s"
 
-    for row in results["summary"]["rows"]:
-        f, u = row.get("fused", {}), row.get("unfused", {})
+    def cell(c, fmt):
+        if c.get("status") == "ok":
+            return fmt(c)
+        return {"oom": "out of memory", None: "-"}.get(c.get("status"), c.get("status"))
 
-        def cell(c, fmt):
-            if c.get("status") == "ok":
-                return fmt(c)
-            return c.get("status", "-") if c.get("status") != "oom" else "out of memory"
-        ratio = f"{row['unfused_over_fused']:.2f}x" if "unfused_over_fused" in row else "-"
-        change = f"{row['fused_ttft_change'] * 100:+.0f}%" if "fused_ttft_change" in row else "-"
-        lines.append(" | ".join([
-            f"| {row['length']}", cell(f, lambda c: f"{ms(c['ttft_min_s'])} / {ms(c['ttft_median_s'])}"),
-            cell(u, lambda c: f"{ms(c['ttft_min_s'])} / {ms(c['ttft_median_s'])}"), ratio, change,
-            f"{cell(f, lambda c: ms(c['full_depth_s']))} / {cell(u, lambda c: ms(c['full_depth_s']))}",
-            f"{cell(f, lambda c: format(c['attention_share'], '.0%'))} / "
-            f"{cell(u, lambda c: format(c['attention_share'], '.0%'))}",
-            f"{cell(f, lambda c: format(c['peak_rss_mb'] / 1024, '.1f') + ' GB')} / "
-            f"{cell(u, lambda c: format(c['peak_rss_mb'] / 1024, '.1f') + ' GB')} |"]))
+    for row in rows:
+        cells = [str(row["length"])]
+        cells += [cell(row.get(n, {}), lambda c: f"{ms(c['ttft_min_s'])} / {ms(c['ttft_median_s'])}") for n in systems]
+        cells += [f"{row[f'{n}_over_fused']:.2f}x" if f"{n}_over_fused" in row else "-" for n in others]
+        cells.append(" / ".join(cell(row.get(n, {}), lambda c: ms(c["full_depth_s"])) for n in systems))
+        cells.append(" / ".join(cell(row.get(n, {}), lambda c: format(c["attention_share"], ".0%")) for n in systems))
+        cells.append(" / ".join(cell(row.get(n, {}), lambda c: format(c["peak_rss_mb"] / 1024, ".1f") + " GB")
+                                for n in systems))
+        lines.append("| " + " | ".join(cells) + " |")
     exps = results["summary"]["exponents"]
     lines.append("Fitted growth exponent b (full-depth TTFT ~ S^b): " + ", ".join(
-        f"{k} {v:.2f}" if v is not None else f"{k} n/a" for k, v in exps.items()))
+        f"{NAMES[k]} {v:.2f}" if v is not None else f"{NAMES[k]} n/a" for k, v in exps.items()))
     return "\n".join(lines)
 
 
@@ -251,12 +355,12 @@ def plot(results: dict, path: Path) -> None:
     rows = results["summary"]["rows"]
     exps = results["summary"]["exponents"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.3))
-    for backend, color in zip(BACKENDS, ("tab:blue", "tab:red")):
+    for backend, color in zip(SYSTEMS, ("tab:blue", "tab:red", "tab:orange")):
         pts = [(r["length"], r[backend]["full_depth_s"]) for r in rows if r.get(backend, {}).get("status") == "ok"]
         if not pts:
             continue
         x, y = zip(*pts)
-        label = backend + (f" (b = {exps[backend]:.2f})" if exps.get(backend) is not None else "")
+        label = NAMES[backend] + (f" (b = {exps[backend]:.2f})" if exps.get(backend) is not None else "")
         left.plot(x, y, "o", color=color, label=label)
         if exps.get(backend) is not None and len(x) > 1:
             slope, icpt = np.polyfit(np.log(x), np.log(y), 1)
@@ -265,20 +369,22 @@ def plot(results: dict, path: Path) -> None:
         oom = [r["length"] for r in rows if r.get(backend, {}).get("status") == "oom"]
         if oom:  # x marks at the bottom edge: measured nothing, ran out of memory
             left.plot(oom, [min(y)] * len(oom), "x", color=color, markersize=9,
-                      label=f"{backend}: out of memory at S >= {min(oom)}")
+                      label=f"{NAMES[backend]}: out of memory at S >= {min(oom)}")
     s = results["settings"]
     left.set(xscale="log", yscale="log", xlabel="prompt length (tokens)", ylabel="TTFT (s, min of repeats)",
              title=f"Llama2 {s['model']} TTFT, extrapolated to {s['full_layers']} layers")
     left.legend()
     left.grid(True, which="both", alpha=0.3)
-    ratio = [(r["length"], r["unfused_over_fused"]) for r in rows if "unfused_over_fused" in r]
-    if ratio:
-        right.plot(*zip(*ratio), "o-", color="tab:green")
+    for other, color in zip(SYSTEMS[1:], ("tab:red", "tab:orange")):
+        ratio = [(r["length"], r[f"{other}_over_fused"]) for r in rows if f"{other}_over_fused" in r]
+        if ratio:
+            right.plot(*zip(*ratio), "o-", color=color, label=f"{NAMES[other]} / fused")
     right.axhline(1.0, color="gray", lw=0.8)
+    right.legend()
     lengths = [r["length"] for r in rows]
     right.set_xlim(min(lengths) / 1.2, max(lengths) * 1.2)
-    right.set(xscale="log", xlabel="prompt length (tokens)", ylabel="unfused TTFT / fused TTFT",
-              title="speed-up of the fused op (same weights)")
+    right.set(xscale="log", xlabel="prompt length (tokens)", ylabel="TTFT / fused TTFT (measured layers)",
+              title="each system against fused (same weights; > 1: fused is faster)")
     right.grid(True, which="both", alpha=0.3)
     m = results["machine"]
     fig.suptitle(f"{m['cpu']} ({m['cpus']} cores), MindSpore {m['mindspore']}, {s['dtype']}, batch {s['batch']}",
@@ -293,9 +399,12 @@ def parse_args(argv=None):
     parser.add_argument("--model", default="7b", choices=["7b", "13b", "70b", "tiny"])
     parser.add_argument("--layers", type=int, default=2, help="decoder layers actually run (memory)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384],
+                        help="prompt lengths (add 32768 for the long-context point; give --systems fused for it)")
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--backend", default="both", choices=["both", *BACKENDS])
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS,
+                        help="this project's backends (fused, unfused) and peers (hf: transformers + PyTorch, "
+                             "reported as skipped when not installed)")
     parser.add_argument("--device", default="CPU", help="CPU, or Ascend where the op package is installed")
     parser.add_argument("--checkpoint", help="real weights (Hugging Face or Meta directory) instead of random ones")
     parser.add_argument("--repeats", type=int, default=3)

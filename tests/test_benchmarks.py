@@ -41,10 +41,13 @@ def fake_run(backend, length, seconds, status="ok"):
 
 def test_summary_ratios_exponents_and_oom_rows():
     runs = [fake_run("fused", 512, 1.0), fake_run("unfused", 512, 1.5), fake_run("fused", 1024, 2.0),
-            fake_run("unfused", 1024, 4.0), fake_run("fused", 2048, 4.0), fake_run("unfused", 2048, 0, "oom")]
+            fake_run("unfused", 1024, 4.0), fake_run("fused", 2048, 4.0), fake_run("unfused", 2048, 0, "oom"),
+            fake_run("hf", 1024, 3.0), fake_run("hf", 2048, 0, "skipped")]
     summary = ttft.summarize(runs, layers=2, full_layers=32)
     rows = {r["length"]: r for r in summary["rows"]}
     assert rows[1024]["unfused_over_fused"] == pytest.approx(2.0)
+    assert rows[1024]["hf_over_fused"] == pytest.approx(1.5)
+    assert "hf_over_fused" not in rows[2048]
     assert rows[512]["fused"]["attention_share"] == pytest.approx(0.5)  # 2 layers x 0.25 s of 1 s
     assert rows[2048]["unfused"] == {"status": "oom", "error": "stopped at 20.0 GiB"}
     assert "unfused_over_fused" not in rows[2048]
@@ -53,7 +56,7 @@ def test_summary_ratios_exponents_and_oom_rows():
                                                                   "dtype": "float32", "batch": 1, "repeats": 2},
                "runs": runs, "summary": summary}
     ttft.validate(results)
-    assert "out of memory" in ttft.table(results)
+    assert "out of memory" in ttft.table(results) and "| 1024 |" in ttft.table(results)
     broken = dict(results, runs=[{k: v for k, v in runs[0].items() if k != "ttft"}])
     with pytest.raises(ValueError, match=r"runs\[0\]: missing 'ttft'"):
         ttft.validate(broken)
@@ -78,9 +81,10 @@ def test_tiny_sweep_end_to_end(tmp_path):
     written = json.loads((tmp_path / "results.json").read_text())
     ttft.validate(written)
     assert (tmp_path / "ttft.png").stat().st_size > 0
-    assert {(r["backend"], r["status"]) for r in written["runs"]} == {("fused", "ok"), ("unfused", "ok")}
-    assert {r["backend_ran"] for r in written["runs"]} == {"fused:CPU", "unfused"}
-    assert ttft.same_weights(written["runs"])
+    status = {r["backend"]: r["status"] for r in written["runs"]}
+    assert status["fused"] == status["unfused"] == "ok" and status["hf"] in ("ok", "skipped")
+    assert {r["backend_ran"] for r in written["runs"] if r["backend"] != "hf"} == {"fused:CPU", "unfused"}
+    assert ttft.same_weights(written["runs"])  # the peer, when installed, loaded the same weights
     assert results["summary"]["exponents"]["fused"] is not None
 
 
