@@ -25,7 +25,7 @@ inline void LoadRow(DType t, const void *base, int64_t off, int64_t n, float *ds
       std::memcpy(dst, static_cast<const float *>(base) + off, n * sizeof(float));
       break;
     case DType::F16:
-      simd::HalfToFloat(static_cast<const _Float16 *>(base) + off, dst, n);
+      simd::HalfToFloat(static_cast<const simd::Half *>(base) + off, dst, n);
       break;
     case DType::BF16:
       simd::BFloat16ToFloat(static_cast<const uint16_t *>(base) + off, dst, n);
@@ -46,7 +46,7 @@ inline void StoreRow(DType t, const float *src, int64_t n, void *base, int64_t o
       std::memcpy(static_cast<float *>(base) + off, src, n * sizeof(float));
       break;
     case DType::F16:
-      simd::FloatToHalf(src, static_cast<_Float16 *>(base) + off, n);
+      simd::FloatToHalf(src, static_cast<simd::Half *>(base) + off, n);
       break;
     case DType::BF16:
       simd::FloatToBFloat16(src, static_cast<uint16_t *>(base) + off, n);

@@ -69,9 +69,17 @@ inline float ReduceSum(vf v) {
   return Reduce(v, [](auto a, auto b) { return a + b; });
 }
 
+// IEEE binary16 as the compiler spells it: GCC before 13 has no _Float16 in C++ on aarch64 (the host
+// CPU of Ascend servers), where __fp16 is the same format.
+#if defined(__aarch64__)
+using Half = __fp16;
+#else
+using Half = _Float16;
+#endif
+
 // float16 <-> float32 rows with the F16C conversion instructions where the build has them (GCC
-// otherwise converts _Float16 one element at a time). Float -> half rounds to nearest even.
-inline void HalfToFloat(const _Float16 *src, float *dst, int64_t n) {
+// otherwise converts one element at a time). Float -> half rounds to nearest even.
+inline void HalfToFloat(const Half *src, float *dst, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
   for (; i + 16 <= n; i += 16)
@@ -83,7 +91,7 @@ inline void HalfToFloat(const _Float16 *src, float *dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-inline void FloatToHalf(const float *src, _Float16 *dst, int64_t n) {
+inline void FloatToHalf(const float *src, Half *dst, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
   for (; i + 16 <= n; i += 16)
@@ -94,7 +102,7 @@ inline void FloatToHalf(const float *src, _Float16 *dst, int64_t n) {
     _mm_storeu_si128(reinterpret_cast<__m128i *>(dst + i),
                      _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #endif
-  for (; i < n; ++i) dst[i] = static_cast<_Float16>(src[i]);
+  for (; i < n; ++i) dst[i] = static_cast<Half>(src[i]);
 }
 
 // bfloat16 (as uint16 bits) <-> float32 rows, a vector at a time with integer ops, next to the
