@@ -1,0 +1,51 @@
+"""The CPU kernel as a plain C++ program checked against a float64 reference written in C++
+(tests/cross/kernel_vs_reference.cc): natively here, and for aarch64, the host CPU of Ascend
+servers, with a cross compiler and qemu-user where they are installed (Debian packages
+g++-aarch64-linux-gnu and qemu-user; skipped, saying so, where they are not)."""
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = ROOT / "ms_rope_attention" / "csrc"
+KERNEL = [CSRC / name for name in ("rfa_cpu_kernel.cc", "rfa_cpu_backward.cc", "rfa_cpu_aot.cc")]
+DRIVER = ROOT / "tests" / "cross" / "kernel_vs_reference.cc"
+FLAGS = ["-std=c++17", "-O2", "-fopenmp", "-Wall", "-Wextra", "-Werror", f"-I{CSRC}"]
+AARCH64_CXX = shutil.which("aarch64-linux-gnu-g++")
+QEMU = shutil.which("qemu-aarch64")
+SYSROOT = Path("/usr/aarch64-linux-gnu")
+
+
+def build(compiler: str, out: Path) -> Path:
+    result = subprocess.run([compiler, *FLAGS, *map(str, KERNEL), str(DRIVER), "-o", str(out)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def check_run(cmd) -> None:
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 of 8 cases failed" in result.stdout
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_native_program_matches_reference(tmp_path):
+    check_run([str(build("g++", tmp_path / "kernel_vs_reference"))])
+
+
+@pytest.mark.skipif(AARCH64_CXX is None, reason="needs aarch64-linux-gnu-g++ (Debian g++-aarch64-linux-gnu)")
+def test_aarch64_build_compiles_warning_free(tmp_path):
+    for source in KERNEL:
+        result = subprocess.run([AARCH64_CXX, *FLAGS, "-c", str(source), "-o", str(tmp_path / f"{source.stem}.o")],
+                                capture_output=True, text=True)
+        assert result.returncode == 0, f"{source.name}: {result.stderr}"
+
+
+@pytest.mark.skipif(AARCH64_CXX is None or QEMU is None,
+                    reason="needs aarch64-linux-gnu-g++ and qemu-aarch64 (Debian g++-aarch64-linux-gnu, qemu-user)")
+def test_aarch64_program_matches_reference_under_qemu(tmp_path):
+    program = build(AARCH64_CXX, tmp_path / "kernel_vs_reference_aarch64")
+    check_run([QEMU, "-L", str(SYSROOT), str(program)])
