@@ -94,7 +94,11 @@ def apply_rope(x, cos_rows, sin_rows, rotary_mode, rotary_dim):
     index_np, sign_np = rotation_permutation(rotary_dim, rotary_mode)
     head_dim = x.shape[-1]
     part = x[..., :rotary_dim] if rotary_dim < head_dim else x
-    rotated = part * cos_rows + ops.gather(part, Tensor(index_np), x.ndim - 1) * Tensor(sign_np) * sin_rows
+    # Tables expanded to the rows' shape first: MindSpore's CPU backend runs a broadcasting multiply
+    # with several operand-sized temporaries (see RMSNorm in models/llama/model.py).
+    cos_full = cos_rows.broadcast_to(part.shape)
+    signed_sin = (sin_rows * Tensor(sign_np)).broadcast_to(part.shape)
+    rotated = part * cos_full + ops.gather(part, Tensor(index_np), x.ndim - 1) * signed_sin
     if rotary_dim < head_dim:
         rotated = ops.concat([rotated, x[..., rotary_dim:]], axis=-1)
     return rotated

