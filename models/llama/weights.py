@@ -91,12 +91,20 @@ def hf_files(directory: Path) -> list[Path]:
     return files
 
 
+def _read_alone(path: Path, name: str) -> np.ndarray:
+    """One tensor, with its file mapped only while it is read: safetensors maps the whole file, and
+    mapped pages count as the process's resident memory until the file is closed (measured loading
+    a 2.7 GB checkpoint: 2.7 GB of file pages on top of the model, peak 5.5 GB instead of 3.6)."""
+    with _open_safetensors(path) as handle:
+        return _read(handle, name, path)
+
+
 def _hf_tensors(directory: Path):
     for path in hf_files(directory):
         with _open_safetensors(path) as handle:
-            for name in handle.keys():
-                if not HF_IGNORED.match(name):
-                    yield name, path, (lambda h=handle, n=name, p=path: _read(h, n, p))
+            names = [name for name in handle.keys() if not HF_IGNORED.match(name)]
+        for name in names:
+            yield name, path, (lambda n=name, p=path: _read_alone(p, n))
 
 
 def _meta_shards(directory: Path, stack: ExitStack) -> list[dict]:
