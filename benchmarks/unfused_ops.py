@@ -23,7 +23,7 @@ def steps(length: int, heads: int, head_dim: int, repeats: int) -> dict:
 
     import ms_rope_attention as mra
     from ms_rope_attention.rope import rope_tables
-    from ms_rope_attention.unfused import _NEG, _mask, _non_finite_keys, _rows_seeing, _visible_keys, apply_rope
+    from ms_rope_attention.unfused import _NEG, _mask, _non_finite_keys, _rows_seeing, _visible_count, apply_rope
 
     ms.set_device("CPU")
     ms.set_context(mode=ms.GRAPH_MODE)
@@ -44,7 +44,7 @@ def steps(length: int, heads: int, head_dim: int, repeats: int) -> dict:
     positions = ops.arange(0, length, dtype=ms.int64)
 
     def visible_keys():  # each row's run of keys, and the (Sq, Skv) mask built from it
-        first, count = _visible_keys(positions, ops.zeros_like(positions), ops.full_like(positions, length), True)
+        first, count = ops.zeros_like(positions), _visible_count(positions, ops.full_like(positions, length), True)
         return first, count, _mask(first, count, length)
 
     first, count, _ = Step(visible_keys)()

@@ -60,11 +60,10 @@ def _segments(ends, total):
     return seg, tokens - starts[seg], ends - starts
 
 
-def _visible_keys(q_pos, q_first_key, q_seq_len, causal):
-    """Each query row sees one contiguous run of keys: ``[first, first + count)`` in key index space
-    (its sequence's keys, causally cut at its position). (Sq,) int64 each."""
-    count = ops.minimum(ops.maximum(q_pos + 1, 0), q_seq_len) if causal else q_seq_len
-    return q_first_key, count
+def _visible_count(q_pos, q_seq_len, causal):
+    """Each query row sees one contiguous run of keys, ``[first, first + count)`` in key index space,
+    from its sequence's first key: (Sq,) int64 ``count``, its sequence's keys causally cut at its position."""
+    return ops.minimum(ops.maximum(q_pos + 1, 0), q_seq_len) if causal else q_seq_len
 
 
 def _mask(first, count, kv_len):
@@ -133,11 +132,11 @@ def unfused_rotary_flash_attention(query, key, value, cos, sin, actual_seq_qlen=
         _, k_pos, kv_lens = _segments(kv_ends, kv_len)
         row_kv_len = kv_lens[q_seg]
         q_pos = q_local + row_kv_len - q_lens[q_seg]
-        first, count = _visible_keys(q_pos, (kv_ends - kv_lens)[q_seg], row_kv_len, causal)
+        first, count = (kv_ends - kv_lens)[q_seg], _visible_count(q_pos, row_kv_len, causal)
     else:
         q_pos = ops.arange(0, q_len, dtype=ms.int64) + (kv_len - q_len)
         k_pos = ops.arange(0, kv_len, dtype=ms.int64)
-        first, count = _visible_keys(q_pos, ops.zeros_like(q_pos), ops.full_like(q_pos, kv_len), causal)
+        first, count = ops.zeros_like(q_pos), _visible_count(q_pos, ops.full_like(q_pos, kv_len), causal)
     qr = _rope(q, cos, sin, q_pos, rotary_mode, rotary_dim)
     kr = k if key_rotated else _rope(k, cos, sin, k_pos, rotary_mode, rotary_dim)
     # A hidden key must not reach a row even holding NaN/Inf (a preallocated cache's garbage), but

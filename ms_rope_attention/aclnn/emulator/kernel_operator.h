@@ -724,8 +724,9 @@ inline void ReduceMax(const LocalTensor<T> &dst, const LocalTensor<T> &src, cons
   VecOp op("ReduceMax");
   op.In(src, count);
   if (!tmp.Aligned()) EmuFail("ReduceMax: temporary buffer not 32-byte aligned");
-  T m = Raw(src, count)[0];
-  for (int32_t i = 1; i < count; ++i) m = std::max(m, Raw(src, count)[i]);
+  const T *x = Raw(src, count);
+  T m = x[0];
+  for (int32_t i = 1; i < count; ++i) m = std::max(m, x[i]);
   op.Out(dst, 2)[0] = m;
 }
 template <typename T>
@@ -734,7 +735,8 @@ inline void ReduceSum(const LocalTensor<T> &dst, const LocalTensor<T> &src, cons
   op.In(src, count);
   if (!tmp.Aligned()) EmuFail("ReduceSum: temporary buffer not 32-byte aligned");
   double s = 0;  // the hardware sums in a tree of float adds; a double sum is within its rounding
-  for (int32_t i = 0; i < count; ++i) s += Raw(src, count)[i];
+  const T *x = Raw(src, count);
+  for (int32_t i = 0; i < count; ++i) s += x[i];
   op.Out(dst, 2)[0] = static_cast<T>(s);
 }
 // Gather.md: dst[i] = the element of src at byte offset offsets[i] (+ srcBaseAddr). Offsets are
