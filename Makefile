@@ -6,6 +6,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PEERS := $(VENV)/.peers
+MINDFORMERS_VENV := .venv-mindformers
+MINDFORMERS := $(MINDFORMERS_VENV)/.installed
 KERNEL_SOURCES := $(wildcard ms_rope_attention/csrc/*) $(wildcard ms_rope_attention/aclnn/*/*.h) \
 	$(wildcard ms_rope_attention/aclnn/*/*.cpp) $(wildcard ms_rope_attention/aclnn/*/*.cc) setup.py
 
@@ -35,13 +37,22 @@ sanitize: $(STAMP)
 
 # The main job: Llama2-7B-dimension time to first token, fused vs unfused, over prompt lengths
 # (benchmarks/results/results.json and ttft.png). The kernel-level benchmark is benchmarks/attention.py.
-bench: $(STAMP) $(PEERS)
+bench: $(STAMP) $(PEERS) $(MINDFORMERS)
 	$(PY) benchmarks/ttft.py
 
-# The peers the TTFT benchmark measures beside this project (Hugging Face transformers on PyTorch).
+# The peers the TTFT benchmark measures beside this project: Hugging Face transformers on PyTorch (in
+# .venv), and MindFormers in a virtual environment of its own (it pins transformers 4.57; see
+# benchmarks/peers/mindformers.txt for what it is installed with and why).
 $(PEERS): $(STAMP)
 	$(PY) -m pip install --quiet "torch==2.13.0" "transformers>=5,<6"
 	touch $(PEERS)
 
+$(MINDFORMERS): benchmarks/peers/mindformers.txt
+	test -x $(MINDFORMERS_VENV)/bin/python || $(PYTHON) -m venv $(MINDFORMERS_VENV)
+	$(MINDFORMERS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(MINDFORMERS_VENV)/bin/python -m pip install --quiet -r benchmarks/peers/mindformers.txt
+	$(MINDFORMERS_VENV)/bin/python -m pip install --quiet --no-deps "mindformers==2.0.0"
+	touch $(MINDFORMERS)
+
 clean:
-	rm -rf build $(VENV) ms_rope_attention/_rfa_cpu_*.so *.egg-info
+	rm -rf build $(VENV) $(MINDFORMERS_VENV) ms_rope_attention/_rfa_cpu_*.so *.egg-info

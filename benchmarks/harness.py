@@ -4,12 +4,14 @@ as out of memory, min/median statistics, and a description of the machine and ve
 from __future__ import annotations
 
 import importlib
-import multiprocessing as mp
+import json
 import os
 import platform
-import queue as queue_module
 import resource
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 
@@ -70,61 +72,66 @@ def _rss_bytes(pid: int) -> int:
     return 0
 
 
-def _child(module: str, function: str, kwargs: dict, queue) -> None:
+def _child_main(module: str, function: str, kwargs_path: str, result_path: str) -> None:
+    """Entry of a point's process (``python harness.py MODULE FUNCTION KWARGS.json RESULT.json``)."""
+    with open(kwargs_path) as f:
+        kwargs = json.load(f)
     try:
-        result = getattr(importlib.import_module(module), function)(**kwargs)
+        result = {"status": "ok", **getattr(importlib.import_module(module), function)(**kwargs)}
         result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        queue.put({"status": "ok", **result})
     except ImportError as exc:
-        queue.put({"status": "skipped", "error": f"not installed: {exc.name}"})
+        result = {"status": "skipped", "error": f"not installed: {exc.name}"}
     except MemoryError:
-        queue.put({"status": "oom", "error": "MemoryError"})
+        result = {"status": "oom", "error": "MemoryError"}
     except Exception as exc:  # reported in the results, not raised: one failed point must not lose the sweep
         text = f"{type(exc).__name__}: {exc}".strip()[:2000]
         oom = any(s in text.lower() for s in ("out of memory", "malloc", "memory not enough", "alloc"))
-        queue.put({"status": "oom" if oom else "error", "error": text})
+        result = {"status": "oom" if oom else "error", "error": text}
+    with open(result_path, "w") as f:
+        json.dump(result, f, default=lambda x: x.item() if hasattr(x, "item") else str(x))
 
 
-def run_isolated(module: str, function: str, kwargs: dict, *, memory_limit_bytes: int | None = None,
-                 timeout_s: float = 3600.0, poll_s: float = 0.05) -> dict:
-    """``module.function(**kwargs)`` (returning a dict) in a spawned process.
+def run_isolated(module: str, function: str, kwargs: dict, *, python: str | None = None,
+                 memory_limit_bytes: int | None = None, timeout_s: float = 3600.0, poll_s: float = 0.05) -> dict:
+    """``module.function(**kwargs)`` (JSON in, a JSON-able dict out) in a fresh process.
 
-    The result gets ``status``: "ok", "oom" (the watchdog stopped it above ``memory_limit_bytes`` of
-    resident memory, MindSpore failed to allocate, or the kernel's OOM killer struck), "error",
-    "skipped" (an optional dependency is missing) or "timeout".
+    ``python`` runs it under another interpreter (a peer installed in a virtual environment of its own,
+    whose packages must not mix with this one's); the child then sees only this folder besides its own
+    packages. The result gets ``status``: "ok", "oom" (the watchdog stopped it above
+    ``memory_limit_bytes`` of resident memory, the framework failed to allocate, or the kernel's OOM
+    killer struck), "error", "skipped" (an optional dependency is missing) or "timeout".
     """
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(module, function, kwargs, queue))
-    proc.start()
-    deadline = time.monotonic() + timeout_s
-    peak = 0
-    while proc.is_alive():
-        rss = _rss_bytes(proc.pid)
-        peak = max(peak, rss)
-        if memory_limit_bytes and rss > memory_limit_bytes:
-            proc.kill()
-            proc.join()
-            return {"status": "oom", "error": f"stopped at {rss / 2**30:.1f} GiB resident "
-                                              f"(limit {memory_limit_bytes / 2**30:.1f} GiB)",
-                    "peak_rss_mb": rss / 2**20}
-        if time.monotonic() > deadline:
-            proc.kill()
-            proc.join()
-            return {"status": "timeout", "error": f"timed out after {timeout_s:.0f} s"}
-        if not queue.empty():
-            break
-        time.sleep(poll_s)
-    try:
-        result = queue.get(timeout=10)
-    except queue_module.Empty:
-        result = None
-    proc.join()
-    if result is None:
-        killed = proc.exitcode == -9
-        return {"status": "oom" if killed else "error", "peak_rss_mb": peak / 2**20,
-                "error": "killed by SIGKILL (the kernel's OOM killer?)" if killed else f"exit code {proc.exitcode}"}
-    return result
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = [here] if python else [p for p in sys.path if p and os.path.isdir(p)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    with tempfile.TemporaryDirectory(prefix="point-") as scratch:
+        kwargs_path, result_path = os.path.join(scratch, "kwargs.json"), os.path.join(scratch, "result.json")
+        with open(kwargs_path, "w") as f:
+            json.dump(kwargs, f)
+        proc = subprocess.Popen([python or sys.executable, os.path.join(here, "harness.py"), module, function,
+                                 kwargs_path, result_path], env=env)
+        deadline = time.monotonic() + timeout_s
+        peak = 0
+        while proc.poll() is None:
+            rss = _rss_bytes(proc.pid)
+            peak = max(peak, rss)
+            if memory_limit_bytes and rss > memory_limit_bytes:
+                proc.kill()
+                proc.wait()
+                return {"status": "oom", "error": f"stopped at {rss / 2**30:.1f} GiB resident "
+                                                  f"(limit {memory_limit_bytes / 2**30:.1f} GiB)",
+                        "peak_rss_mb": rss / 2**20}
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                return {"status": "timeout", "error": f"timed out after {timeout_s:.0f} s"}
+            time.sleep(poll_s)
+        if not os.path.exists(result_path):
+            killed = proc.returncode == -9
+            return {"status": "oom" if killed else "error", "peak_rss_mb": peak / 2**20,
+                    "error": "killed by SIGKILL (the kernel's OOM killer?)" if killed else f"exit code {proc.returncode}"}
+        with open(result_path) as f:
+            return json.load(f)
 
 
 def machine_info() -> dict:
@@ -142,3 +149,7 @@ def machine_info() -> dict:
     return {"platform": platform.platform(), "cpu": model, "cpus": os.cpu_count(),
             "memory_gib": round(memory_total_bytes() / 2**30, 1), "python": platform.python_version(),
             "mindspore": mindspore.__version__, "numpy": numpy.__version__, "kernel_isa": kernel_isa()}
+
+
+if __name__ == "__main__":
+    _child_main(*sys.argv[1:])

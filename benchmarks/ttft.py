@@ -1,8 +1,9 @@
 """Llama2 time-to-first-token: fused RoPE+FlashAttention vs the unfused path and vs what a user would
-pick instead (Hugging Face transformers' LlamaForCausalLM with PyTorch sdpa, when installed), over
-prompt lengths.
+pick instead (Hugging Face transformers' LlamaForCausalLM with PyTorch sdpa, and MindFormers' Llama,
+each when installed), over prompt lengths.
 
-Each (system, length) point runs in a fresh process on identical weights (a checksum proves it):
+Each (system, length) point runs in a fresh process on identical weights and prompt (a checksum of
+the weights and the last token's logits, which must agree across systems, prove it):
 with a peer in the sweep and no --checkpoint, the seeded random weights are written once as a
 Hugging Face checkpoint that every system loads. The model is built (Llama2-7B dimensions, a few
 layers), the prefill is compiled or warmed up once (reported as compile time, not in TTFT), then the
@@ -31,7 +32,9 @@ from harness import machine_info, memory_total_bytes, run_isolated, stats, timed
 
 SCHEMA_VERSION = 2
 BACKENDS = ("fused", "unfused")  # this project's two paths, in MindSpore
-PEERS = {"hf": "Hugging Face transformers LlamaForCausalLM (sdpa), PyTorch"}
+PEERS = {"hf": "Hugging Face transformers LlamaForCausalLM (sdpa), PyTorch",
+         "mindformers": "MindFormers LlamaForCausalLM, MindSpore GRAPH_MODE (its own virtual environment)"}
+MINDFORMERS_PYTHON = Path(__file__).resolve().parent.parent / ".venv-mindformers" / "bin" / "python"
 SYSTEMS = BACKENDS + tuple(PEERS)
 
 
@@ -39,6 +42,21 @@ def weights_checksum(down_proj_rows: np.ndarray) -> float:
     """Layer 0's MLP down projection, first rows: stored the same way by every system (q/k projections
     may be permuted for a rotary layout, this one never is)."""
     return float(np.asarray(down_proj_rows, np.float64).sum())
+
+
+def prompt_ids(seed: int, batch: int, length: int, vocab_size: int) -> list:
+    """The sweep's prompt, the same for every system: seeded random ids, never 0 (MindFormers' pad id,
+    which its causal mask would hide)."""
+    return np.random.default_rng(seed).integers(1, vocab_size, (batch, length)).tolist()
+
+
+LOGITS_PROBE = 64  # leading logits of the last token each system reports
+LOGITS_RTOL = 1e-3  # their agreement across systems, relative to the largest logit
+
+
+def logits_probe(logits) -> list:
+    """The last token's first logits (batch row 0): every system must agree on them."""
+    return [float(x) for x in np.asarray(logits, np.float64).reshape(np.shape(logits)[0], -1)[0, :LOGITS_PROBE]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,9 +85,14 @@ def ttft_point(model: str, layers: int, dtype: str, batch: int, backend: str, le
     build_s = time.perf_counter() - start
     config = lm.config
     rng = np.random.default_rng(seed)
-    prompts = rng.integers(0, config.vocab_size, (batch, length)).tolist()
+    prompts = prompt_ids(seed, batch, length, config.vocab_size)
     generator = Generator(lm)
-    compile_s, ttft = timed(lambda: generator.prefill_logits(prompts)[0].argmax(-1), repeats)
+    last = {}
+
+    def prefill():
+        last["logits"] = generator.prefill_logits(prompts)[0]
+        return last["logits"].argmax(-1)
+    compile_s, ttft = timed(prefill, repeats)
 
     attention = lm.model.layers[0].self_attn.prefill_attention
     hidden_q = config.num_attention_heads * config.dim_per_head
@@ -104,7 +127,8 @@ def ttft_point(model: str, layers: int, dtype: str, batch: int, backend: str, le
     _, head_times = timed(lambda: head_net(ids).asnumpy(), repeats)
     probe = lm.model.layers[0].mlp.down_proj.weight[:8].astype(ms.float32).asnumpy()
     return {"backend_ran": lm.backend, "build_s": build_s, "compile_s": compile_s, "ttft": stats(ttft),
-            "attention": stats(attention_times), "head": stats(head_times), "weights_checksum": weights_checksum(probe)}
+            "attention": stats(attention_times), "head": stats(head_times), "weights_checksum": weights_checksum(probe),
+            "logits_probe": logits_probe(last["logits"])}
 
 
 def hf_point(checkpoint: str, length: int, repeats: int, seed: int, batch: int, dtype: str) -> dict:
@@ -120,12 +144,13 @@ def hf_point(checkpoint: str, length: int, repeats: int, seed: int, batch: int, 
                                                        attn_implementation="sdpa").eval()
     build_s = time.perf_counter() - start
     config = lm.config
-    rng = np.random.default_rng(seed)
-    ids = torch.tensor(rng.integers(0, config.vocab_size, (batch, length)))
+    ids = torch.tensor(prompt_ids(seed, batch, length, config.vocab_size))
+    last = {}
 
     def prefill():
         with torch.inference_mode():
-            return lm(ids, logits_to_keep=1).logits[:, -1].argmax(-1)
+            last["logits"] = lm(ids, logits_to_keep=1).logits[:, -1].float().numpy()
+            return last["logits"].argmax(-1)
     compile_s, ttft = timed(prefill, repeats)
 
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -150,7 +175,96 @@ def hf_point(checkpoint: str, length: int, repeats: int, seed: int, batch: int, 
     probe = lm.model.layers[0].mlp.down_proj.weight[:8].detach().float().numpy()
     return {"backend_ran": f"transformers {transformers.__version__}, torch {torch.__version__}", "build_s": build_s,
             "compile_s": compile_s, "ttft": stats(ttft), "attention": stats(attention_times), "head": stats(head_times),
-            "weights_checksum": weights_checksum(probe)}
+            "weights_checksum": weights_checksum(probe), "logits_probe": logits_probe(last["logits"])}
+
+
+def mindformers_point(checkpoint: str, length: int, repeats: int, seed: int, batch: int, dtype: str) -> dict:
+    """The other peer: MindFormers' Llama (``mindformers.models.llama.LlamaForCausalLM``, MindSpore
+    GRAPH_MODE) on the same checkpoint, configured as MindFormers runs on a CPU (no flash attention,
+    sliced rotate-half RoPE, unfused RMSNorm, no KV cache), the prefill computing the last token's logits
+    (``batch_valid_length``). Runs in MindFormers' own virtual environment (see ``--mindformers-python``)."""
+    import mindformers_compat
+    mindformers_compat.install()
+    # MindFormers writes its logs under LOCAL_DEFAULT_PATH (./output by default): keep them out of the tree.
+    os.environ.setdefault("LOCAL_DEFAULT_PATH", tempfile.mkdtemp(prefix="mindformers-output-"))
+    import mindspore as ms
+    from mindspore import Tensor, nn
+    from safetensors import safe_open
+
+    ms.set_device("CPU")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    import mindformers
+    from mindformers.models.llama import LlamaConfig, LlamaForCausalLM
+
+    hf = json.loads((Path(checkpoint) / "config.json").read_text())
+    start = time.perf_counter()
+    config = LlamaConfig(
+        batch_size=batch, seq_length=length, hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_attention_heads"], n_kv_heads=hf["num_key_value_heads"],
+        intermediate_size=hf["intermediate_size"], vocab_size=hf["vocab_size"], rms_norm_eps=hf["rms_norm_eps"],
+        theta=hf["rope_theta"], max_position_embedding=max(length, hf["max_position_embeddings"]),
+        compute_dtype=dtype, layernorm_compute_type="float32", softmax_compute_type="float32",
+        rotary_dtype="float32", param_init_type=dtype, use_past=False, use_flash_attention=False,
+        use_rope_slice=True, fused_rms_norm=False)
+    lm = LlamaForCausalLM(config)
+    lm.set_train(False)
+    params = {}
+    for file in sorted(Path(checkpoint).glob("*.safetensors")):
+        with safe_open(str(file), framework="np") as f:
+            for name in f.keys():
+                ms_name = LlamaForCausalLM.convert_name(name)
+                params[ms_name] = ms.Parameter(Tensor(f.get_tensor(name)).astype(getattr(ms, dtype)), name=ms_name)
+    missing, unexpected = ms.load_param_into_net(lm, params, strict_load=True)
+    if missing or unexpected:
+        raise RuntimeError(f"MindFormers checkpoint mapping: missing {missing}, unexpected {unexpected}")
+    del params
+    build_s = time.perf_counter() - start
+    ids = Tensor(np.array(prompt_ids(seed, batch, length, hf["vocab_size"]), np.int32))
+    valid = Tensor(np.full((batch,), length, np.int32))
+    last = {}
+
+    def prefill():
+        last["logits"] = lm(ids, batch_valid_length=valid)[0].asnumpy().reshape(batch, -1)
+        return last["logits"].argmax(-1)
+    compile_s, ttft = timed(prefill, repeats)
+
+    heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
+    head_dim = hf["hidden_size"] // heads
+    rng = np.random.default_rng(seed)
+    q = Tensor(rng.standard_normal((batch, heads, length, head_dim), dtype=np.float32)).astype(getattr(ms, dtype))
+    k, v = (Tensor(rng.standard_normal((batch, kv_heads, length, head_dim), dtype=np.float32)).astype(q.dtype)
+            for _ in range(2))
+
+    class Attention(nn.Cell):
+        """One layer's RoPE + attention, as the model runs them (mask, rotation, repeat_kv, softmax)."""
+
+        def __init__(self):
+            super().__init__()
+            self.model, self.layer, self.length = lm.model, lm.model.layers[0].attention, length
+
+        def construct(self, ids, q, k, v):
+            mask = self.model.casual_mask(ids)
+            q, k = self.layer.apply_rotary_emb(q, k, self.model.freqs_mgr(self.length))
+            rep = self.layer.n_rep
+            return self.layer._attn(q, self.layer._repeat_kv(k, rep), self.layer._repeat_kv(v, rep), mask)
+
+    class Head(nn.Cell):
+        """Everything outside the decoder layers: embedding, final norm, LM head on the last token."""
+
+        def __init__(self):
+            super().__init__()
+            self.model, self.lm_head = lm.model, lm.lm_head
+
+        def construct(self, ids):
+            return self.lm_head(self.model.norm_out(self.model.tok_embeddings(ids))[:, -1:, :])
+
+    attention_net, head_net = Attention(), Head()
+    _, attention_times = timed(lambda: attention_net(ids, q, k, v).asnumpy(), repeats)
+    _, head_times = timed(lambda: head_net(ids).asnumpy(), repeats)
+    probe = lm.model.layers[0].feed_forward.w2.weight[:8].astype(ms.float32).asnumpy()
+    return {"backend_ran": f"mindformers {mindformers.__version__}, mindspore {ms.__version__}", "build_s": build_s,
+            "compile_s": compile_s, "ttft": stats(ttft), "attention": stats(attention_times), "head": stats(head_times),
+            "weights_checksum": weights_checksum(probe), "logits_probe": logits_probe(last["logits"])}
 
 
 def write_checkpoint(model: str, layers: int, seed: int, directory: str) -> dict:
@@ -251,6 +365,24 @@ def same_weights(runs: list[dict]) -> bool:
     return len({r["weights_checksum"] for r in runs if r["status"] == "ok"}) <= 1
 
 
+def logits_disagree(runs: list[dict]) -> list[str]:
+    """Per length, the systems whose last-token logits differ from fused's (or the first system's) by more
+    than LOGITS_RTOL of the largest: the proof that every system computed the same model."""
+    problems = []
+    for length in sorted({r["length"] for r in runs}):
+        ok = [r for r in runs if r["length"] == length and r["status"] == "ok" and r.get("logits_probe")]
+        ok.sort(key=lambda r: r["backend"] != "fused")
+        if not ok:
+            continue
+        reference = np.array(ok[0]["logits_probe"])
+        scale = max(np.abs(reference).max(), 1e-6)
+        for run in ok[1:]:
+            error = np.abs(np.array(run["logits_probe"]) - reference).max() / scale
+            if error > LOGITS_RTOL:
+                problems.append(f"{run['backend']} vs {ok[0]['backend']} at S={length}: {error:.2e} relative")
+    return problems
+
+
 # ---------------------------------------------------------------------------------------------
 
 def sweep(args, progress=True) -> dict:
@@ -290,7 +422,17 @@ def _sweep(args, scratch: str, progress: bool) -> dict:
                 "model": args.model, "layers": args.layers, "dtype": args.dtype, "batch": args.batch,
                 "backend": system, "length": length, "repeats": args.repeats, "checkpoint": checkpoint,
                 "seed": args.seed, "device": args.device}
-        result = run_isolated("ttft", function, kwargs, memory_limit_bytes=limit, timeout_s=args.timeout)
+        python = None
+        if system == "mindformers":
+            python = args.mindformers_python
+            if not Path(python).exists():
+                result = {"status": "skipped", "error": f"not installed: no MindFormers interpreter at {python} "
+                                                        "(make bench installs it)"}
+                not_again[system] = result
+                runs.append({**base, **result})
+                continue
+        result = run_isolated("ttft", function, kwargs, python=python, memory_limit_bytes=limit,
+                              timeout_s=args.timeout)
         if result["status"] == "oom":  # a longer prompt needs at least as much memory
             not_again[system] = {"status": "oom", "error": "not run: a shorter length already ran out of memory"}
         if result["status"] == "skipped":  # a peer that is not installed
@@ -303,11 +445,15 @@ def _sweep(args, scratch: str, progress: bool) -> dict:
                "summary": summarize(runs, args.layers, full_layers)}
     if not same_weights(runs):
         raise RuntimeError("systems ran on different weights (checksums differ): the comparison is void")
+    disagreeing = logits_disagree(runs)
+    if disagreeing:
+        raise RuntimeError(f"systems computed different logits on the same weights and prompt: {disagreeing}")
     validate(results)
     return results
 
 
-NAMES = {"fused": "fused", "unfused": "unfused", "hf": "HF transformers"}
+NAMES = {"fused": "fused", "unfused": "unfused", "hf": "HF transformers", "mindformers": "MindFormers"}
+COLORS = {"fused": "tab:blue", "unfused": "tab:red", "hf": "tab:orange", "mindformers": "tab:green"}
 
 
 def table(results: dict) -> str:
@@ -355,7 +501,7 @@ def plot(results: dict, path: Path) -> None:
     rows = results["summary"]["rows"]
     exps = results["summary"]["exponents"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.3))
-    for backend, color in zip(SYSTEMS, ("tab:blue", "tab:red", "tab:orange")):
+    for backend, color in COLORS.items():
         pts = [(r["length"], r[backend]["full_depth_s"]) for r in rows if r.get(backend, {}).get("status") == "ok"]
         if not pts:
             continue
@@ -375,7 +521,7 @@ def plot(results: dict, path: Path) -> None:
              title=f"Llama2 {s['model']} TTFT, extrapolated to {s['full_layers']} layers")
     left.legend()
     left.grid(True, which="both", alpha=0.3)
-    for other, color in zip(SYSTEMS[1:], ("tab:red", "tab:orange")):
+    for other, color in list(COLORS.items())[1:]:
         ratio = [(r["length"], r[f"{other}_over_fused"]) for r in rows if f"{other}_over_fused" in r]
         if ratio:
             right.plot(*zip(*ratio), "o-", color=color, label=f"{NAMES[other]} / fused")
@@ -403,8 +549,11 @@ def parse_args(argv=None):
                         help="prompt lengths (add 32768 for the long-context point; give --systems fused for it)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS,
-                        help="this project's backends (fused, unfused) and peers (hf: transformers + PyTorch, "
-                             "reported as skipped when not installed)")
+                        help="this project's backends (fused, unfused) and peers (hf: transformers + PyTorch; "
+                             "mindformers: MindFormers' Llama), each reported as skipped when not installed")
+    parser.add_argument("--mindformers-python", default=str(MINDFORMERS_PYTHON),
+                        help="the interpreter of MindFormers' own virtual environment (its pinned transformers "
+                             "4.57 cannot share one with the hf peer's transformers 5)")
     parser.add_argument("--device", default="CPU", help="CPU, or Ascend where the op package is installed")
     parser.add_argument("--checkpoint", help="real weights (Hugging Face or Meta directory) instead of random ones")
     parser.add_argument("--repeats", type=int, default=3)

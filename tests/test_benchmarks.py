@@ -2,6 +2,7 @@
 and one real TTFT sweep on the tiny model, so the scripts cannot rot. No timing is asserted."""
 import json
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -42,11 +43,14 @@ def fake_run(backend, length, seconds, status="ok"):
 def test_summary_ratios_exponents_and_oom_rows():
     runs = [fake_run("fused", 512, 1.0), fake_run("unfused", 512, 1.5), fake_run("fused", 1024, 2.0),
             fake_run("unfused", 1024, 4.0), fake_run("fused", 2048, 4.0), fake_run("unfused", 2048, 0, "oom"),
-            fake_run("hf", 1024, 3.0), fake_run("hf", 2048, 0, "skipped")]
+            fake_run("hf", 1024, 3.0), fake_run("hf", 2048, 0, "skipped"), fake_run("mindformers", 1024, 2.5),
+            fake_run("mindformers", 2048, 0, "oom")]
     summary = ttft.summarize(runs, layers=2, full_layers=32)
     rows = {r["length"]: r for r in summary["rows"]}
     assert rows[1024]["unfused_over_fused"] == pytest.approx(2.0)
     assert rows[1024]["hf_over_fused"] == pytest.approx(1.5)
+    assert rows[1024]["mindformers_over_fused"] == pytest.approx(1.25)
+    assert "mindformers_over_fused" not in rows[2048]
     assert "hf_over_fused" not in rows[2048]
     assert rows[512]["fused"]["attention_share"] == pytest.approx(0.5)  # 2 layers x 0.25 s of 1 s
     assert rows[2048]["unfused"] == {"status": "oom", "error": "stopped at 20.0 GiB"}
@@ -76,16 +80,58 @@ def test_watchdog_reports_out_of_memory_instead_of_crashing():
     assert result["status"] == "ok" and result["sum"] == 10.0 and result["peak_rss_mb"] > 0
 
 
+def test_another_interpreter_sees_only_the_benchmarks_folder():
+    """A peer's interpreter (its own virtual environment) must not get this one's sys.path."""
+    result = harness.run_isolated("json", "loads", {"s": '{"answer": 42}'}, python=sys.executable)
+    assert result["status"] == "ok" and result["answer"] == 42
+    assert harness.run_isolated("test_benchmarks", "allocate", {"gib": 0.0}, python=sys.executable) == {
+        "status": "skipped", "error": "not installed: test_benchmarks"}
+    assert harness.run_isolated("test_benchmarks", "allocate", {"gib": 0.0})["status"] == "ok"
+
+
+def test_systems_must_agree_on_the_logits():
+    runs = [dict(fake_run(name, 512, 1.0), logits_probe=[1.0, -2.0, 0.5]) for name in ("hf", "fused", "mindformers")]
+    assert ttft.logits_disagree(runs) == []
+    runs[2]["logits_probe"] = [1.0, -2.0, 0.5 + 3 * ttft.LOGITS_RTOL * 2.0]
+    assert ttft.logits_disagree(runs) == ["mindformers vs fused at S=512: 3.00e-03 relative"]
+    runs[2]["status"] = "oom"
+    assert ttft.logits_disagree(runs) == []
+
+
+def test_mindformers_compat_stands_in_for_hyper_parallel():
+    """MindFormers 2.0.0 imports hyper-parallel (not on PyPI) at import time, subclassing and calling it."""
+    code = ("import mindformers_compat; mindformers_compat.install()\n"
+            "from hyper_parallel.core.dtensor.dtensor import DTensor\n"
+            "from hyper_parallel.platform import get_platform\n"
+            "class Sub(DTensor): pass\n"
+            "platform = get_platform(); platform.device().count\n"
+            "print(Sub.__mro__[1].__qualname__)")
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "hyper_parallel.core.dtensor.dtensor.DTensor"
+
+
 def test_tiny_sweep_end_to_end(tmp_path):
-    results = ttft.main(["--model", "tiny", "--lengths", "8", "33", "--repeats", "1", "--out", str(tmp_path)])
+    results = ttft.main(["--model", "tiny", "--lengths", "8", "33", "--repeats", "1", "--out", str(tmp_path),
+                         "--mindformers-python", str(tmp_path / "no-such-python")])
     written = json.loads((tmp_path / "results.json").read_text())
     ttft.validate(written)
     assert (tmp_path / "ttft.png").stat().st_size > 0
     status = {r["backend"]: r["status"] for r in written["runs"]}
     assert status["fused"] == status["unfused"] == "ok" and status["hf"] in ("ok", "skipped")
-    assert {r["backend_ran"] for r in written["runs"] if r["backend"] != "hf"} == {"fused:CPU", "unfused"}
+    assert status["mindformers"] == "skipped"
+    assert {r["backend_ran"] for r in written["runs"] if r["status"] == "ok" and r["backend"] != "hf"} == {
+        "fused:CPU", "unfused"}
     assert ttft.same_weights(written["runs"])  # the peer, when installed, loaded the same weights
+    assert ttft.logits_disagree(written["runs"]) == []  # ... and computed the same logits
     assert results["summary"]["exponents"]["fused"] is not None
+
+
+@pytest.mark.skipif(not ttft.MINDFORMERS_PYTHON.exists(), reason="MindFormers' environment is installed by make bench")
+def test_mindformers_peer_matches_on_the_tiny_model(tmp_path):
+    results = ttft.main(["--model", "tiny", "--lengths", "37", "--repeats", "1", "--out", str(tmp_path),
+                         "--systems", "fused", "mindformers"])
+    assert {r["backend"]: r["status"] for r in results["runs"]} == {"fused": "ok", "mindformers": "ok"}
 
 
 def test_training_benchmark_end_to_end(tmp_path):
