@@ -530,7 +530,7 @@ def plot(results: dict, path: Path) -> None:
     lengths = [r["length"] for r in rows]
     right.set_xlim(min(lengths) / 1.2, max(lengths) * 1.2)
     right.set(xscale="log", xlabel="prompt length (tokens)", ylabel="TTFT / fused TTFT (measured layers)",
-              title="each system against fused (same weights; > 1: fused is faster)")
+              title="each system over fused (same weights; > 1: fused faster)")
     right.grid(True, which="both", alpha=0.3)
     m = results["machine"]
     fig.suptitle(f"{m['cpu']} ({m['cpus']} cores), MindSpore {m['mindspore']}, {s['dtype']}, batch {s['batch']}",
