@@ -59,6 +59,18 @@ def logits_probe(logits) -> list:
     return [float(x) for x in np.asarray(logits, np.float64).reshape(np.shape(logits)[0], -1)[0, :LOGITS_PROBE]]
 
 
+def timed_prefill(last_logits, repeats: int) -> tuple[float, list[float], list]:
+    """(compile/warm-up seconds, timed seconds, logits probe) of a prefill: ``last_logits()`` returns the
+    last token's logits (B, vocab) as numpy, and choosing the first token (argmax) is part of the time."""
+    last = {}
+
+    def prefill():
+        last["logits"] = last_logits()
+        return last["logits"].argmax(-1)
+    compile_s, times = timed(prefill, repeats)
+    return compile_s, times, logits_probe(last["logits"])
+
+
 # ---------------------------------------------------------------------------------------------
 # One measured point (child process).
 
@@ -87,12 +99,7 @@ def ttft_point(model: str, layers: int, dtype: str, batch: int, backend: str, le
     rng = np.random.default_rng(seed)
     prompts = prompt_ids(seed, batch, length, config.vocab_size)
     generator = Generator(lm)
-    last = {}
-
-    def prefill():
-        last["logits"] = generator.prefill_logits(prompts)[0]
-        return last["logits"].argmax(-1)
-    compile_s, ttft = timed(prefill, repeats)
+    compile_s, ttft, probe_logits = timed_prefill(lambda: generator.prefill_logits(prompts)[0], repeats)
 
     attention = lm.model.layers[0].self_attn.prefill_attention
     hidden_q = config.num_attention_heads * config.dim_per_head
@@ -128,7 +135,7 @@ def ttft_point(model: str, layers: int, dtype: str, batch: int, backend: str, le
     probe = lm.model.layers[0].mlp.down_proj.weight[:8].astype(ms.float32).asnumpy()
     return {"backend_ran": lm.backend, "build_s": build_s, "compile_s": compile_s, "ttft": stats(ttft),
             "attention": stats(attention_times), "head": stats(head_times), "weights_checksum": weights_checksum(probe),
-            "logits_probe": logits_probe(last["logits"])}
+            "logits_probe": probe_logits}
 
 
 def hf_point(checkpoint: str, length: int, repeats: int, seed: int, batch: int, dtype: str) -> dict:
@@ -145,13 +152,11 @@ def hf_point(checkpoint: str, length: int, repeats: int, seed: int, batch: int, 
     build_s = time.perf_counter() - start
     config = lm.config
     ids = torch.tensor(prompt_ids(seed, batch, length, config.vocab_size))
-    last = {}
 
-    def prefill():
+    def last_logits():
         with torch.inference_mode():
-            last["logits"] = lm(ids, logits_to_keep=1).logits[:, -1].float().numpy()
-            return last["logits"].argmax(-1)
-    compile_s, ttft = timed(prefill, repeats)
+            return lm(ids, logits_to_keep=1).logits[:, -1].float().numpy()
+    compile_s, ttft, probe_logits = timed_prefill(last_logits, repeats)
 
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = config.hidden_size // heads
@@ -175,7 +180,7 @@ def hf_point(checkpoint: str, length: int, repeats: int, seed: int, batch: int, 
     probe = lm.model.layers[0].mlp.down_proj.weight[:8].detach().float().numpy()
     return {"backend_ran": f"transformers {transformers.__version__}, torch {torch.__version__}", "build_s": build_s,
             "compile_s": compile_s, "ttft": stats(ttft), "attention": stats(attention_times), "head": stats(head_times),
-            "weights_checksum": weights_checksum(probe), "logits_probe": logits_probe(last["logits"])}
+            "weights_checksum": weights_checksum(probe), "logits_probe": probe_logits}
 
 
 def mindformers_point(checkpoint: str, length: int, repeats: int, seed: int, batch: int, dtype: str) -> dict:
@@ -208,25 +213,31 @@ def mindformers_point(checkpoint: str, length: int, repeats: int, seed: int, bat
         use_rope_slice=True, fused_rms_norm=False)
     lm = LlamaForCausalLM(config)
     lm.set_train(False)
-    params = {}
+    # Tensor by tensor into the model's own parameters, as this project's loader does: a dict of every
+    # converted tensor first (load_param_into_net) would hold the model twice and inflate the peer's peak.
+    own = lm.parameters_dict()
+    loaded, unexpected = set(), []
     for file in sorted(Path(checkpoint).glob("*.safetensors")):
         with safe_open(str(file), framework="np") as f:
             for name in f.keys():
                 ms_name = LlamaForCausalLM.convert_name(name)
-                params[ms_name] = ms.Parameter(Tensor(f.get_tensor(name)).astype(getattr(ms, dtype)), name=ms_name)
-    missing, unexpected = ms.load_param_into_net(lm, params, strict_load=True)
+                if ms_name not in own:
+                    unexpected.append(ms_name)
+                    continue
+                value = Tensor.from_numpy(f.get_tensor(name)).astype(own[ms_name].dtype)
+                if value.shape != own[ms_name].shape:
+                    raise RuntimeError(f"MindFormers checkpoint mapping: {ms_name} is {value.shape} in {file}, "
+                                       f"the model has {own[ms_name].shape}")
+                own[ms_name].set_data(value)
+                loaded.add(ms_name)
+    missing = sorted(set(own) - loaded)
     if missing or unexpected:
         raise RuntimeError(f"MindFormers checkpoint mapping: missing {missing}, unexpected {unexpected}")
-    del params
     build_s = time.perf_counter() - start
     ids = Tensor(np.array(prompt_ids(seed, batch, length, hf["vocab_size"]), np.int32))
     valid = Tensor(np.full((batch,), length, np.int32))
-    last = {}
-
-    def prefill():
-        last["logits"] = lm(ids, batch_valid_length=valid)[0].asnumpy().reshape(batch, -1)
-        return last["logits"].argmax(-1)
-    compile_s, ttft = timed(prefill, repeats)
+    compile_s, ttft, probe_logits = timed_prefill(
+        lambda: lm(ids, batch_valid_length=valid)[0].asnumpy().reshape(batch, -1), repeats)
 
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     head_dim = hf["hidden_size"] // heads
@@ -264,7 +275,7 @@ def mindformers_point(checkpoint: str, length: int, repeats: int, seed: int, bat
     probe = lm.model.layers[0].feed_forward.w2.weight[:8].astype(ms.float32).asnumpy()
     return {"backend_ran": f"mindformers {mindformers.__version__}, mindspore {ms.__version__}", "build_s": build_s,
             "compile_s": compile_s, "ttft": stats(ttft), "attention": stats(attention_times), "head": stats(head_times),
-            "weights_checksum": weights_checksum(probe), "logits_probe": logits_probe(last["logits"])}
+            "weights_checksum": weights_checksum(probe), "logits_probe": probe_logits}
 
 
 def write_checkpoint(model: str, layers: int, seed: int, directory: str) -> dict:
@@ -422,17 +433,13 @@ def _sweep(args, scratch: str, progress: bool) -> dict:
                 "model": args.model, "layers": args.layers, "dtype": args.dtype, "batch": args.batch,
                 "backend": system, "length": length, "repeats": args.repeats, "checkpoint": checkpoint,
                 "seed": args.seed, "device": args.device}
-        python = None
-        if system == "mindformers":
-            python = args.mindformers_python
-            if not Path(python).exists():
-                result = {"status": "skipped", "error": f"not installed: no MindFormers interpreter at {python} "
-                                                        "(make bench installs it)"}
-                not_again[system] = result
-                runs.append({**base, **result})
-                continue
-        result = run_isolated("ttft", function, kwargs, python=python, memory_limit_bytes=limit,
-                              timeout_s=args.timeout)
+        python = args.mindformers_python if system == "mindformers" else None
+        if python and not Path(python).exists():
+            result = {"status": "skipped", "error": f"not installed: no MindFormers interpreter at {python} "
+                                                    "(make bench installs it)"}
+        else:
+            result = run_isolated("ttft", function, kwargs, python=python, memory_limit_bytes=limit,
+                                  timeout_s=args.timeout)
         if result["status"] == "oom":  # a longer prompt needs at least as much memory
             not_again[system] = {"status": "oom", "error": "not run: a shorter length already ran out of memory"}
         if result["status"] == "skipped":  # a peer that is not installed
