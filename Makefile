@@ -25,14 +25,14 @@ $(STAMP): requirements.txt $(KERNEL_SOURCES)
 test: $(STAMP) sanitize
 	$(PY) -m pytest -q tests
 
-# The kernel tests (forward and backward) again against kernels built with AddressSanitizer + UBSan (any finding aborts),
-# for the best ISA of this CPU and the portable build.
+# The kernel tests (forward and backward, and the projections' GEMM) again against kernels built with AddressSanitizer +
+# UBSan (any finding aborts), for the best ISA of this CPU and the portable build.
 SANITIZE_ENV = ASAN_OPTIONS=detect_leaks=0:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so):$$(gcc -print-file-name=libubsan.so)" \
 	RFA_CPU_KERNEL_DIR=build/sanitize/ms_rope_attention
 sanitize: $(STAMP)
 	RFA_SANITIZE=1 $(PY) setup.py -q build_ext --build-lib build/sanitize --build-temp build/sanitize-tmp
-	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel.py tests/test_kernel_backward.py
+	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel.py tests/test_kernel_backward.py tests/test_linear.py
 	$(SANITIZE_ENV) RFA_CPU_ISA=generic $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel.py tests/test_kernel_backward.py
 
 # The main job: Llama2-7B-dimension time to first token, fused vs unfused, over prompt lengths

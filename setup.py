@@ -42,6 +42,22 @@ extensions = [
     for isa, flags in ISA_FLAGS.items()
 ]
 
+# The projections' GEMM (y = x W^T) on OpenBLAS, from the scipy-openblas32 wheel (an install requirement,
+# so it is there when pip builds this package without build isolation, as the Makefile does). One build:
+# OpenBLAS picks its kernels for the running CPU. The rpath finds the wheel's library in this environment;
+# ms_rope_attention/linear.py also loads it first by path, so a moved environment works as well.
+try:
+    import scipy_openblas32
+except ImportError as missing:
+    raise SystemExit("building ms_rope_attention needs scipy-openblas32 installed first "
+                     "(pip install -r requirements.txt)") from missing
+extensions.append(Extension(
+    "ms_rope_attention._rfa_cpu_linear", sources=[f"{CSRC}/rfa_cpu_linear.cc"], depends=[f"{CSRC}/aot_abi.h"],
+    include_dirs=[scipy_openblas32.get_include_dir()], library_dirs=[scipy_openblas32.get_lib_dir()],
+    libraries=[scipy_openblas32.get_library()], runtime_library_dirs=[scipy_openblas32.get_lib_dir()],
+    extra_compile_args=[c for c in COMMON if c != "-fopenmp"] + SANITIZE, extra_link_args=SANITIZE[:1],
+    language="c++"))
+
 # The Ascend C kernel (aclnn/op_kernel) compiled for the CPU against the AscendC emulation, for the
 # tests only: the real kernel is built by CANN (ms_rope_attention/aclnn/build.sh).
 ACLNN = "ms_rope_attention/aclnn"
@@ -69,7 +85,7 @@ setup(
     # Every runtime import of the package (tests/test_packaging.py checks it against the sources);
     # sentencepiece (tokenizer.model checkpoints) and torch (Meta .pth checkpoints) are optional.
     install_requires=["mindspore==2.10.0", "numpy>=1.25,<2", "pyyaml", "ml_dtypes>=0.4,<0.6", "safetensors",
-                      "tokenizers", "tqdm"],
+                      "scipy-openblas32", "tokenizers", "tqdm"],
     extras_require={"test": ["pytest"], "bench": ["matplotlib"], "sentencepiece": ["sentencepiece"],
                     "meta-pth": ["torch"],
                     # what users would pick instead, measured side by side by benchmarks/ttft.py

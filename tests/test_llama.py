@@ -81,6 +81,23 @@ def test_fused_equals_unfused_equals_float64_reference(checkpoint, mode_name, rn
     assert np.abs(expected).max() > 1  # the comparison is not between near-zero logits
 
 
+def test_openblas_and_matmul_projections_equal_float64_reference(checkpoint, graph, rng):
+    """The CPU's OpenBLAS projections (the default) and MindSpore's MatMul give the same model."""
+    state, path = checkpoint
+    (ids,) = ids_of(rng, 29)
+    expected = forward(state, CONFIG, ids)
+    for projections in ("auto", "matmul"):
+        model = load_checkpoint(path, backend="fused", progress=False, projections=projections)
+        assert all(cell.use_blas == (projections == "auto") for _, cell in model.cells_and_names()
+                   if type(cell).__name__ == "Linear")
+        assert np.abs(bsh_logits(model, ids) - expected).max() <= ATOL
+
+
+def test_unknown_projections_is_refused():
+    with pytest.raises(ValueError, match=r"projections: expected one of \['auto', 'matmul'\], got 'blas'"):
+        LlamaForCausalLM(CONFIG, projections="blas")
+
+
 @pytest.mark.parametrize("backend", ["fused", "unfused"])
 def test_prefill_then_decode_equals_full_forward(checkpoint, backend, graph, rng):
     _, path = checkpoint

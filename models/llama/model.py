@@ -19,6 +19,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
 from ms_rope_attention import RotaryFlashAttention
+from ms_rope_attention.linear import linear_op
 from ms_rope_attention.unfused import apply_rope
 
 # Absolute imports: mindspore.rewrite (amp.auto_mixed_precision O1) regenerates this module's source
@@ -28,6 +29,7 @@ from models.llama.rope_scaling import model_rope_tables
 
 DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 LAYOUTS = ("BSH", "TND")
+PROJECTIONS = ("auto", "matmul")
 IGNORE_INDEX = -100  # labels that take no part in the loss (as in Hugging Face)
 
 
@@ -49,15 +51,22 @@ def check_device_dtype(dtype: str) -> None:
 
 
 class Linear(nn.Cell):
-    """y = x W^T, W stored (out, in) as in Hugging Face checkpoints; no bias (Llama has none)."""
+    """y = x W^T, W stored (out, in) as in Hugging Face checkpoints; no bias (Llama has none).
+
+    On the CPU, float32 activations go through OpenBLAS (``ms_rope_attention.linear``), faster there
+    than MindSpore's MatMul; other devices and dtypes (amp's float16) take MatMul."""
 
     def __init__(self, in_features: int, out_features: int, dtype):
         super().__init__()
         self.weight = Parameter(initializer(Normal(0.02), (out_features, in_features), dtype), name="weight")
         self.in_features, self.out_features = in_features, out_features
         self.matmul = ops.MatMul(transpose_b=True)
+        self.use_blas = ms.get_context("device_target") == "CPU"  # LlamaForCausalLM(projections="matmul") clears it
+        self.blas = linear_op() if self.use_blas else None
 
     def construct(self, x):
+        if self.use_blas and x.dtype == ms.float32 and self.weight.dtype == ms.float32:
+            return self.blas(x, self.weight)
         # The static feature count (not -1) keeps the last dim static under dynamic batch/sequence
         # shapes, so the attention op still knows its head counts at compile time.
         # The weight in the activation's dtype: under mixed precision (amp O2/O3) activations are float16
@@ -213,16 +222,21 @@ class LlamaForCausalLM(nn.Cell):
 
     ``backend``: "auto" (fused where available, announced fallback otherwise), "fused" or "unfused",
     for the whole model, so both run on identical weights.
+
+    ``projections``: "auto" (OpenBLAS for float32 on the CPU, MatMul otherwise) or "matmul" (MindSpore's
+    MatMul everywhere: the benchmarks' A/B of the two GEMMs).
     """
 
     def __init__(self, config: LlamaConfig, *, dtype="float32", layout: str = "BSH", backend: str = "auto",
-                 logits: str = "all", max_positions: int | None = None):
+                 logits: str = "all", max_positions: int | None = None, projections: str = "auto"):
         super().__init__()
         dtype = dtype_name(dtype)
         if layout not in LAYOUTS:
             raise ValueError(f"layout: expected one of {list(LAYOUTS)}, got {layout!r}")
         if logits not in ("all", "last"):
             raise ValueError(f"logits: expected 'all' or 'last', got {logits!r}")
+        if projections not in PROJECTIONS:
+            raise ValueError(f"projections: expected one of {list(PROJECTIONS)}, got {projections!r}")
         check_device_dtype(dtype)
         self.config = config  # for Python callers; construct reads only the plain values below (GRAPH_MODE)
         self.hidden_size, self.vocab_size = config.hidden_size, config.vocab_size
@@ -237,6 +251,10 @@ class LlamaForCausalLM(nn.Cell):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, ms_dtype)
         self.matmul = ops.MatMul(transpose_b=True)
         self.last_only = logits == "last"
+        if projections == "matmul":
+            for _, cell in self.cells_and_names():
+                if isinstance(cell, Linear):
+                    cell.use_blas = False
 
     @property
     def backend(self) -> str:

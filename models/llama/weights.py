@@ -215,7 +215,7 @@ def load_weights(model: LlamaForCausalLM, directory: str | Path, source: str = "
 
 def load_checkpoint(directory: str | Path, *, dtype: str = "float32", layout: str = "BSH", backend: str = "auto",
                     logits: str = "all", max_positions: int | None = None, num_layers: int | None = None,
-                    progress: bool = True) -> LlamaForCausalLM:
+                    progress: bool = True, projections: str = "auto") -> LlamaForCausalLM:
     """A ``LlamaForCausalLM`` built from a checkpoint's config and filled with its weights
     (only the first ``num_layers`` decoder layers when given)."""
     config, source = read_config(directory)
@@ -224,7 +224,7 @@ def load_checkpoint(directory: str | Path, *, dtype: str = "float32", layout: st
             raise ValueError(f"num_layers: expected 1..{config.num_hidden_layers}, got {num_layers!r}")
         config = config.replace(num_hidden_layers=num_layers)
     model = LlamaForCausalLM(config, dtype=dtype, layout=layout, backend=backend, logits=logits,
-                             max_positions=max_positions)
+                             max_positions=max_positions, projections=projections)
     load_weights(model, directory, source, progress, first_layers_only=num_layers is not None)
     return model
 

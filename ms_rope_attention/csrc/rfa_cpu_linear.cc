@@ -1,0 +1,115 @@
+// y = x W^T on the CPU through OpenBLAS's SGEMM, as a MindSpore aot op: the projections of a
+// transformer layer (Q/K/V/O, gate/up/down) with W in Hugging Face's (out_features, in_features) layout.
+//
+// Why: at prefill lengths of a few hundred to a few thousand tokens, a Llama layer's time is these
+// GEMMs, and MindSpore 2.10's CPU MatMul ran them at ~115-140 GFLOP/s on a 2-core AVX2 machine where
+// OpenBLAS (the scipy-openblas32 wheel) ran the same shapes at ~140-160 (see the README's model-level
+// results). OpenBLAS picks its kernels for the running CPU itself, so this library is built once, not per ISA.
+//
+// Entries: RfaLinear (x (..., K), weight (N, K)) -> y (..., N), float32; RfaLinearInferShape /
+// RfaLinearInferType (C++ infer, so GRAPH_MODE with a dynamic sequence length compiles once);
+// RfaLinearLastError (the message of the last refused launch).
+#include <algorithm>
+#include <climits>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include <cblas.h>  // scipy-openblas32's: every symbol carries its scipy_ prefix
+
+#include "aot_abi.h"
+
+#define RFA_EXPORT __attribute__((visibility("default")))
+
+namespace {
+
+thread_local std::string g_last_error;
+
+int Fail(const std::string &message) {
+  g_last_error = message;
+  std::fprintf(stderr, "[RfaLinear] error: %s\n", message.c_str());
+  return 1;
+}
+
+std::string Shape(int ndim, const int64_t *shape) {
+  std::string s = "(";
+  for (int i = 0; i < ndim; ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + (ndim == 1 ? ",)" : ")");
+}
+
+struct Gemm {
+  int64_t m = 0, n = 0, k = 0;  // rows of x, out_features, in_features
+};
+
+// Checks x (..., K), weight (N, K) and y (..., N), all float32, before any memory is touched.
+std::string Validate(const int *ndims, int64_t *const *shapes, const char *const *dtypes, Gemm *g) {
+  const char *names[3] = {"x", "weight", "y"};
+  for (int i = 0; i < 3; ++i)
+    if (std::string(dtypes[i]) != "float32") return std::string(names[i]) + ": expected float32, got " + dtypes[i];
+  const int nx = ndims[0];
+  const int64_t *x = shapes[0], *w = shapes[1], *y = shapes[2];
+  if (nx < 1) return "x: expected at least 1 dimension (..., in_features), got a scalar";
+  if (ndims[1] != 2) return "weight: expected 2 dimensions (out_features, in_features), got " + Shape(ndims[1], w);
+  g->n = w[0];
+  g->k = w[1];
+  if (x[nx - 1] != g->k)
+    return "x: expected its last dimension to be the weight's in_features " + std::to_string(g->k) + ", got x " +
+           Shape(nx, x) + " and weight " + Shape(2, w);
+  g->m = 1;
+  for (int i = 0; i + 1 < nx; ++i) {
+    if (x[i] < 0) return "x: expected a concrete shape, got " + Shape(nx, x);
+    g->m *= x[i];
+  }
+  if (g->n > INT_MAX || g->k > INT_MAX)
+    return "weight: expected both dimensions below 2^31 (a BLAS int), got " + Shape(2, w);
+  bool same = ndims[2] == nx && y[nx - 1] == g->n;
+  for (int i = 0; same && i + 1 < nx; ++i) same = y[i] == x[i];
+  if (!same) return "y: expected shape x.shape[:-1] + (out_features,), got y " + Shape(ndims[2], y) + " for x " +
+                    Shape(nx, x) + " and weight " + Shape(2, w);
+  return "";
+}
+
+void Multiply(const Gemm &g, const float *x, const float *w, float *y) {
+  if (g.k == 0) {  // an empty sum: BLAS may leave y untouched
+    std::memset(y, 0, static_cast<size_t>(g.m * g.n) * sizeof(float));
+    return;
+  }
+  constexpr int64_t kRowsPerCall = INT_MAX;  // M is a BLAS int: larger inputs go in slices of rows
+  for (int64_t r = 0; r < g.m; r += kRowsPerCall) {
+    const int64_t rows = std::min(kRowsPerCall, g.m - r);
+    scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(rows), static_cast<blasint>(g.n),
+                      static_cast<blasint>(g.k), 1.0f, x + r * g.k, static_cast<blasint>(g.k), w,
+                      static_cast<blasint>(g.k), 0.0f, y + r * g.n, static_cast<blasint>(g.n));
+  }
+}
+
+}  // namespace
+
+extern "C" RFA_EXPORT const char *RfaLinearLastError() { return g_last_error.c_str(); }
+
+// y's shape: x.shape[:-1] + (out_features,); -1 stays -1 (dynamic dimensions).
+extern "C" RFA_EXPORT std::vector<int64_t> RfaLinearInferShape(int *ndims, int64_t **shapes, mindspore::AotExtra *) {
+  std::vector<int64_t> out(shapes[0], shapes[0] + ndims[0]);
+  if (!out.empty() && ndims[1] == 2) out.back() = shapes[1][0];
+  return out;
+}
+
+extern "C" RFA_EXPORT TypeId RfaLinearInferType(std::vector<TypeId> inputs, mindspore::AotExtra *) { return inputs[0]; }
+
+extern "C" RFA_EXPORT int RfaLinear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
+                                    void *) {
+  try {
+    if (nparam != 3) return Fail("expected 2 inputs (x, weight) and 1 output, got " + std::to_string(nparam) + " params");
+    Gemm g;
+    const std::string err = Validate(ndims, shapes, dtypes, &g);
+    if (!err.empty()) return Fail(err);
+    if (g.m > 0 && g.n > 0)
+      Multiply(g, static_cast<const float *>(params[0]), static_cast<const float *>(params[1]),
+               static_cast<float *>(params[2]));
+    return 0;
+  } catch (const std::exception &e) {
+    return Fail(e.what());
+  }
+}
