@@ -1,8 +1,8 @@
 """The projections' GEMM, side by side in one process: MindSpore's CPU MatMul against this project's
 OpenBLAS op (``ms_rope_attention.linear``), numpy's (OpenBLAS) and PyTorch's (MKL) when installed, at
-Llama2-7B's projection shapes; then the whole prefill of a Llama2-7B-dimension model with each of
-the two MindSpore GEMMs (``projections="auto"`` vs ``"matmul"``, same weights). Series alternate
-round by round (``harness.alternate``), so a noisy machine slows them alike. Reports min and median,
+a decoder layer's projection shapes (Llama2-7B by default); then the whole prefill of that model
+(2 layers) with each of the two MindSpore GEMMs (``projections="auto"`` vs ``"matmul"``, same
+weights). Series alternate round by round (``harness.alternate``), so a noisy machine slows them alike. Reports min and median,
 GFLOP/s and the ratios against MatMul; writes JSON.
 
     python benchmarks/projections.py --lengths 512 2048 --out benchmarks/results
@@ -17,8 +17,22 @@ import numpy as np
 
 from harness import alternate, machine_info, stats
 
-# (name, out_features, in_features) of one Llama2-7B layer; q/k/v/o share a shape.
-SHAPES = [("q/k/v/o_proj", 4096, 4096), ("gate/up_proj", 11008, 4096), ("down_proj", 4096, 11008)]
+
+
+def layer_shapes(config) -> list[tuple[str, int, int, int]]:
+    """(name, out_features, in_features, count per layer) of a decoder layer's projections."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * config.dim_per_head, config.num_key_value_heads * config.dim_per_head
+    shapes = [("q_proj", q, hidden, 1), ("k/v_proj", kv, hidden, 2), ("o_proj", hidden, q, 1),
+              ("gate/up_proj", inter, hidden, 2), ("down_proj", hidden, inter, 1)]
+    merged = {}  # 7B's q/k/v/o share one shape: measure it once
+    for name, n, k, count in shapes:
+        if (n, k) in merged:
+            old = merged[(n, k)]
+            merged[(n, k)] = (f"{old[0]}, {name}", n, k, old[3] + count)
+        else:
+            merged[(n, k)] = (name, n, k, count)
+    return list(merged.values())
 
 
 def op_series(length: int, out_features: int, in_features: int) -> dict:
@@ -54,16 +68,14 @@ def op_series(length: int, out_features: int, in_features: int) -> dict:
     return series
 
 
-def model_series(length: int, layers: int, seed: int) -> dict:
-    """{projections: callable} running one prefill of a Llama2-7B-dimension model, both models on
-    the same weights."""
+def model_series(config, length: int, seed: int) -> dict:
+    """{projections: callable} running one prefill of the model, both models on the same weights."""
     import mindspore as ms
 
-    from models.llama import LlamaForCausalLM, preset
+    from models.llama import LlamaForCausalLM
     from models.llama.generate import Generator
     from ttft import prompt_ids
 
-    config = preset("7b", num_hidden_layers=layers)
     models = {}
     for projections in ("matmul", "auto"):
         ms.set_seed(seed)  # the same random weights for both
@@ -85,6 +97,7 @@ def main(argv=None) -> dict:
     import mindspore as ms
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="7b", choices=["7b", "13b", "70b", "tiny"])
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--layers", type=int, default=2, help="decoder layers of the model-level A/B")
     parser.add_argument("--repeats", type=int, default=5, help="rounds at least (more when they fit in 30 s)")
@@ -92,20 +105,23 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
+    from models.llama import preset
+
     ms.set_device("CPU")
     ms.set_context(mode=ms.GRAPH_MODE)
+    config = preset(args.model, num_hidden_layers=args.layers)
+    shapes = layer_shapes(config)
     report = {"machine": machine_info(), "settings": vars(args), "ops": {}, "model": {}}
     for length in args.lengths:
-        for name, n, k in SHAPES:
+        for name, n, k, _ in shapes:
             key = f"S={length} {name} ({length}x{k} @ {k}x{n})"
             report["ops"][key] = summarize(alternate(op_series(length, n, k), args.repeats), 2.0 * length * n * k)
             print(key)
             for who, r in report["ops"][key].items():
                 print(f"  {who:28s} {r['min_s'] * 1e3:8.1f} / {r['median_s'] * 1e3:8.1f} ms  {r['gflops']:6.1f} GFLOP/s"
                       f"  x{r['speedup_vs_matmul']:.2f}")
-        times = alternate(model_series(length, args.layers, args.seed), args.model_repeats, args.model_repeats, 0.0)
-        flop = 2.0 * length * args.layers * sum(n * k * (4 if "q/k" in s else 2 if "gate" in s else 1)
-                                                for s, n, k in SHAPES)
+        times = alternate(model_series(config, length, args.seed), args.model_repeats, args.model_repeats, 0.0)
+        flop = 2.0 * length * args.layers * sum(n * k * count for _, n, k, count in shapes)
         report["model"][str(length)] = summarize(times, flop)
         print(f"S={length} prefill, {args.layers} layers (GFLOP/s over the projections' {flop / 1e9:.0f} GFLOP)")
         for who, r in report["model"][str(length)].items():

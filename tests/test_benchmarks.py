@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 import harness  # noqa: E402
+import projections  # noqa: E402
 import train  # noqa: E402
 import ttft  # noqa: E402
 
@@ -148,3 +149,21 @@ def test_training_benchmark_end_to_end(tmp_path):
     assert row["ratios"]["fused_vs_unfused"] > 0
     llama = results["llama_step"][0]
     assert llama["fused"]["tokens_per_s"] > 0 and llama["unfused"]["tokens_per_s"] > 0
+
+
+def test_projection_shapes_merge_equal_shapes_and_count_every_gemm():
+    from models.llama import preset
+    shapes = projections.layer_shapes(preset("7b"))
+    assert shapes == [("q_proj, k/v_proj, o_proj", 4096, 4096, 4), ("gate/up_proj", 11008, 4096, 2),
+                      ("down_proj", 4096, 11008, 1)]
+    gqa = preset("tiny")
+    assert sum(count for *_, count in projections.layer_shapes(gqa)) == 7
+
+
+def test_projections_benchmark_end_to_end(tmp_path):
+    report = projections.main(["--model", "tiny", "--lengths", "8", "--layers", "1", "--repeats", "1",
+                               "--model-repeats", "1", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "projections.json").read_text())["model"]["8"] == report["model"]["8"]
+    for series in list(report["ops"].values()) + [report["model"]["8"]]:
+        assert series["MindSpore MatMul"]["speedup_vs_matmul"] == 1.0
+        assert series["OpenBLAS op (this project)"]["gflops"] > 0
