@@ -52,7 +52,8 @@ except ImportError as missing:
     raise SystemExit("building ms_rope_attention needs scipy-openblas32 installed first "
                      "(pip install -r requirements.txt)") from missing
 extensions.append(Extension(
-    "ms_rope_attention._rfa_cpu_linear", sources=[f"{CSRC}/rfa_cpu_linear.cc"], depends=[f"{CSRC}/aot_abi.h"],
+    "ms_rope_attention._rfa_cpu_linear", sources=[f"{CSRC}/rfa_cpu_linear.cc"],
+    depends=[f"{CSRC}/aot_abi.h", f"{CSRC}/rfa_problem.h"],
     include_dirs=[scipy_openblas32.get_include_dir()], library_dirs=[scipy_openblas32.get_lib_dir()],
     libraries=[scipy_openblas32.get_library()], runtime_library_dirs=[scipy_openblas32.get_lib_dir()],
     extra_compile_args=[c for c in COMMON if c != "-fopenmp"] + SANITIZE, extra_link_args=SANITIZE[:1],

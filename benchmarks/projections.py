@@ -2,8 +2,8 @@
 OpenBLAS op (``ms_rope_attention.linear``), numpy's (OpenBLAS) and PyTorch's (MKL) when installed, at
 a decoder layer's projection shapes (Llama2-7B by default); then the whole prefill of that model
 (2 layers) with each of the two MindSpore GEMMs (``projections="auto"`` vs ``"matmul"``, same
-weights). Series alternate round by round (``harness.alternate``), so a noisy machine slows them alike. Reports min and median,
-GFLOP/s and the ratios against MatMul; writes JSON.
+weights). Series alternate round by round (``harness.alternate``), so a noisy machine slows them
+alike. Reports min and median, GFLOP/s and the ratios against MatMul; writes JSON.
 
     python benchmarks/projections.py --lengths 512 2048 --out benchmarks/results
 """
@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 
 from harness import alternate, machine_info, stats
-
 
 
 def layer_shapes(config) -> list[tuple[str, int, int, int]]:

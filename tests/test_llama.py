@@ -88,8 +88,8 @@ def test_openblas_and_matmul_projections_equal_float64_reference(checkpoint, gra
     expected = forward(state, CONFIG, ids)
     for projections in ("auto", "matmul"):
         model = load_checkpoint(path, backend="fused", progress=False, projections=projections)
-        assert all(cell.use_blas == (projections == "auto") for _, cell in model.cells_and_names()
-                   if type(cell).__name__ == "Linear")
+        flags = [cell.use_blas for _, cell in model.cells_and_names() if type(cell).__name__ == "Linear"]
+        assert flags and all(flag == (projections == "auto") for flag in flags)
         assert np.abs(bsh_logits(model, ids) - expected).max() <= ATOL
 
 

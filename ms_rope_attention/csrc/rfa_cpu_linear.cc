@@ -14,29 +14,33 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include <cblas.h>  // scipy-openblas32's: every symbol carries its scipy_ prefix
 
 #include "aot_abi.h"
+#include "rfa_problem.h"  // rfa::ShapeText
 
 #define RFA_EXPORT __attribute__((visibility("default")))
 
 namespace {
 
-thread_local std::string g_last_error;
+using rfa::ShapeText;
+
+// One message for the process, as the attention op keeps it: MindSpore launches on its own threads,
+// and the caller reads the message from another.
+std::mutex g_error_mutex;
+std::string g_last_error;
 
 int Fail(const std::string &message) {
-  g_last_error = message;
+  {
+    std::lock_guard<std::mutex> lock(g_error_mutex);
+    g_last_error = message;
+  }
   std::fprintf(stderr, "[RfaLinear] error: %s\n", message.c_str());
   return 1;
-}
-
-std::string Shape(int ndim, const int64_t *shape) {
-  std::string s = "(";
-  for (int i = 0; i < ndim; ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + (ndim == 1 ? ",)" : ")");
 }
 
 struct Gemm {
@@ -51,23 +55,23 @@ std::string Validate(const int *ndims, int64_t *const *shapes, const char *const
   const int nx = ndims[0];
   const int64_t *x = shapes[0], *w = shapes[1], *y = shapes[2];
   if (nx < 1) return "x: expected at least 1 dimension (..., in_features), got a scalar";
-  if (ndims[1] != 2) return "weight: expected 2 dimensions (out_features, in_features), got " + Shape(ndims[1], w);
+  if (ndims[1] != 2) return "weight: expected 2 dimensions (out_features, in_features), got " + ShapeText(ndims[1], w);
   g->n = w[0];
   g->k = w[1];
   if (x[nx - 1] != g->k)
     return "x: expected its last dimension to be the weight's in_features " + std::to_string(g->k) + ", got x " +
-           Shape(nx, x) + " and weight " + Shape(2, w);
+           ShapeText(nx, x) + " and weight " + ShapeText(2, w);
   g->m = 1;
   for (int i = 0; i + 1 < nx; ++i) {
-    if (x[i] < 0) return "x: expected a concrete shape, got " + Shape(nx, x);
+    if (x[i] < 0) return "x: expected a concrete shape, got " + ShapeText(nx, x);
     g->m *= x[i];
   }
   if (g->n > INT_MAX || g->k > INT_MAX)
-    return "weight: expected both dimensions below 2^31 (a BLAS int), got " + Shape(2, w);
+    return "weight: expected both dimensions below 2^31 (a BLAS int), got " + ShapeText(2, w);
   bool same = ndims[2] == nx && y[nx - 1] == g->n;
   for (int i = 0; same && i + 1 < nx; ++i) same = y[i] == x[i];
-  if (!same) return "y: expected shape x.shape[:-1] + (out_features,), got y " + Shape(ndims[2], y) + " for x " +
-                    Shape(nx, x) + " and weight " + Shape(2, w);
+  if (!same) return "y: expected shape x.shape[:-1] + (out_features,), got y " + ShapeText(ndims[2], y) + " for x " +
+                    ShapeText(nx, x) + " and weight " + ShapeText(2, w);
   return "";
 }
 
