@@ -40,13 +40,18 @@ def alternate(series: dict, repeats: int, max_rounds: int = 10, budget_s: float 
         fn()  # warm-up: scratch allocation, first touch
     rounds = max(repeats, min(max_rounds, int(budget_s / (time.perf_counter() - start))))
     times = {name: [] for name in series}
-    names = list(series)
     for i in range(rounds):
-        for name in names[i % len(names):] + names[:i % len(names)]:
+        for name in turned(list(series), i):
             start = time.perf_counter()
             series[name]()
             times[name].append(time.perf_counter() - start)
     return times
+
+
+def turned(items: list, i: int) -> list:
+    """``items`` rotated by ``i``: round i's order, so that no item always runs right after the same one."""
+    k = i % len(items) if items else 0
+    return items[k:] + items[:k]
 
 
 def stats(times: list[float]) -> dict:

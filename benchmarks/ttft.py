@@ -2,12 +2,16 @@
 pick instead (Hugging Face transformers' LlamaForCausalLM with PyTorch sdpa, and MindFormers' Llama,
 each when installed), over prompt lengths.
 
-Each (system, length) point runs in a fresh process on identical weights and prompt (a checksum of
-the weights and the last token's logits, which must agree across systems, prove it):
-with a peer in the sweep and no --checkpoint, the seeded random weights are written once as a
-Hugging Face checkpoint that every system loads. The model is built (Llama2-7B dimensions, a few
+Every system runs on identical weights and prompt (a checksum of the weights and the last token's
+logits, which must agree across systems, prove it): with a peer in the sweep and no --checkpoint, the
+seeded random weights are written once as a Hugging Face checkpoint that every system loads.
+Each length is measured in ``--rounds`` rounds; a round runs every system once, each in a fresh
+process, in an order that turns every round, so a machine that slows down or speeds up during the
+sweep (shared cloud cores drift by tens of percent within minutes) moves every system alike instead
+of whichever happened to run then. In each process the model is built (Llama2-7B dimensions, a few
 layers), the prefill is compiled or warmed up once (reported as compile time, not in TTFT), then the
-prefill + first-token choice is timed ``--repeats`` times. The same process also times one layer's
+prefill + first-token choice is timed ``--repeats`` times; a point's min and median are over all its
+rounds' times. The same process also times one layer's
 attention alone and the embedding/norm/LM-head part, which give the attention share of TTFT and the
 extrapolation to the model's full depth: full = head + per_layer * full_layers, where
 per_layer = (TTFT - head) / layers. A fitted exponent b of TTFT ~ S^b summarises growth per backend.
@@ -28,9 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-from harness import machine_info, memory_total_bytes, run_isolated, stats, timed
+from harness import machine_info, memory_total_bytes, run_isolated, stats, timed, turned
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 3: one run per process and round ("round"), merged per point
 BACKENDS = ("fused", "unfused")  # this project's two paths, in MindSpore
 PEERS = {"hf": "Hugging Face transformers LlamaForCausalLM (sdpa), PyTorch",
          "mindformers": "MindFormers LlamaForCausalLM, MindSpore GRAPH_MODE (its own virtual environment)"}
@@ -311,9 +315,31 @@ def extrapolate(ttft_s: float, head_s: float, layers: int, full_layers: int) -> 
     return per_layer, head_s + per_layer * full_layers
 
 
+def merge_rounds(runs: list[dict]) -> list[dict]:
+    """One record per (system, length) from its rounds' processes: the times of every round together,
+    the highest peak memory, the median compile time. A point is only as good as its worst round: one
+    that ran out of memory or failed makes the point so."""
+    merged = []
+    for key in dict.fromkeys((r["backend"], r["length"]) for r in runs):
+        rounds = [r for r in runs if (r["backend"], r["length"]) == key]
+        failed = [r for r in rounds if r["status"] != "ok"]
+        if failed:
+            merged.append({k: v for k, v in failed[0].items() if k != "round"})
+            continue
+        point = {k: v for k, v in rounds[0].items() if k != "round"}
+        for part in ("ttft", "attention", "head"):
+            point[part] = stats([t for r in rounds for t in r[part]["times_s"]])
+        point["compile_s"] = float(np.median([r["compile_s"] for r in rounds]))
+        point["peak_rss_mb"] = max(r["peak_rss_mb"] for r in rounds)
+        point["rounds"] = len(rounds)
+        merged.append(point)
+    return merged
+
+
 def summarize(runs: list[dict], layers: int, full_layers: int) -> dict:
-    """Per-length rows (every system side by side, each one's TTFT over fused) and the growth exponent
-    per system."""
+    """Per-length rows (every system side by side, each one's TTFT over fused; the rounds of a point
+    merged) and the growth exponent per system."""
+    runs = merge_rounds(runs)
     rows = []
     for length in sorted({r["length"] for r in runs}):
         row = {"length": length}
@@ -324,7 +350,8 @@ def summarize(runs: list[dict], layers: int, full_layers: int) -> dict:
                 per_layer, full = extrapolate(ttft, head, layers, full_layers)
                 cell.update({"ttft_min_s": ttft, "ttft_median_s": run["ttft"]["median_s"], "per_layer_s": per_layer,
                              "full_depth_s": full, "attention_share": min(1.0, run["attention"]["min_s"] * layers / ttft),
-                             "compile_s": run["compile_s"], "peak_rss_mb": run["peak_rss_mb"]})
+                             "compile_s": run["compile_s"], "peak_rss_mb": run["peak_rss_mb"],
+                             "rounds": run["rounds"], "timed": len(run["ttft"]["times_s"])})
             else:
                 cell["error"] = run.get("error", "")
             row[run["backend"]] = cell
@@ -346,7 +373,7 @@ def summarize(runs: list[dict], layers: int, full_layers: int) -> dict:
 
 
 RESULT_KEYS = {"schema_version": int, "machine": dict, "settings": dict, "runs": list, "summary": dict}
-RUN_KEYS = {"backend": str, "length": int, "status": str}
+RUN_KEYS = {"backend": str, "length": int, "round": int, "status": str}
 OK_RUN_KEYS = {"ttft": dict, "attention": dict, "head": dict, "compile_s": float, "peak_rss_mb": float,
                "weights_checksum": float, "backend_ran": str}
 
@@ -416,12 +443,14 @@ def _sweep(args, scratch: str, progress: bool) -> dict:
         if written["status"] != "ok":
             raise RuntimeError(f"could not write the shared weights: {written.get('error')}")
         checkpoint = scratch
-    points = [(length, system) for length in args.lengths for system in args.systems]
-    runs, not_again = [], {}  # system -> the record of a point it cannot run at any later length
-    bar = tqdm(points, desc="TTFT sweep", unit="point", disable=not progress)
-    for length, system in bar:
-        bar.set_postfix_str(f"{system} S={length}")
-        base = {"backend": system, "length": length}
+    # Round r of a length runs every system once, in the order turned by r (see the module docstring).
+    points = [(length, r, system) for length in args.lengths for r in range(args.rounds)
+              for system in turned(list(args.systems), r)]
+    runs, not_again = [], {}  # system -> the record of a point it cannot run in any later round or length
+    bar = tqdm(points, desc="TTFT sweep", unit="process", disable=not progress)
+    for length, round_, system in bar:
+        bar.set_postfix_str(f"{system} S={length} round {round_ + 1}/{args.rounds}")
+        base = {"backend": system, "length": length, "round": round_}
         if system in not_again:
             runs.append({**base, **not_again[system]})
             continue
@@ -441,7 +470,7 @@ def _sweep(args, scratch: str, progress: bool) -> dict:
             result = run_isolated("ttft", function, kwargs, python=python, memory_limit_bytes=limit,
                                   timeout_s=args.timeout)
         if result["status"] == "oom":  # a longer prompt needs at least as much memory
-            not_again[system] = {"status": "oom", "error": "not run: a shorter length already ran out of memory"}
+            not_again[system] = {"status": "oom", "error": "not run: this or a shorter length already ran out of memory"}
         if result["status"] == "skipped":  # a peer that is not installed
             not_again[system] = {"status": "skipped", "error": result["error"]}
         runs.append({**base, **result})
@@ -474,7 +503,8 @@ def table(results: dict) -> str:
     head += [f"full depth ({s['full_layers']} layers) " + " / ".join(NAMES[n] for n in systems),
              "attention share " + " / ".join(NAMES[n] for n in systems), "peak RSS " + " / ".join(NAMES[n] for n in systems)]
     lines = [f"Llama2 {s['model']} dims, {s['layers']} layers (extrapolated to {s['full_layers']}), {s['dtype']}, "
-             f"batch {s['batch']}, min/median of {s['repeats']}",
+             f"batch {s['batch']}, min / median of {s['rounds']} rounds x {s['repeats']} timed prefills (one process "
+             "per system and round, the order turning every round)",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def ms(x):
@@ -524,7 +554,7 @@ def plot(results: dict, path: Path) -> None:
             left.plot(oom, [min(y)] * len(oom), "x", color=color, markersize=9,
                       label=f"{NAMES[backend]}: out of memory at S >= {min(oom)}")
     s = results["settings"]
-    left.set(xscale="log", yscale="log", xlabel="prompt length (tokens)", ylabel="TTFT (s, min of repeats)",
+    left.set(xscale="log", yscale="log", xlabel="prompt length (tokens)", ylabel="TTFT (s, min over rounds)",
              title=f"Llama2 {s['model']} TTFT, extrapolated to {s['full_layers']} layers")
     left.legend()
     left.grid(True, which="both", alpha=0.3)
@@ -563,15 +593,17 @@ def parse_args(argv=None):
                              "4.57 cannot share one with the hf peer's transformers 5)")
     parser.add_argument("--device", default="CPU", help="CPU, or Ascend where the op package is installed")
     parser.add_argument("--checkpoint", help="real weights (Hugging Face or Meta directory) instead of random ones")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds per length: every system once per round, each in a fresh process")
+    parser.add_argument("--repeats", type=int, default=1, help="timed prefills per process")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--memory-limit-gb", type=float, default=round(0.85 * memory_total_bytes() / 2**30, 1),
                         help="a point whose resident memory exceeds this is stopped and reported out of memory")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per point")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
-    if args.layers < 1 or args.batch < 1 or args.repeats < 1 or min(args.lengths) < 1:
-        parser.error("--layers, --batch, --repeats and --lengths must be positive")
+    if min(args.layers, args.batch, args.rounds, args.repeats, *args.lengths) < 1:
+        parser.error("--layers, --batch, --rounds, --repeats and --lengths must be positive")
     return args
 
 

@@ -30,15 +30,34 @@ def test_extrapolation_to_full_depth():
     assert full == pytest.approx(32.1)
 
 
-def fake_run(backend, length, seconds, status="ok"):
+def fake_run(backend, length, seconds, status="ok", round_=0, peak_rss_mb=900.0):
     if status != "ok":
-        return {"backend": backend, "length": length, "status": status, "error": "stopped at 20.0 GiB"}
+        return {"backend": backend, "length": length, "round": round_, "status": status,
+                "error": "stopped at 20.0 GiB"}
     timing = {"times_s": [seconds, seconds * 1.1], "min_s": seconds, "median_s": seconds * 1.05}
     head = {"times_s": [0.01], "min_s": 0.01, "median_s": 0.01}
     attention = {"times_s": [seconds / 4], "min_s": seconds / 4, "median_s": seconds / 4}
-    return {"backend": backend, "length": length, "status": "ok", "ttft": timing, "head": head,
-            "attention": attention, "compile_s": 1.0, "peak_rss_mb": 900.0, "weights_checksum": 1.5,
+    return {"backend": backend, "length": length, "round": round_, "status": "ok", "ttft": timing, "head": head,
+            "attention": attention, "compile_s": 1.0 + round_, "peak_rss_mb": peak_rss_mb, "weights_checksum": 1.5,
             "backend_ran": "fused:CPU" if backend == "fused" else "unfused"}
+
+
+def test_rounds_merge_into_one_point_per_system_and_length():
+    """Three processes of one point: their times pooled, the worst memory, the median compile time; a
+    round that ran out of memory makes the whole point out of memory."""
+    runs = [fake_run("fused", 512, 1.0 + 0.1 * r, round_=r, peak_rss_mb=900.0 + r) for r in (2, 0, 1)]
+    runs += [fake_run("hf", 512, 2.0, round_=0), fake_run("hf", 512, 0, "oom", round_=1)]
+    merged = {r["backend"]: r for r in ttft.merge_rounds(runs)}
+    fused = merged["fused"]
+    assert fused["ttft"]["times_s"] == pytest.approx([1.2, 1.32, 1.0, 1.1, 1.1, 1.21])
+    assert fused["ttft"]["min_s"] == pytest.approx(1.0) and fused["ttft"]["median_s"] == pytest.approx(1.15)
+    assert fused["attention"]["min_s"] == pytest.approx(0.25) and fused["head"]["times_s"] == [0.01] * 3
+    assert fused["peak_rss_mb"] == 902.0 and fused["compile_s"] == 2.0 and fused["rounds"] == 3
+    assert "round" not in fused
+    assert merged["hf"] == {"backend": "hf", "length": 512, "status": "oom", "error": "stopped at 20.0 GiB"}
+    row = ttft.summarize(runs, layers=2, full_layers=32)["rows"][0]
+    assert row["fused"]["timed"] == 6 and row["fused"]["ttft_min_s"] == pytest.approx(1.0)
+    assert "hf_over_fused" not in row
 
 
 def test_summary_ratios_exponents_and_oom_rows():
@@ -58,7 +77,8 @@ def test_summary_ratios_exponents_and_oom_rows():
     assert "unfused_over_fused" not in rows[2048]
     assert summary["exponents"]["fused"] == pytest.approx(1.0, abs=0.01)
     results = {"schema_version": 1, "machine": {}, "settings": {"model": "7b", "layers": 2, "full_layers": 32,
-                                                                  "dtype": "float32", "batch": 1, "repeats": 2},
+                                                                  "dtype": "float32", "batch": 1, "rounds": 1,
+                                                                  "repeats": 2},
                "runs": runs, "summary": summary}
     ttft.validate(results)
     assert "out of memory" in ttft.table(results) and "| 1024 |" in ttft.table(results)
@@ -113,7 +133,7 @@ def test_mindformers_compat_stands_in_for_hyper_parallel():
 
 
 def test_tiny_sweep_end_to_end(tmp_path):
-    results = ttft.main(["--model", "tiny", "--lengths", "8", "33", "--repeats", "1", "--out", str(tmp_path),
+    results = ttft.main(["--model", "tiny", "--lengths", "8", "33", "--rounds", "2", "--out", str(tmp_path),
                          "--mindformers-python", str(tmp_path / "no-such-python")])
     written = json.loads((tmp_path / "results.json").read_text())
     ttft.validate(written)
@@ -126,6 +146,10 @@ def test_tiny_sweep_end_to_end(tmp_path):
     assert ttft.same_weights(written["runs"])  # the peer, when installed, loaded the same weights
     assert ttft.logits_disagree(written["runs"]) == []  # ... and computed the same logits
     assert results["summary"]["exponents"]["fused"] is not None
+    order = [(r["round"], r["backend"]) for r in written["runs"] if r["length"] == 8]
+    assert order == [(0, "fused"), (0, "unfused"), (0, "hf"), (0, "mindformers"),
+                     (1, "unfused"), (1, "hf"), (1, "mindformers"), (1, "fused")]  # the order turns each round
+    assert {row["fused"]["rounds"] for row in results["summary"]["rows"]} == {2}
 
 
 @pytest.mark.skipif(not ttft.MINDFORMERS_PYTHON.exists(), reason="MindFormers' environment is installed by make bench")
