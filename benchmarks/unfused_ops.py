@@ -23,7 +23,8 @@ def steps(length: int, heads: int, head_dim: int, repeats: int) -> dict:
 
     import ms_rope_attention as mra
     from ms_rope_attention.rope import rope_tables
-    from ms_rope_attention.unfused import _NEG, _mask, _non_finite_keys, _rows_seeing, _visible_count, apply_rope
+    from ms_rope_attention.unfused import (_BMM, _BMM_TRANSPOSED, _NEG, _mask, _non_finite_keys, _rows_seeing,
+                                           _visible_count, apply_rope)
 
     ms.set_device("CPU")
     ms.set_context(mode=ms.GRAPH_MODE)
@@ -55,11 +56,12 @@ def steps(length: int, heads: int, head_dim: int, repeats: int) -> dict:
         return (ops.where(ops.isfinite(k), k, ops.zeros_like(k)), ops.where(ops.isfinite(v), v, ops.zeros_like(v)),
                 poison)
 
-    def rope_qk(q, k):
-        return apply_rope(q, cos, sin, 0, head_dim) * head_dim ** -0.5, apply_rope(k, cos, sin, 0, head_dim)
+    def rope_qk(q, k):  # the softmax scale rides on Q's tables, as in unfused.py
+        scale = head_dim ** -0.5
+        return apply_rope(q, cos * scale, sin * scale, 0, head_dim), apply_rope(k, cos, sin, 0, head_dim)
 
     def scores(qr, kr):
-        return ops.matmul(qr, kr.swapaxes(-1, -2))
+        return _BMM_TRANSPOSED(qr, kr)
 
     def mask(s):
         return ops.masked_fill(s, ops.tile(hidden, (1, heads, 1, 1)), _NEG)
@@ -68,7 +70,7 @@ def steps(length: int, heads: int, head_dim: int, repeats: int) -> dict:
         return ops.softmax(s, axis=-1)
 
     def weighted_sum(p, v):
-        return ops.matmul(p, v)
+        return _BMM(p, v)
 
     results = {}
     qr, kr = Step(rope_qk)(q, k)

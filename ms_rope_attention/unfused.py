@@ -12,6 +12,8 @@ from mindspore import Tensor, ops
 import mindspore as ms
 
 _NEG = -1e30  # finite "minus infinity" for masked scores, so no row becomes NaN
+_BMM = ops.BatchMatMul()
+_BMM_TRANSPOSED = ops.BatchMatMul(transpose_b=True)
 
 
 def rotation_permutation(rotary_dim: int, rotary_mode: int):
@@ -90,14 +92,17 @@ def apply_rope(x, cos_rows, sin_rows, rotary_mode, rotary_dim):
     ``cos_rows``/``sin_rows`` already gathered at each row's position and broadcastable to
     x[..., :rotary_dim]. The unfused path uses it for Q/K; a model uses it for the few new keys of
     a decode step before appending them to its rotated KV cache."""
-    index_np, sign_np = rotation_permutation(rotary_dim, rotary_mode)
     head_dim = x.shape[-1]
     part = x[..., :rotary_dim] if rotary_dim < head_dim else x
-    # Tables expanded to the rows' shape first: MindSpore's CPU backend runs a broadcasting multiply
-    # with several operand-sized temporaries (see RMSNorm in models/llama/model.py).
-    cos_full = cos_rows.broadcast_to(part.shape)
-    signed_sin = (sin_rows * Tensor(sign_np)).broadcast_to(part.shape)
-    rotated = part * cos_full + ops.gather(part, Tensor(index_np), x.ndim - 1) * signed_sin
+    if rotary_mode == 0:
+        # rotate-half as two slices and a concat: a third faster on MindSpore's CPU backend than the
+        # permutation as a Gather along the last axis (which mode 1, interleaved pairs, still uses).
+        half = rotary_dim // 2
+        rotated_half = ops.concat([-part[..., half:], part[..., :half]], axis=-1)
+        rotated = part * cos_rows + rotated_half * sin_rows
+    else:
+        index_np, sign_np = rotation_permutation(rotary_dim, rotary_mode)
+        rotated = part * cos_rows + ops.gather(part, Tensor(index_np), x.ndim - 1) * (sin_rows * Tensor(sign_np))
     if rotary_dim < head_dim:
         rotated = ops.concat([rotated, x[..., rotary_dim:]], axis=-1)
     return rotated
@@ -137,7 +142,10 @@ def unfused_rotary_flash_attention(query, key, value, cos, sin, actual_seq_qlen=
         q_pos = ops.arange(0, q_len, dtype=ms.int64) + (kv_len - q_len)
         k_pos = ops.arange(0, kv_len, dtype=ms.int64)
         first, count = ops.zeros_like(q_pos), _visible_count(q_pos, ops.full_like(q_pos, kv_len), causal)
-    qr = _rope(q, cos, sin, q_pos, rotary_mode, rotary_dim)
+    if rotary_dim == head_dim:  # the softmax scale rides on Q's (S, D) tables: one pass over Q fewer
+        qr = _rope(q, cos * scale, sin * scale, q_pos, rotary_mode, rotary_dim)
+    else:
+        qr = _rope(q, cos, sin, q_pos, rotary_mode, rotary_dim) * scale
     kr = k if key_rotated else _rope(k, cos, sin, k_pos, rotary_mode, rotary_dim)
     # A hidden key must not reach a row even holding NaN/Inf (a preallocated cache's garbage), but
     # 0 x NaN in the matmuls would carry it there. So the matmuls get K/V with non-finite values
@@ -150,26 +158,28 @@ def unfused_rotary_flash_attention(query, key, value, cos, sin, actual_seq_qlen=
     v_clean = ops.where(ops.isfinite(v), v, ops.zeros_like(v))
     group = head_num // kv_head_num
     batch = qr.shape[0]
-    # GQA without copying K/V: query heads of one KV head share a broadcast batch dimension. Every
-    # elementwise op on the (B, N, Sq, Skv) scores is one more score-sized temporary, so: the scale
-    # goes on Q, rows that see no key are zeroed on the output, and the mask is a full-shape bool for
-    # masked_fill (MindSpore's CPU Select/Add broadcasting a (Sq, Skv) mask or a scalar over the
-    # heads took 3-4 score-sized buffers more).
-    q5 = (qr * scale).reshape(batch, kv_head_num, group, -1, head_dim)
-    scores = ops.matmul(q5, k_clean.expand_dims(2).swapaxes(-1, -2))
-    hidden = _mask(first, count, kv_len)
-    scores = ops.masked_fill(scores, ops.tile(hidden, (batch, kv_head_num, group, 1, 1)), _NEG)
-    row_sees_a_key = (count > 0).astype(ms.float32).expand_dims(-1)
-    attended = ops.matmul(ops.softmax(scores, axis=-1), v_clean.expand_dims(2)) * row_sees_a_key
-    poison = ops.logical_or(key_poison, value_poison).expand_dims(2)
-    attended = ops.masked_fill(attended, ops.broadcast_to(poison, attended.shape), float("nan"))
-    attended = attended.reshape(batch, head_num, -1, head_dim)
-    out = _from_bnsd(attended, layout).astype(out_dtype)
+    # GQA without copying K/V: the query heads of one KV head are stacked along the rows, (B, Nkv,
+    # G*Sq, D), so both products are plain batched matmuls over (B, Nkv) (BatchMatMul does not
+    # broadcast on the CPU) and K is read transposed in place (a swapaxes would copy it). Every
+    # elementwise op on the scores is one more score-sized temporary, so: the scale went on Q, the
+    # mask is a full-shape bool for masked_fill (MindSpore's CPU Select/Add broadcasting a (Sq, Skv)
+    # mask over the heads took 3-4 score-sized buffers more), and one per-row factor on the output
+    # zeroes rows that see no key and turns rows that see a non-finite one into NaN.
+    rows = group * q_len
+    scores = _BMM_TRANSPOSED(qr.reshape(batch, kv_head_num, rows, head_dim), k_clean)
+    hidden = ops.tile(_mask(first, count, kv_len), (group, 1))
+    scores = ops.masked_fill(scores, ops.tile(hidden, (batch, kv_head_num, 1, 1)), _NEG)
+    key_poison_rows = ops.tile(key_poison, (1, 1, group, 1))             # (B, Nkv, G*Sq, 1)
+    poison_rows = ops.logical_or(key_poison_rows, ops.tile(value_poison, (1, 1, group, 1)))
+    row_sees_a_key = ops.tile((count > 0).astype(ms.float32).expand_dims(-1), (group, 1))
+    row_factor = ops.where(poison_rows, ops.full_like(poison_rows, float("nan"), dtype=ms.float32), row_sees_a_key)
+    attended = _BMM(ops.softmax(scores, axis=-1), v_clean) * row_factor
+    out = _from_bnsd(attended.reshape(batch, head_num, q_len, head_dim), layout).astype(out_dtype)
     if with_softmax_lse:
-        lse = ops.logsumexp(scores, -1)
-        lse = ops.masked_fill(lse, ops.broadcast_to(count == 0, lse.shape), -float("inf"))
-        lse = ops.masked_fill(lse, ops.broadcast_to(key_poison.squeeze(-1).expand_dims(2), lse.shape), float("nan"))
-        lse = lse.reshape(batch, head_num, -1)
+        lse = ops.logsumexp(scores, -1, keepdim=True)
+        lse = ops.masked_fill(lse, ops.broadcast_to(row_sees_a_key == 0, lse.shape), -float("inf"))
+        lse = ops.masked_fill(lse, key_poison_rows, float("nan"))
+        lse = lse.reshape(batch, head_num, q_len)
         lse = lse.squeeze(0).transpose(1, 0) if layout == "TND" else lse
     else:
         lse = ops.zeros((0,), ms.float32)
