@@ -22,8 +22,11 @@ $(STAMP): requirements.txt $(KERNEL_SOURCES)
 	$(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 
+# The suite in parallel worker processes (pytest-xdist): most of its time is MindSpore compiling
+# graphs on one thread. At most 4 workers: each holds its own MindSpore (about 1-2 GB).
+TEST_WORKERS ?= $(shell nproc | awk '{print ($$1 < 4) ? $$1 : 4}')
 test: $(STAMP) sanitize
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
 
 # The kernel tests (forward and backward, and the projections' GEMM) again against kernels built with AddressSanitizer +
 # UBSan (any finding aborts), for the best ISA of this CPU and the portable build.

@@ -87,7 +87,7 @@ setup(
     # sentencepiece (tokenizer.model checkpoints) and torch (Meta .pth checkpoints) are optional.
     install_requires=["mindspore==2.10.0", "numpy>=1.25,<2", "pyyaml", "ml_dtypes>=0.4,<0.6", "safetensors",
                       "scipy-openblas32", "tokenizers", "tqdm"],
-    extras_require={"test": ["pytest"], "bench": ["matplotlib"], "sentencepiece": ["sentencepiece"],
+    extras_require={"test": ["pytest", "pytest-xdist"], "bench": ["matplotlib"], "sentencepiece": ["sentencepiece"],
                     "meta-pth": ["torch"],
                     # what users would pick instead, measured side by side by benchmarks/ttft.py
                     "peers": ["torch==2.13.0", "transformers>=5,<6"]},
