@@ -16,19 +16,11 @@ _BMM = ops.BatchMatMul()
 _BMM_TRANSPOSED = ops.BatchMatMul(transpose_b=True)
 
 
-def rotation_permutation(rotary_dim: int, rotary_mode: int):
-    """(index, sign) with rot(x) = x[..., index] * sign on the rotated features.
-
-    Mode 0 (rotate-half): rot(x) = [-x2, x1].  Mode 1 (interleaved): rot(x)[2i] = -x[2i+1],
-    rot(x)[2i+1] = x[2i].
-    """
-    half = rotary_dim // 2
-    if rotary_mode == 0:
-        index = np.concatenate([np.arange(half, rotary_dim), np.arange(half)])
-        sign = np.concatenate([-np.ones(half), np.ones(half)])
-    else:
-        index = np.arange(rotary_dim).reshape(-1, 2)[:, ::-1].reshape(-1)
-        sign = np.tile([-1.0, 1.0], half)
+def interleaved_permutation(rotary_dim: int):
+    """(index, sign) with rot(x) = x[..., index] * sign for interleaved pairs (mode 1):
+    rot(x)[2i] = -x[2i+1], rot(x)[2i+1] = x[2i]. (Rotate-half, mode 0, is two slices instead.)"""
+    index = np.arange(rotary_dim).reshape(-1, 2)[:, ::-1].reshape(-1)
+    sign = np.tile([-1.0, 1.0], rotary_dim // 2)
     return index.astype(np.int32), sign.astype(np.float32)
 
 
@@ -101,7 +93,7 @@ def apply_rope(x, cos_rows, sin_rows, rotary_mode, rotary_dim):
         rotated_half = ops.concat([-part[..., half:], part[..., :half]], axis=-1)
         rotated = part * cos_rows + rotated_half * sin_rows
     else:
-        index_np, sign_np = rotation_permutation(rotary_dim, rotary_mode)
+        index_np, sign_np = interleaved_permutation(rotary_dim)
         rotated = part * cos_rows + ops.gather(part, Tensor(index_np), x.ndim - 1) * (sin_rows * Tensor(sign_np))
     if rotary_dim < head_dim:
         rotated = ops.concat([rotated, x[..., rotary_dim:]], axis=-1)
@@ -167,8 +159,8 @@ def unfused_rotary_flash_attention(query, key, value, cos, sin, actual_seq_qlen=
     # zeroes rows that see no key and turns rows that see a non-finite one into NaN.
     rows = group * q_len
     scores = _BMM_TRANSPOSED(qr.reshape(batch, kv_head_num, rows, head_dim), k_clean)
-    hidden = ops.tile(_mask(first, count, kv_len), (group, 1))
-    scores = ops.masked_fill(scores, ops.tile(hidden, (batch, kv_head_num, 1, 1)), _NEG)
+    hidden = ops.tile(_mask(first, count, kv_len), (batch, kv_head_num, group, 1))  # (B, Nkv, G*Sq, Skv)
+    scores = ops.masked_fill(scores, hidden, _NEG)
     key_poison_rows = ops.tile(key_poison, (1, 1, group, 1))             # (B, Nkv, G*Sq, 1)
     poison_rows = ops.logical_or(key_poison_rows, ops.tile(value_poison, (1, 1, group, 1)))
     row_sees_a_key = ops.tile((count > 0).astype(ms.float32).expand_dims(-1), (group, 1))
