@@ -100,10 +100,15 @@ def _fused_primitive(head_num, input_layout, rotary_mode, rotary_dim, scale, cau
                        with_rotated_key, key_rotated, backend, strict).fused
 
 
-@ops.constexpr
+@ops.constexpr(check=False)
 def _check_call(q_shape, k_shape, v_shape, cos_shape, sin_shape, q_dtype, k_dtype, v_dtype, cos_dtype, sin_dtype,
                 head_num, input_layout, rotary_mode, rotary_dim, scale, causal, aq_meta, akv_meta):
-    """Compile-time (GRAPH_MODE) or eager (PyNative) argument check; returns the static geometry."""
+    """Compile-time (GRAPH_MODE) or eager (PyNative) argument check; returns the static geometry.
+
+    With dynamic shapes a graph's ``x.shape`` holds ``None`` for each dynamic dimension: a value not
+    known when the graph compiles, which makes constexpr's own check warn that its arguments are not
+    all constant. That is expected here (``check=False``): every known dimension is checked now, and the
+    dynamic ones by the kernel when it launches, before it reads any memory."""
     geo = checks.check_inputs(q_shape, k_shape, v_shape, cos_shape, sin_shape, q_dtype, k_dtype, v_dtype, cos_dtype,
                               sin_dtype, head_num, input_layout, rotary_mode, rotary_dim, scale, causal, aq_meta,
                               akv_meta)
