@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine: `make test` and `make bench`.
 # Both create/refresh the local virtual environment .venv idempotently (re-run only when
-# requirements or the kernel sources change).
+# pyproject.toml, setup.py or the kernel sources change).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -9,17 +9,20 @@ PEERS := $(VENV)/.peers
 MINDFORMERS_VENV := .venv-mindformers
 MINDFORMERS := $(MINDFORMERS_VENV)/.installed
 KERNEL_SOURCES := $(wildcard ms_rope_attention/csrc/*) $(wildcard ms_rope_attention/aclnn/*/*.h) \
-	$(wildcard ms_rope_attention/aclnn/*/*.cpp) $(wildcard ms_rope_attention/aclnn/*/*.cc) setup.py
+	$(wildcard ms_rope_attention/aclnn/*/*.cpp) $(wildcard ms_rope_attention/aclnn/*/*.cc)
+# An extra's requirements as pyproject.toml lists them (its one place), for installing them alone.
+EXTRA = $$($(PY) -c "import tomllib; print(' '.join(repr(r) for r in tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['$(1)']))")
 
-.PHONY: test bench venv clean sanitize
+.PHONY: test bench bench-full venv clean sanitize
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt $(KERNEL_SOURCES)
+# The same route a user takes: pip builds the package (and its kernels, for every ISA) from
+# pyproject.toml in an isolated build environment; editable, so the checkout is what runs.
+$(STAMP): pyproject.toml setup.py $(KERNEL_SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt
-	$(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
+	$(PY) -m pip install --quiet -e ".[test,bench]"
 	touch $(STAMP)
 
 # The suite in parallel worker processes (pytest-xdist): most of its time is MindSpore compiling
@@ -46,8 +49,8 @@ bench: $(STAMP) $(PEERS) $(MINDFORMERS)
 # The peers the TTFT benchmark measures beside this project: Hugging Face transformers on PyTorch (in
 # .venv), and MindFormers in a virtual environment of its own (it pins transformers 4.57; see
 # benchmarks/peers/mindformers.txt for what it is installed with and why).
-$(PEERS): $(STAMP)
-	$(PY) -m pip install --quiet "torch==2.13.0" "transformers>=5,<6"
+$(PEERS): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet $(call EXTRA,peers)
 	touch $(PEERS)
 
 $(MINDFORMERS): benchmarks/peers/mindformers.txt
@@ -58,4 +61,4 @@ $(MINDFORMERS): benchmarks/peers/mindformers.txt
 	touch $(MINDFORMERS)
 
 clean:
-	rm -rf build $(VENV) $(MINDFORMERS_VENV) ms_rope_attention/_rfa_cpu_*.so *.egg-info
+	rm -rf build dist $(VENV) $(MINDFORMERS_VENV) ms_rope_attention/_rfa_*.so *.egg-info

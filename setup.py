@@ -1,15 +1,19 @@
-"""Installs ms_rope_attention and builds its C++ CPU kernel once per instruction set.
+"""The C++ kernels, built at install time (metadata and dependencies are in pyproject.toml).
 
-Each build is a plain shared library loaded by MindSpore's aot Custom op (not a Python module).
+The CPU kernel is built once per instruction set (picked at run time by ms_rope_attention/cpu_kernel.py);
+each build is a plain shared library loaded by MindSpore's aot Custom op, not a Python module.
 ``RFA_SANITIZE=1`` builds them with AddressSanitizer + UBSan for the sanitizer test run.
 """
 import os
 import platform
+import threading
 
-from setuptools import Extension, find_packages, setup
+import scipy_openblas32  # a build requirement (pyproject.toml)
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 CSRC = "ms_rope_attention/csrc"
+ACLNN = "ms_rope_attention/aclnn"
 SOURCES = [f"{CSRC}/rfa_cpu_kernel.cc", f"{CSRC}/rfa_cpu_backward.cc", f"{CSRC}/rfa_cpu_aot.cc"]
 COMMON = ["-std=c++17", "-O3", "-fopenmp", "-D_GLIBCXX_USE_CXX11_ABI=0", "-fvisibility=hidden", "-Wall", "-Wextra"]
 ISA_FLAGS = {"generic": []}
@@ -20,15 +24,30 @@ SANITIZE = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-O1"] if
 
 
 class BuildKernels(build_ext):
-    """build_ext with one temp directory per extension: the ISA builds share source files."""
+    """build_ext with one object directory per extension (the ISA builds share source files), the
+    extensions built in parallel over the machine's cores unless ``--parallel`` says otherwise."""
+
+    _current = threading.local()
+
+    @property
+    def build_temp(self):
+        return getattr(self._current, "build_temp", None) or self._build_temp
+
+    @build_temp.setter
+    def build_temp(self, value):
+        self._build_temp = value
+
+    def finalize_options(self):
+        super().finalize_options()
+        if self.parallel is None:
+            self.parallel = len(os.sched_getaffinity(0))
 
     def build_extension(self, ext):
-        base = self.build_temp
-        self.build_temp = os.path.join(base, ext.name)
+        self._current.build_temp = os.path.join(self._build_temp, ext.name)
         try:
             super().build_extension(ext)
         finally:
-            self.build_temp = base
+            self._current.build_temp = None
 
     def get_export_symbols(self, ext):
         return []  # not Python modules: no PyInit_ symbol to export
@@ -42,26 +61,21 @@ extensions = [
     for isa, flags in ISA_FLAGS.items()
 ]
 
-# The projections' GEMM (y = x W^T) on OpenBLAS, from the scipy-openblas32 wheel (an install requirement,
-# so it is there when pip builds this package without build isolation, as the Makefile does). One build:
-# OpenBLAS picks its kernels for the running CPU. The rpath finds the wheel's library in this environment;
-# ms_rope_attention/linear.py also loads it first by path, so a moved environment works as well.
-try:
-    import scipy_openblas32
-except ImportError as missing:
-    raise SystemExit("building ms_rope_attention needs scipy-openblas32 installed first "
-                     "(pip install -r requirements.txt)") from missing
+# The projections' GEMM (y = x W^T) on OpenBLAS, from the scipy-openblas32 wheel. One build: OpenBLAS
+# picks its kernels for the running CPU. The wheel is a build requirement (headers, link) and an install
+# requirement (the library at run time): the rpath finds it beside this package in site-packages, and
+# ms_rope_attention/linear.py loads it by path before this library is opened, which covers an
+# editable checkout too.
 extensions.append(Extension(
     "ms_rope_attention._rfa_cpu_linear", sources=[f"{CSRC}/rfa_cpu_linear.cc"],
     depends=[f"{CSRC}/aot_abi.h", f"{CSRC}/rfa_problem.h"],
     include_dirs=[scipy_openblas32.get_include_dir()], library_dirs=[scipy_openblas32.get_lib_dir()],
-    libraries=[scipy_openblas32.get_library()], runtime_library_dirs=[scipy_openblas32.get_lib_dir()],
+    libraries=[scipy_openblas32.get_library()], runtime_library_dirs=["$ORIGIN/../scipy_openblas32/lib"],
     extra_compile_args=[c for c in COMMON if c != "-fopenmp"] + SANITIZE, extra_link_args=SANITIZE[:1],
     language="c++"))
 
 # The Ascend C kernel (aclnn/op_kernel) compiled for the CPU against the AscendC emulation, for the
 # tests only: the real kernel is built by CANN (ms_rope_attention/aclnn/build.sh).
-ACLNN = "ms_rope_attention/aclnn"
 extensions.append(Extension(
     "ms_rope_attention._rfa_ascend_emulated", sources=[f"{ACLNN}/emulator/rfa_ascend_emulated.cc"],
     include_dirs=[f"{ACLNN}/emulator", f"{ACLNN}/op_kernel", f"{ACLNN}/op_host", CSRC],
@@ -74,21 +88,4 @@ extensions.append(Extension(
                         "-D_GLIBCXX_USE_CXX11_ABI=0"] + SANITIZE,
     extra_link_args=["-pthread"] + SANITIZE[:1], language="c++"))
 
-setup(
-    name="ms_rope_attention",
-    version="0.1.0",
-    description="Rotary position embedding fused into FlashAttention for MindSpore (CPU kernel, Ascend C kernel)",
-    packages=find_packages(include=["ms_rope_attention", "ms_rope_attention.*", "models", "models.*"]),
-    package_data={"ms_rope_attention": ["op_info/*.yaml", "csrc/*.h", "csrc/*.cc"]},
-    ext_modules=extensions,
-    cmdclass={"build_ext": BuildKernels},
-    python_requires=">=3.9",
-    # Every runtime import of the package (tests/test_packaging.py checks it against the sources);
-    # sentencepiece (tokenizer.model checkpoints) and torch (Meta .pth checkpoints) are optional.
-    install_requires=["mindspore==2.10.0", "numpy>=1.25,<2", "pyyaml", "ml_dtypes>=0.4,<0.6", "safetensors",
-                      "scipy-openblas32", "tokenizers", "tqdm"],
-    extras_require={"test": ["pytest", "pytest-xdist"], "bench": ["matplotlib"], "sentencepiece": ["sentencepiece"],
-                    "meta-pth": ["torch"],
-                    # what users would pick instead, measured side by side by benchmarks/ttft.py
-                    "peers": ["torch==2.13.0", "transformers>=5,<6"]},
-)
+setup(ext_modules=extensions, cmdclass={"build_ext": BuildKernels})

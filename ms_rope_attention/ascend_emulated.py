@@ -32,7 +32,8 @@ class Tiling(ctypes.Structure):  # mirrors rfa::ascend::RfaTiling in aclnn/op_ke
 def library() -> ctypes.CDLL:
     matches = sorted(kernel_dir().glob("_rfa_ascend_emulated*.so"))
     if not matches:
-        raise RuntimeError(f"the emulated Ascend kernel is not built in {kernel_dir()} (run `pip install -e .`)")
+        raise RuntimeError(f"the emulated Ascend kernel is not built in {kernel_dir()} "
+                           "(the kernels are built when the package is installed: reinstall it)")
     lib = ctypes.CDLL(str(matches[0]))
     lib.RotaryFlashAttentionLastError.restype = ctypes.c_char_p
     return lib

@@ -57,7 +57,8 @@ def select_library() -> tuple[str, Path]:
     """(isa, path) of the best kernel build for this CPU; raises ``RuntimeError`` with the reason."""
     built = built_libraries()
     if not built:
-        raise RuntimeError(f"no built CPU kernel in {kernel_dir()} (run `pip install -e .` or `make test`)")
+        raise RuntimeError(f"no built CPU kernel in {kernel_dir()} "
+                           "(the kernels are built when the package is installed: reinstall it)")
     forced = os.environ.get("RFA_CPU_ISA")
     flags = cpu_flags()
     candidates = (forced,) if forced else ISAS

@@ -2,7 +2,7 @@
 
 Why: at prefill lengths of a few hundred to a few thousand tokens a Llama layer's time is its seven
 projection GEMMs, not attention, and MindSpore 2.10's CPU MatMul runs them slower than OpenBLAS on
-the same cores (see the README's model-level results and ``benchmarks/projections.py``). The weight
+the same cores (see docs/benchmarks.md and ``benchmarks/projections.py``). The weight
 stays in Hugging Face's (out_features, in_features) layout, so checkpoints, training and the
 MatMul path share it. The backward is MindSpore's MatMul (dx = dy W, dW = dy^T x).
 
@@ -47,7 +47,8 @@ def library_path() -> Path:
     """The op's shared library (one build for every CPU: OpenBLAS dispatches on the CPU itself)."""
     matches = sorted(kernel_dir().glob("_rfa_cpu_linear*.so"))
     if not matches:
-        raise RuntimeError(f"no built projection GEMM library in {kernel_dir()} (run `pip install -e .` or `make test`)")
+        raise RuntimeError(f"no built projection GEMM library in {kernel_dir()} "
+                           "(the kernels are built when the package is installed: reinstall it)")
     return matches[0]
 
 
