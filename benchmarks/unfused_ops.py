@@ -1,6 +1,6 @@
 """Where the unfused path's time goes: each step of ``ms_rope_attention/unfused.py`` timed alone in
 GRAPH_MODE at the TTFT benchmark's attention shape (B=1, 32 heads, D=128, causal, float32), beside
-the fused op on the same inputs, so the README can say which MindSpore ops make the baseline slower.
+the fused op on the same inputs, so docs/benchmarks.md can say which MindSpore ops make the baseline slower.
 Each step is its own compiled Cell fed with the previous step's real output; min and median of
 repeats, and the share of the unfused total. Writes JSON.
 

@@ -257,7 +257,7 @@ def rotary_flash_attention(query, key, value, cos, sin, head_num=None, *, input_
                            strict=False):
     """RoPE(query), RoPE(key) and attention in one fused pass; returns the output in query's layout/dtype.
 
-    See the README's semantics table (generated from ``op_info``). With ``return_softmax_lse`` /
+    See the semantics table in docs/semantics.md (generated from ``op_info``). With ``return_softmax_lse`` /
     ``return_rotated_key`` a tuple ``(out, lse?, rotated_key?)`` is returned. ``key_rotated=True``
     says key already carries RoPE (a KV cache of earlier ``rotated_key`` outputs): only query is
     rotated. Works eagerly, inside ``construct`` under GRAPH_MODE and inside ``@ms.jit``; eagerly,

@@ -1,4 +1,4 @@
-"""Reference Llama2 on the fused RoPE + FlashAttention op (see README, "Llama model")."""
+"""Reference Llama2 on the fused RoPE + FlashAttention op (see docs/llama.md)."""
 from .config import PRESETS, LlamaConfig, preset
 from .model import LlamaForCausalLM
 

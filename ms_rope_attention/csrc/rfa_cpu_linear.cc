@@ -3,8 +3,8 @@
 //
 // Why: at prefill lengths of a few hundred to a few thousand tokens, a Llama layer's time is these
 // GEMMs, and MindSpore 2.10's CPU MatMul ran them at ~115-140 GFLOP/s on a 2-core AVX2 machine where
-// OpenBLAS (the scipy-openblas32 wheel) ran the same shapes at ~140-160 (see the README's model-level
-// results). OpenBLAS picks its kernels for the running CPU itself, so this library is built once, not per ISA.
+// OpenBLAS (the scipy-openblas32 wheel) ran the same shapes at ~140-160 (see
+// docs/benchmarks.md). OpenBLAS picks its kernels for the running CPU itself, so this library is built once, not per ISA.
 //
 // Entries: RfaLinear (x (..., K), weight (N, K)) -> y (..., N), float32; RfaLinearInferShape /
 // RfaLinearInferType (C++ infer, so GRAPH_MODE with a dynamic sequence length compiles once);

@@ -1,7 +1,7 @@
 """The op contract (``rotary_flash_attention.yaml``) and what is generated from it.
 
 Everything that describes the op's interface -- MindSpore ``CustomRegOp`` registrations for each
-backend, the Python argument checks and the README's semantics table -- is derived from the YAML
+backend, the Python argument checks and the semantics table in docs/semantics.md -- is derived from the YAML
 file beside this module, so the backends cannot drift apart.
 """
 from __future__ import annotations
@@ -175,7 +175,7 @@ def build_reg_info(target: str, attr_values: dict[str, Any], *, any_dtype: bool 
 
 
 def markdown_table() -> str:
-    """The README's semantics table, generated from the contract."""
+    """The semantics table of docs/semantics.md, generated from the contract."""
     contract = load_contract()
     lines = ["| kind | name | type / dtypes | default | meaning |", "|---|---|---|---|---|"]
     for item in contract.inputs:

@@ -1,4 +1,4 @@
-"""``python -m ms_rope_attention.op_info`` prints the README's semantics table; with ``--opdef``, the
+"""``python -m ms_rope_attention.op_info`` prints the semantics table of docs/semantics.md; with ``--opdef``, the
 CANN OpDef body included by aclnn/op_host/rotary_flash_attention.cpp (written to op_host/rotary_flash_attention_opdef.h)."""
 import sys
 
