@@ -198,6 +198,7 @@ def mindformers_point(checkpoint: str, length: int, repeats: int, seed: int, bat
     os.environ.setdefault("LOCAL_DEFAULT_PATH", tempfile.mkdtemp(prefix="mindformers-output-"))
     import mindspore as ms
     from mindspore import Tensor, nn
+    from mindspore.nn.utils import no_init_parameters
     from safetensors import safe_open
 
     ms.set_device("CPU")
@@ -215,7 +216,8 @@ def mindformers_point(checkpoint: str, length: int, repeats: int, seed: int, bat
         compute_dtype=dtype, layernorm_compute_type="float32", softmax_compute_type="float32",
         rotary_dtype="float32", param_init_type=dtype, use_past=False, use_flash_attention=False,
         use_rope_slice=True, fused_rms_norm=False)
-    lm = LlamaForCausalLM(config)
+    with no_init_parameters():  # every weight comes from the checkpoint, as in this project's loader
+        lm = LlamaForCausalLM(config)
     lm.set_train(False)
     # Tensor by tensor into the model's own parameters, as this project's loader does: a dict of every
     # converted tensor first (load_param_into_net) would hold the model twice and inflate the peer's peak.
