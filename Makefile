@@ -11,7 +11,7 @@ MINDFORMERS := $(MINDFORMERS_VENV)/.installed
 KERNEL_SOURCES := $(wildcard ms_rope_attention/csrc/*) $(wildcard ms_rope_attention/aclnn/*/*.h) \
 	$(wildcard ms_rope_attention/aclnn/*/*.cpp) $(wildcard ms_rope_attention/aclnn/*/*.cc)
 # An extra's requirements as pyproject.toml lists them (its one place), for installing them alone.
-EXTRA = $$($(PY) -c "import tomllib; print(' '.join(repr(r) for r in tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['$(1)']))")
+EXTRA = $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['$(1)']))")
 
 .PHONY: test bench bench-full venv clean sanitize
 
@@ -41,10 +41,16 @@ sanitize: $(STAMP)
 	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel.py tests/test_kernel_backward.py tests/test_linear.py
 	$(SANITIZE_ENV) RFA_CPU_ISA=generic $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel.py tests/test_kernel_backward.py
 
-# The main job: Llama2-7B-dimension time to first token, fused vs unfused, over prompt lengths
-# (benchmarks/results/results.json and ttft.png). The kernel-level benchmark is benchmarks/attention.py.
+# The main job: Llama2-7B-dimension time to first token, this project's fused op and unfused path
+# against Hugging Face transformers and MindFormers on the same weights, S = 512..2048 in 2 rounds
+# (about a quarter of an hour on 2 cores); bench-full runs S = 512..16384 in 3 rounds (hours). Both
+# print a progress line and the table, and write benchmarks/results/results.json and ttft.png.
+# The kernel-level benchmark is benchmarks/attention.py (docs/benchmarks.md lists the others).
 bench: $(STAMP) $(PEERS) $(MINDFORMERS)
 	$(PY) benchmarks/ttft.py
+
+bench-full: $(STAMP) $(PEERS) $(MINDFORMERS)
+	$(PY) benchmarks/ttft.py --lengths 512 1024 2048 4096 8192 16384 --rounds 3
 
 # The peers the TTFT benchmark measures beside this project: Hugging Face transformers on PyTorch (in
 # .venv), and MindFormers in a virtual environment of its own (it pins transformers 4.57; see

@@ -105,6 +105,8 @@ def run_isolated(module: str, function: str, kwargs: dict, *, python: str | None
     packages. The result gets ``status``: "ok", "oom" (the watchdog stopped it above
     ``memory_limit_bytes`` of resident memory, the framework failed to allocate, or the kernel's OOM
     killer struck), "error", "skipped" (an optional dependency is missing) or "timeout".
+    The child's own output (a peer's framework logs) goes to a file, not the terminal, so the sweep's
+    progress line stays readable; a point that failed or timed out carries its last lines as ``log_tail``.
     """
     here = os.path.dirname(os.path.abspath(__file__))
     path = [here] if python else [p for p in sys.path if p and os.path.isdir(p)]
@@ -113,30 +115,41 @@ def run_isolated(module: str, function: str, kwargs: dict, *, python: str | None
         kwargs_path, result_path = os.path.join(scratch, "kwargs.json"), os.path.join(scratch, "result.json")
         with open(kwargs_path, "w") as f:
             json.dump(kwargs, f)
+        log = open(os.path.join(scratch, "output.log"), "w+")
         proc = subprocess.Popen([python or sys.executable, os.path.join(here, "harness.py"), module, function,
-                                 kwargs_path, result_path], env=env)
-        deadline = time.monotonic() + timeout_s
-        peak = 0
-        while proc.poll() is None:
-            rss = _rss_bytes(proc.pid)
-            peak = max(peak, rss)
-            if memory_limit_bytes and rss > memory_limit_bytes:
-                proc.kill()
-                proc.wait()
-                return {"status": "oom", "error": f"stopped at {rss / 2**30:.1f} GiB resident "
-                                                  f"(limit {memory_limit_bytes / 2**30:.1f} GiB)",
-                        "peak_rss_mb": rss / 2**20}
-            if time.monotonic() > deadline:
-                proc.kill()
-                proc.wait()
-                return {"status": "timeout", "error": f"timed out after {timeout_s:.0f} s"}
-            time.sleep(poll_s)
-        if not os.path.exists(result_path):
-            killed = proc.returncode == -9
-            return {"status": "oom" if killed else "error", "peak_rss_mb": peak / 2**20,
-                    "error": "killed by SIGKILL (the kernel's OOM killer?)" if killed else f"exit code {proc.returncode}"}
-        with open(result_path) as f:
-            return json.load(f)
+                                 kwargs_path, result_path], env=env, stdout=log, stderr=subprocess.STDOUT)
+        with log:
+            result = _wait(proc, result_path, memory_limit_bytes, timeout_s, poll_s)
+            if result["status"] in ("error", "timeout"):
+                log.seek(0)
+                result["log_tail"] = "".join(log.readlines()[-40:])
+        return result
+
+
+def _wait(proc, result_path: str, memory_limit_bytes: int | None, timeout_s: float, poll_s: float) -> dict:
+    """The child's result, once it exits (or the watchdog's verdict)."""
+    deadline = time.monotonic() + timeout_s
+    peak = 0
+    while proc.poll() is None:
+        rss = _rss_bytes(proc.pid)
+        peak = max(peak, rss)
+        if memory_limit_bytes and rss > memory_limit_bytes:
+            proc.kill()
+            proc.wait()
+            return {"status": "oom", "error": f"stopped at {rss / 2**30:.1f} GiB resident "
+                                              f"(limit {memory_limit_bytes / 2**30:.1f} GiB)",
+                    "peak_rss_mb": rss / 2**20}
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            return {"status": "timeout", "error": f"timed out after {timeout_s:.0f} s"}
+        time.sleep(poll_s)
+    if not os.path.exists(result_path):
+        killed = proc.returncode == -9
+        return {"status": "oom" if killed else "error", "peak_rss_mb": peak / 2**20,
+                "error": "killed by SIGKILL (the kernel's OOM killer?)" if killed else f"exit code {proc.returncode}"}
+    with open(result_path) as f:
+        return json.load(f)
 
 
 def machine_info() -> dict:

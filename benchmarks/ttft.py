@@ -17,7 +17,8 @@ extrapolation to the model's full depth: full = head + per_layer * full_layers, 
 per_layer = (TTFT - head) / layers. A fitted exponent b of TTFT ~ S^b summarises growth per backend.
 A point that runs out of memory is reported as such (the watchdog stops it first).
 
-    python benchmarks/ttft.py                      # 7B dims, 2 layers, S = 512..16384, every system
+    python benchmarks/ttft.py                      # make bench: 7B dims, 2 layers, S = 512..2048, 2 rounds
+    python benchmarks/ttft.py --lengths 512 1024 2048 4096 8192 16384 --rounds 3   # make bench-full
     python benchmarks/ttft.py --lengths 32768 --systems fused   # the long-context option
     python benchmarks/ttft.py --checkpoint /path/to/Llama-2-7b-hf --layers 32 --device Ascend
 """
@@ -584,7 +585,9 @@ def parse_args(argv=None):
     parser.add_argument("--model", default="7b", choices=["7b", "13b", "70b", "tiny"])
     parser.add_argument("--layers", type=int, default=2, help="decoder layers actually run (memory)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384],
+    # The defaults are make bench's sweep, about a quarter of an hour on 2 cores with every system;
+    # make bench-full passes the long one.
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048],
                         help="prompt lengths (add 32768 for the long-context point; give --systems fused for it)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS,
@@ -595,7 +598,7 @@ def parse_args(argv=None):
                              "4.57 cannot share one with the hf peer's transformers 5)")
     parser.add_argument("--device", default="CPU", help="CPU, or Ascend where the op package is installed")
     parser.add_argument("--checkpoint", help="real weights (Hugging Face or Meta directory) instead of random ones")
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--rounds", type=int, default=2,
                         help="rounds per length: every system once per round, each in a fresh process")
     parser.add_argument("--repeats", type=int, default=1, help="timed prefills per process")
     parser.add_argument("--seed", type=int, default=0)

@@ -101,6 +101,20 @@ def test_watchdog_reports_out_of_memory_instead_of_crashing():
     assert result["status"] == "ok" and result["sum"] == 10.0 and result["peak_rss_mb"] > 0
 
 
+def shout_and_fail():
+    """A child point that logs (as a peer's framework does) and then fails."""
+    print("a framework log line")
+    raise RuntimeError("the point failed")
+
+
+def test_child_output_stays_off_the_terminal_and_comes_back_on_failure(capfd):
+    assert harness.run_isolated("test_benchmarks", "allocate", {"gib": 0.0})["status"] == "ok"
+    result = harness.run_isolated("test_benchmarks", "shout_and_fail", {})
+    assert result["status"] == "error" and "the point failed" in result["error"]
+    assert "a framework log line" in result["log_tail"]
+    assert "a framework log line" not in capfd.readouterr().out
+
+
 def test_another_interpreter_sees_only_the_benchmarks_folder():
     """A peer's interpreter (its own virtual environment) must not get this one's sys.path."""
     result = harness.run_isolated("json", "loads", {"s": '{"answer": 42}'}, python=sys.executable)
