@@ -24,8 +24,10 @@ _SHAPE_TEXT = {"BNSD": "(B, N, S, D)", "BSND": "(B, S, N, D)", "BSH": "(B, S, N*
 
 
 def dtype_name(dtype) -> str:
-    """'float32', 'bfloat16', ... for a MindSpore dtype, numpy dtype or string."""
-    text = str(dtype).lower()
+    """'float32', 'bfloat16', ... for a MindSpore dtype, numpy dtype or string. Qualified spellings
+    count as their last part: with mindnlp's mindtorch loaded, ``str(ms.float32)`` is
+    'mindspore.float32' instead of 'Float32'."""
+    text = str(dtype).lower().rsplit(".", 1)[-1]
     return {"float": "float32", "half": "float16"}.get(text, text)
 
 

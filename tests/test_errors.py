@@ -215,3 +215,28 @@ def test_offsets_of_the_wrong_type_are_named_in_graph_mode():
     ms.set_context(mode=ms.GRAPH_MODE)
     with pytest.raises(TypeError, match="actual_seq_qlen: expected a mindspore Tensor, got str"):
         OpNet(input_layout="TND")(*TND.values(), "3,5", "4,7")
+
+
+class _QualifiedDtype:
+    """A dtype that prints qualified, as MindSpore's do with mindnlp's mindtorch loaded."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __str__(self):
+        return f"mindspore.{self.name}"
+
+
+def test_qualified_dtype_names_are_read_as_their_dtype():
+    from ms_rope_attention import checks
+    assert [checks.dtype_name(_QualifiedDtype(n)) for n in ("float32", "bfloat16", "int64")] == [
+        "float32", "bfloat16", "int64"]
+    assert checks.dtype_name(ms.float32) == "float32" and checks.dtype_name(np.dtype("float16")) == "float16"
+    f32 = _QualifiedDtype("float32")
+    shape, table = (1, 2, 5, 16), (64, 16)
+    geometry = checks.check_inputs(shape, shape, shape, table, table, f32, f32, f32, f32, f32, None, "BNSD", 0, None,
+                                   None, True, None, None)
+    assert geometry.head_dim == 16
+    with pytest.raises(TypeError, match=r"query: expected dtype in .*, got int32"):
+        checks.check_inputs(shape, shape, shape, table, table, _QualifiedDtype("int32"), f32, f32, f32, f32, None,
+                            "BNSD", 0, None, None, True, None, None)
