@@ -115,10 +115,9 @@ def run_isolated(module: str, function: str, kwargs: dict, *, python: str | None
         kwargs_path, result_path = os.path.join(scratch, "kwargs.json"), os.path.join(scratch, "result.json")
         with open(kwargs_path, "w") as f:
             json.dump(kwargs, f)
-        log = open(os.path.join(scratch, "output.log"), "w+")
-        proc = subprocess.Popen([python or sys.executable, os.path.join(here, "harness.py"), module, function,
-                                 kwargs_path, result_path], env=env, stdout=log, stderr=subprocess.STDOUT)
-        with log:
+        with open(os.path.join(scratch, "output.log"), "w+") as log:
+            proc = subprocess.Popen([python or sys.executable, os.path.join(here, "harness.py"), module, function,
+                                     kwargs_path, result_path], env=env, stdout=log, stderr=subprocess.STDOUT)
             result = _wait(proc, result_path, memory_limit_bytes, timeout_s, poll_s)
             if result["status"] in ("error", "timeout"):
                 log.seek(0)

@@ -12,7 +12,7 @@ import functools
 import numpy as np
 
 from . import cpu_direct
-from .cpu_kernel import kernel_dir
+from .cpu_kernel import NOT_BUILT, kernel_dir
 
 
 class Tiling(ctypes.Structure):  # mirrors rfa::ascend::RfaTiling in aclnn/op_kernel/rotary_flash_attention_tiling.h
@@ -32,8 +32,7 @@ class Tiling(ctypes.Structure):  # mirrors rfa::ascend::RfaTiling in aclnn/op_ke
 def library() -> ctypes.CDLL:
     matches = sorted(kernel_dir().glob("_rfa_ascend_emulated*.so"))
     if not matches:
-        raise RuntimeError(f"the emulated Ascend kernel is not built in {kernel_dir()} "
-                           "(the kernels are built when the package is installed: reinstall it)")
+        raise RuntimeError(f"the emulated Ascend kernel is not built in {kernel_dir()} ({NOT_BUILT})")
     lib = ctypes.CDLL(str(matches[0]))
     lib.RotaryFlashAttentionLastError.restype = ctypes.c_char_p
     return lib

@@ -24,6 +24,7 @@ _REQUIRED_FLAGS = {
     "generic": set(),
 }
 _PACKAGE_DIR = Path(__file__).resolve().parent
+NOT_BUILT = "the kernels are built when the package is installed: reinstall it"
 FUSED_BACKWARD = True  # the library has the backward entry (tests switch it off to run the fallback)
 
 
@@ -43,6 +44,12 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def usable_isas() -> list[str]:
+    """The instruction sets this CPU can run, best first (the portable build always)."""
+    flags = cpu_flags()
+    return [isa for isa in ISAS if _REQUIRED_FLAGS[isa] <= flags]
+
+
 def built_libraries() -> dict[str, Path]:
     """ISA name -> built shared library found in the package directory."""
     found = {}
@@ -57,15 +64,12 @@ def select_library() -> tuple[str, Path]:
     """(isa, path) of the best kernel build for this CPU; raises ``RuntimeError`` with the reason."""
     built = built_libraries()
     if not built:
-        raise RuntimeError(f"no built CPU kernel in {kernel_dir()} "
-                           "(the kernels are built when the package is installed: reinstall it)")
+        raise RuntimeError(f"no built CPU kernel in {kernel_dir()} ({NOT_BUILT})")
     forced = os.environ.get("RFA_CPU_ISA")
-    flags = cpu_flags()
-    candidates = (forced,) if forced else ISAS
-    for isa in candidates:
-        if isa not in _REQUIRED_FLAGS:
-            raise RuntimeError(f"RFA_CPU_ISA: expected one of {list(ISAS)}, got {isa!r}")
-        if isa in built and _REQUIRED_FLAGS[isa] <= flags:
+    if forced and forced not in ISAS:
+        raise RuntimeError(f"RFA_CPU_ISA: expected one of {list(ISAS)}, got {forced!r}")
+    for isa in usable_isas():
+        if isa in built and (not forced or isa == forced):
             return isa, built[isa]
     raise RuntimeError(f"no CPU kernel build usable on this CPU (built: {sorted(built)}, requested: {forced or 'best'})")
 

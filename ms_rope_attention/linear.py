@@ -23,7 +23,7 @@ import scipy_openblas32
 from mindspore import ops
 from mindspore.ops import CustomRegOp, DataType
 
-from .cpu_kernel import kernel_dir
+from .cpu_kernel import NOT_BUILT, kernel_dir
 
 KERNEL_SYMBOL = "RfaLinear"
 
@@ -47,8 +47,7 @@ def library_path() -> Path:
     """The op's shared library (one build for every CPU: OpenBLAS dispatches on the CPU itself)."""
     matches = sorted(kernel_dir().glob("_rfa_cpu_linear*.so"))
     if not matches:
-        raise RuntimeError(f"no built projection GEMM library in {kernel_dir()} "
-                           "(the kernels are built when the package is installed: reinstall it)")
+        raise RuntimeError(f"no built projection GEMM library in {kernel_dir()} ({NOT_BUILT})")
     return matches[0]
 
 

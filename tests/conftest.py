@@ -51,6 +51,16 @@ def rng():
     return np.random.default_rng(1234)
 
 
+@pytest.fixture
+def corpus(tmp_path):
+    """A small text file, a document per line, for the training CLI."""
+    rng = np.random.default_rng(0)
+    words = "the cat sat on a mat and the dog ran to the park while birds sang".split()
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n".join(" ".join(rng.choice(words, rng.integers(3, 10))) for _ in range(300)) + "\n")
+    return path
+
+
 def pytest_addoption(parser):
     parser.addoption("--long", action="store_true", default=False,
                      help="run the long form of the property tests (thousands of random cases)")

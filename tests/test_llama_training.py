@@ -57,15 +57,6 @@ def test_mixed_precision(level):
     np.testing.assert_allclose(fused[:10], unfused[:10], rtol=1e-2)
 
 
-@pytest.fixture
-def corpus(tmp_path):
-    rng = np.random.default_rng(0)
-    words = "the cat sat on a mat and the dog ran to the park while birds sang".split()
-    path = tmp_path / "corpus.txt"
-    path.write_text("\n".join(" ".join(rng.choice(words, rng.integers(3, 10))) for _ in range(300)) + "\n")
-    return path
-
-
 def test_cli_trains_saves_generates_and_resumes(corpus, tmp_path, capsys):
     out = tmp_path / "run"
     common = ["--model", "tiny", "--data", str(corpus), "--out", str(out), "--seq-len", "64", "--batch-size", "2"]

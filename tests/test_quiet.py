@@ -30,15 +30,6 @@ def _run(args, cwd):
     return output
 
 
-@pytest.fixture
-def corpus(tmp_path):
-    words = "the cat sat on a mat and the dog ran to the park".split()
-    rng = np.random.default_rng(0)
-    path = tmp_path / "corpus.txt"
-    path.write_text("\n".join(" ".join(rng.choice(words, rng.integers(3, 9))) for _ in range(200)) + "\n")
-    return path
-
-
 def test_generate_is_quiet(tmp_path):
     out = _run(["-m", "models.llama.generate", "--model", "tiny", "--ids", "1,15,27", "--ids", "1,9",
                 "--max-new-tokens", "4"], tmp_path)
@@ -66,10 +57,11 @@ class _Attend(nn.Cell):
         return mra.rotary_flash_attention(q, k, v, self.cos, self.sin, input_layout="BSND")
 
 
-def _dynamic_attend():
+def _dynamic_attend(kv_dim=16):
+    """The op in a GRAPH_MODE Cell compiled for any sequence length (query head_dim 16)."""
     ms.set_context(mode=ms.GRAPH_MODE)
     net = _Attend()
-    net.set_inputs(*(Tensor(shape=[1, None, 2, d], dtype=ms.float32) for d in (16, 16, 16)))
+    net.set_inputs(*(Tensor(shape=[1, None, 2, d], dtype=ms.float32) for d in (16, kv_dim, kv_dim)))
     return net
 
 
@@ -78,10 +70,7 @@ def _ones(length, dim=16):
 
 
 def test_dynamic_graph_still_checks_known_dimensions_at_compile():
-    net = _Attend()
-    ms.set_context(mode=ms.GRAPH_MODE)
-    net.set_inputs(Tensor(shape=[1, None, 2, 16], dtype=ms.float32), Tensor(shape=[1, None, 2, 8], dtype=ms.float32),
-                   Tensor(shape=[1, None, 2, 8], dtype=ms.float32))
+    net = _dynamic_attend(kv_dim=8)
     with pytest.raises(ValueError, match="key"):
         net(_ones(5), _ones(5, 8), _ones(5, 8))
 
