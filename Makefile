@@ -8,12 +8,14 @@ STAMP := $(VENV)/.installed
 PEERS := $(VENV)/.peers
 MINDFORMERS_VENV := .venv-mindformers
 MINDFORMERS := $(MINDFORMERS_VENV)/.installed
+MINDNLP_VENV := .venv-mindnlp
+MINDNLP := $(MINDNLP_VENV)/.installed
 KERNEL_SOURCES := $(wildcard ms_rope_attention/csrc/*) $(wildcard ms_rope_attention/aclnn/*/*.h) \
 	$(wildcard ms_rope_attention/aclnn/*/*.cpp) $(wildcard ms_rope_attention/aclnn/*/*.cc)
 # An extra's requirements as pyproject.toml lists them (its one place), for installing them alone.
 EXTRA = $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['$(1)']))")
 
-.PHONY: test bench bench-full venv clean sanitize
+.PHONY: test bench bench-full venv thirdparty clean sanitize
 
 venv: $(STAMP)
 
@@ -59,12 +61,27 @@ $(PEERS): $(STAMP) pyproject.toml
 	$(PY) -m pip install --quiet $(call EXTRA,peers)
 	touch $(PEERS)
 
-$(MINDFORMERS): benchmarks/peers/mindformers.txt
+# The third-party libraries fuse() works on, each in its own virtual environment with this project
+# installed into it as their users would (editable: the checkout is what runs). tests/test_fuse_thirdparty.py
+# runs tests/thirdparty/ in them; .ci/run installs them first (make thirdparty).
+thirdparty: $(MINDFORMERS) $(MINDNLP)
+
+$(MINDFORMERS): benchmarks/peers/mindformers.txt pyproject.toml setup.py $(KERNEL_SOURCES)
 	test -x $(MINDFORMERS_VENV)/bin/python || $(PYTHON) -m venv $(MINDFORMERS_VENV)
 	$(MINDFORMERS_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(MINDFORMERS_VENV)/bin/python -m pip install --quiet -r benchmarks/peers/mindformers.txt
 	$(MINDFORMERS_VENV)/bin/python -m pip install --quiet --no-deps "mindformers==2.0.0"
+	$(MINDFORMERS_VENV)/bin/python -m pip install --quiet -e ".[test]"
 	touch $(MINDFORMERS)
 
+# See benchmarks/peers/mindnlp.txt for why these, and why some --no-deps.
+$(MINDNLP): benchmarks/peers/mindnlp.txt pyproject.toml setup.py $(KERNEL_SOURCES)
+	test -x $(MINDNLP_VENV)/bin/python || $(PYTHON) -m venv $(MINDNLP_VENV)
+	$(MINDNLP_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(MINDNLP_VENV)/bin/python -m pip install --quiet -r benchmarks/peers/mindnlp.txt
+	$(MINDNLP_VENV)/bin/python -m pip install --quiet --no-deps "mindnlp==0.5.1" "peft==0.17.1" "accelerate==1.11.0"
+	$(MINDNLP_VENV)/bin/python -m pip install --quiet -e ".[test]"
+	touch $(MINDNLP)
+
 clean:
-	rm -rf build dist $(VENV) $(MINDFORMERS_VENV) ms_rope_attention/_rfa_*.so *.egg-info
+	rm -rf build dist $(VENV) $(MINDFORMERS_VENV) $(MINDNLP_VENV) ms_rope_attention/_rfa_*.so *.egg-info

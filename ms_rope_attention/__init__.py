@@ -6,11 +6,14 @@ Public API:
 - ``RotaryFlashAttention``: the Cell with its shared cos/sin cache (GRAPH_MODE and PyNative).
 - ``RotaryFlashAttentionOp``: the op as a Cell with explicit cos/sin inputs.
 - ``rope_tables`` / ``shared_rope_tables``: cos/sin tables.
+- ``fuse(net)`` / ``unfuse(net)``: the fused op inside existing MindFormers, Hugging Face (mindnlp)
+  models (``ms_rope_attention.fusion``), with a ``FuseReport``.
 """
 from .functional import RotaryFlashAttentionOp, RotaryFusionFallbackError, rotary_flash_attention
+from .fusion import FuseError, FuseReport, fuse, unfuse
 from .nn import RotaryFlashAttention
 from .rope import rope_tables, shared_rope_tables
 
 __all__ = ["rotary_flash_attention", "RotaryFlashAttention", "RotaryFlashAttentionOp", "RotaryFusionFallbackError",
-           "rope_tables", "shared_rope_tables"]
+           "rope_tables", "shared_rope_tables", "fuse", "unfuse", "FuseReport", "FuseError"]
 __version__ = "0.1.0"

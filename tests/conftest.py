@@ -11,6 +11,24 @@ import mindspore as ms  # noqa: E402
 
 ms.set_device("CPU")
 
+# tests/thirdparty/ runs inside MindFormers' and mindnlp's own environments (tests/test_fuse_thirdparty.py).
+collect_ignore = ["thirdparty"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+THIRDPARTY_VENVS = {"mindformers": os.path.join(ROOT, ".venv-mindformers"),
+                    "mindnlp": os.path.join(ROOT, ".venv-mindnlp")}
+
+
+def thirdparty_python(library: str) -> str:
+    """The Python of a third-party library's environment; a skip when it is not installed, a
+    failure under RFA_REQUIRE_THIRDPARTY=1 (CI, which installs them: a skip there guards nothing)."""
+    venv = THIRDPARTY_VENVS[library]
+    if not os.path.exists(os.path.join(venv, ".installed")):
+        message = f"{library}'s environment {venv} is not installed (make thirdparty)"
+        if os.environ.get("RFA_REQUIRE_THIRDPARTY") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return os.path.join(venv, "bin", "python")
+
 # Tolerances (max abs error vs the float64 reference, unit-scale inputs). float32: 1e-5. float16 /
 # bfloat16: the reference runs on the same dtype-rounded inputs, so the budget is the output's own
 # rounding plus float32 accumulation: 2 ulp at the output's magnitude.

@@ -14,6 +14,7 @@ import harness  # noqa: E402
 import projections  # noqa: E402
 import train  # noqa: E402
 import ttft  # noqa: E402
+from conftest import thirdparty_python  # noqa: E402
 
 
 def test_fit_exponent_recovers_power_laws():
@@ -166,8 +167,8 @@ def test_tiny_sweep_end_to_end(tmp_path):
     assert {row["fused"]["rounds"] for row in results["summary"]["rows"]} == {2}
 
 
-@pytest.mark.skipif(not ttft.MINDFORMERS_PYTHON.exists(), reason="MindFormers' environment is installed by make bench")
 def test_mindformers_peer_matches_on_the_tiny_model(tmp_path):
+    thirdparty_python("mindformers")
     results = ttft.main(["--model", "tiny", "--lengths", "37", "--repeats", "1", "--out", str(tmp_path),
                          "--systems", "fused", "mindformers"])
     assert {r["backend"]: r["status"] for r in results["runs"]} == {"fused": "ok", "mindformers": "ok"}

@@ -1,0 +1,111 @@
+"""fuse() on Hugging Face Llama / Mistral / Qwen2 as mindnlp 0.5.1 runs them (PyNative, tiny random
+weights), with HF's KV cache; and the two bugs mindnlp exposed (dtype names, device tags)."""
+import mindspore as ms
+import numpy as np
+import pytest
+
+from ms_rope_attention.fusion import mindnlp_compat
+
+mindnlp_compat.install()
+import mindnlp  # noqa: E402,F401
+import torch  # noqa: E402  (mindtorch, through mindnlp's import hook)
+import transformers  # noqa: E402
+
+from ms_rope_attention import checks, fuse, rope_tables, rotary_flash_attention, unfuse  # noqa: E402
+from ms_rope_attention.fusion import hf_llama as family  # noqa: E402
+
+PROMPT = [[1, 5, 7, 9, 11, 13, 2, 4, 6, 8, 10]]
+
+
+def tiny(kind="llama", seed=0, **overrides):
+    settings = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0)
+    settings.update(overrides)
+    config = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+              "qwen2": transformers.Qwen2Config}[kind](**settings)
+    torch.manual_seed(seed)
+    model = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
+             "qwen2": transformers.Qwen2ForCausalLM}[kind](config)
+    return model.eval()
+
+
+def run(model, ids, **kwargs):
+    with torch.no_grad():
+        return model(torch.tensor(ids), **kwargs).logits.float().numpy().astype(np.float64)
+
+
+def generate(model, ids, **kwargs):
+    with torch.no_grad():
+        return model.generate(torch.tensor(ids), max_new_tokens=6, do_sample=False, **kwargs).numpy()
+
+
+def relative(a, b):
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.mark.parametrize("kind, implementation", [("llama", "sdpa"), ("llama", "eager"), ("mistral", "sdpa"),
+                                                  ("qwen2", "sdpa")])
+def test_every_site_fused_logits_match_and_generation_is_unchanged(kind, implementation, spy):
+    overrides = {"sliding_window": None} if kind in ("mistral", "qwen2") else {}
+    model = tiny(kind, attn_implementation=implementation, **overrides)
+    want, want_tokens = run(model, PROMPT), generate(model, PROMPT, attention_mask=torch.ones(1, 11, dtype=torch.long))
+    calls = spy(family)
+    report = fuse(model, strict=True)
+    assert report.fused == ["model.layers.0.self_attn", "model.layers.1.self_attn"], str(report)
+    assert relative(run(model, PROMPT), want) < 1e-4
+    calls.clear()
+    tokens = generate(model, PROMPT, attention_mask=torch.ones(1, 11, dtype=torch.long))
+    np.testing.assert_array_equal(tokens, want_tokens)
+    prefill = [c for c in calls if c.get("return_rotated_key")]
+    decode = [c for c in calls if c.get("key_rotated")]
+    assert len(prefill) == 2 and len(decode) == 2 * 5, (len(prefill), len(decode))  # 2 layers, 5 cached steps
+    assert unfuse(model) == report.fused
+    np.testing.assert_array_equal(run(model, PROMPT), want)
+
+
+def test_a_padded_batch_runs_the_original_code_and_says_so(fallback_warnings):
+    model = tiny()
+    ids = [[0, 0, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]]
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    want = run(model, ids, attention_mask=mask)
+    assert fuse(model).all_fused
+    np.testing.assert_array_equal(run(model, ids, attention_mask=mask), want)
+    assert any("model.layers.0.self_attn" in m and "not exactly causal" in m for m in fallback_warnings())
+
+
+def test_attention_dropout_while_training_runs_the_original(fallback_warnings, spy):
+    model = tiny(attention_dropout=0.5)
+    fuse(model)
+    calls = spy(family)
+    model.train()
+    with torch.no_grad():
+        model(torch.tensor(PROMPT))
+    assert not calls and any("attention dropout 0.5 while training" in m for m in fallback_warnings())
+
+
+def test_what_is_not_covered_is_reported():
+    report = fuse(tiny("mistral", sliding_window=4), dry_run=True)
+    assert report["model.layers.0.self_attn"].reason == "sliding_window=4: not covered"
+    model = tiny()
+    model.model.layers[1].self_attn.forward = lambda *args, **kwargs: None
+    report = fuse(model)
+    assert report.fused == ["model.layers.0.self_attn"]
+    assert report["model.layers.1.self_attn"].reason == "its forward was replaced on the instance"
+
+
+def test_dtype_names_as_mindtorch_prints_them():
+    """Bug 1: with mindtorch loaded, str(ms.float32) is 'mindspore.float32'."""
+    assert str(ms.float32) == "mindspore.float32"
+    assert checks.dtype_name(ms.float32) == "float32" and checks.dtype_name(ms.bfloat16) == "bfloat16"
+
+
+def test_outputs_carry_mindtorchs_device_tag():
+    """Bug 2: mindtorch's DynamicCache reads key.device, which untagged tensors refuse."""
+    rng = np.random.default_rng(0)
+    q, k, v = (torch.tensor(rng.standard_normal((1, 2, 5, 16), dtype=np.float32)) for _ in range(3))
+    cos, sin = (torch.tensor(t) for t in rope_tables(16, 8))
+    out, rotated_key = rotary_flash_attention(q, k, v, cos, sin, return_rotated_key=True)
+    assert out.device == q.device and rotated_key.device == q.device
+    cache = transformers.DynamicCache()
+    keys, _ = cache.update(rotated_key, v, 0)
+    assert keys.shape == (1, 2, 5, 16)
