@@ -188,23 +188,21 @@ def hf_point(checkpoint: str, length: int, repeats: int, seed: int, batch: int, 
             "weights_checksum": weights_checksum(probe), "logits_probe": probe_logits}
 
 
-def mindformers_point(checkpoint: str, length: int, repeats: int, seed: int, batch: int, dtype: str) -> dict:
-    """The other peer: MindFormers' Llama (``mindformers.models.llama.LlamaForCausalLM``, MindSpore
-    GRAPH_MODE) on the same checkpoint, configured as MindFormers runs on a CPU (no flash attention,
-    sliced rotate-half RoPE, unfused RMSNorm, no KV cache), the prefill computing the last token's logits
-    (``batch_valid_length``). Runs in MindFormers' own virtual environment (see ``--mindformers-python``)."""
+def load_mindformers(checkpoint: str, length: int, batch: int, dtype: str):
+    """(MindFormers' LlamaForCausalLM on ``checkpoint``'s weights, hf config dict, seconds to build it),
+    configured as MindFormers runs on a CPU (no flash attention, sliced rotate-half RoPE, unfused
+    RMSNorm, no KV cache); GRAPH_MODE unless the caller set another mode. Runs in MindFormers' own
+    virtual environment."""
     import mindformers_compat
     mindformers_compat.install()
     # MindFormers writes its logs under LOCAL_DEFAULT_PATH (./output by default): keep them out of the tree.
     os.environ.setdefault("LOCAL_DEFAULT_PATH", tempfile.mkdtemp(prefix="mindformers-output-"))
     import mindspore as ms
-    from mindspore import Tensor, nn
+    from mindspore import Tensor
     from mindspore.nn.utils import no_init_parameters
     from safetensors import safe_open
 
     ms.set_device("CPU")
-    ms.set_context(mode=ms.GRAPH_MODE)
-    import mindformers
     from mindformers.models.llama import LlamaConfig, LlamaForCausalLM
 
     hf = json.loads((Path(checkpoint) / "config.json").read_text())
@@ -240,7 +238,21 @@ def mindformers_point(checkpoint: str, length: int, repeats: int, seed: int, bat
     missing = sorted(set(own) - loaded)
     if missing or unexpected:
         raise RuntimeError(f"MindFormers checkpoint mapping: missing {missing}, unexpected {unexpected}")
-    build_s = time.perf_counter() - start
+    return lm, hf, time.perf_counter() - start
+
+
+def mindformers_point(checkpoint: str, length: int, repeats: int, seed: int, batch: int, dtype: str) -> dict:
+    """The other peer: MindFormers' Llama (``mindformers.models.llama.LlamaForCausalLM``, MindSpore
+    GRAPH_MODE) on the same checkpoint, configured as MindFormers runs on a CPU (no flash attention,
+    sliced rotate-half RoPE, unfused RMSNorm, no KV cache), the prefill computing the last token's logits
+    (``batch_valid_length``). Runs in MindFormers' own virtual environment (see ``--mindformers-python``)."""
+    import mindspore as ms
+    from mindspore import Tensor, nn
+
+    ms.set_device("CPU")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    lm, hf, build_s = load_mindformers(checkpoint, length, batch, dtype)
+    import mindformers
     ids = Tensor(np.array(prompt_ids(seed, batch, length, hf["vocab_size"]), np.int32))
     valid = Tensor(np.full((batch,), length, np.int32))
     compile_s, ttft, probe_logits = timed_prefill(

@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
+import fuse  # noqa: E402
 import harness  # noqa: E402
 import projections  # noqa: E402
 import train  # noqa: E402
@@ -206,3 +207,15 @@ def test_projections_benchmark_end_to_end(tmp_path):
     for series in list(report["ops"].values()) + [report["model"]["8"]]:
         assert series["MindSpore MatMul"]["speedup_vs_matmul"] == 1.0
         assert series["OpenBLAS op (this project)"]["gflops"] > 0
+
+
+def test_fuse_benchmark_end_to_end(tmp_path):
+    """Both libraries' tiny models before and after fuse(), in their own environments."""
+    thirdparty_python("mindformers"), thirdparty_python("mindnlp")
+    results = fuse.main(["--model", "tiny", "--lengths", "37", "--repeats", "1", "--decode-steps", "2",
+                         "--out", str(tmp_path)])
+    rows = {row["library"]: row for row in json.loads((tmp_path / "fuse.json").read_text())["rows"]}
+    assert set(rows) == {"mindformers", "mindnlp"} and all(r["status"] == "ok" and r["all_fused"] for r in rows.values())
+    assert rows["mindnlp"]["same_tokens"] and rows["mindnlp"]["fused_decode_step_median_s"] > 0
+    assert "fused" in results["runs"][0]["report"]
+    assert fuse.disagreements([dict(rows["mindnlp"], same_tokens=False)]) == ["mindnlp S=37"]

@@ -2,7 +2,8 @@
 
 ``fuse`` walks a network (``cells_and_names()`` for MindSpore Cells, ``named_modules()`` for
 mindtorch / mindnlp modules) and hands each attention site to the family that recognises its exact
-class and code (``mindformers``, ``hf_llama``, ``project``). A site is fused only when its
+class and code (``mindformers``, ``hf_llama``, ``project``), or its construct's style
+(``handwritten``). A site is fused only when its
 configuration is covered and, unless ``dry_run``, when the fused code matches the original on a
 seeded probe with the site's own weights; every other site keeps its code and gets its reason in
 the report. At run time a fused site whose mask is not exactly causal runs its original code and
@@ -16,13 +17,14 @@ from __future__ import annotations
 import numpy as np
 
 from .family import class_path
+from .handwritten import HandWrittenAttention
 from .hf_llama import HuggingFaceLlama
 from .mindformers import MindFormersLlama
 from .project import ProjectAttention
 from .report import ALREADY_FUSED, FUSED, NOT_FUSED, FuseReport, FuseSite
 
 __all__ = ["fuse", "unfuse", "FuseReport", "FuseSite", "FuseError", "FAMILIES"]
-FAMILIES = (ProjectAttention(), MindFormersLlama(), HuggingFaceLlama())
+FAMILIES = (ProjectAttention(), MindFormersLlama(), HuggingFaceLlama(), HandWrittenAttention())
 
 
 class FuseError(RuntimeError):

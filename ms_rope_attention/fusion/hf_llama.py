@@ -62,9 +62,18 @@ def _mask_is_causal(mask, implementation, q_len, past_len) -> bool:
     everything: the same rule for one query, or for an sdpa prefill."""
     if mask is None:
         return q_len == 1 or (implementation == "sdpa" and past_len == 0)
+    # Every layer of one forward gets the same mask object: decide once (each decision waits for
+    # the queued ops to finish, a PyNative synchronisation), and remember it on the mask.
+    key = (implementation, q_len, past_len)
+    known = getattr(mask, "rfa_causal", None)
+    if known is not None and known[0] == key:
+        return known[1]
     if mask.dtype == ms.bool_:  # sdpa reads True as "attend"; eager adds the mask to the scores
-        return implementation == "sdpa" and bool(bool_mask_is_causal(mask))
-    return bool(additive_mask_is_causal(mask))
+        causal = implementation == "sdpa" and bool(bool_mask_is_causal(mask))
+    else:
+        causal = bool(additive_mask_is_causal(mask))
+    mask.rfa_causal = (key, causal)
+    return causal
 
 
 def _runtime_reason(site, hidden_states, cos, attention_mask, past_len, kwargs):

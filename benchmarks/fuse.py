@@ -1,0 +1,203 @@
+"""fuse() on the models users already have, before and after, same weights, same run: the time to
+first token (prefill) of MindFormers 2.0.0's Llama (GRAPH_MODE) and of Hugging Face's Llama on
+mindnlp 0.5.1 (PyNative), and mindnlp's decode step with its KV cache (DynamicCache).
+
+One seeded Llama2-7B-dimension checkpoint (``ttft.write_checkpoint``, a few decoder layers) serves
+both libraries; each library runs in its own virtual environment and a child process of its own.
+In that process the original model is timed, then ``fuse(model)`` (the report is kept), then the
+fused model: the order cannot alternate without recompiling MindFormers' graph at every switch.
+The first token's logits of both must agree (relative 1e-4) and the greedy decode tokens must be the
+same. MindFormers' decode is not measured: its KV-cache path (``use_past``) is not fused.
+
+    python benchmarks/fuse.py --lengths 2048 --layers 2 --repeats 2 --out benchmarks/results
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from harness import machine_info, run_isolated, stats
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHONS = {"mindformers": ROOT / ".venv-mindformers" / "bin" / "python",
+           "mindnlp": ROOT / ".venv-mindnlp" / "bin" / "python"}
+
+
+def _relative(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def mindformers_point(checkpoint: str, length: int, repeats: int, seed: int) -> dict:
+    """Child process, in MindFormers' environment: GRAPH_MODE prefill before and after fuse."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    import ttft
+    from ms_rope_attention import fuse
+
+    ms.set_device("CPU")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    lm, hf, build_s = ttft.load_mindformers(checkpoint, length, 1, "float32")
+    ids = Tensor(np.array(ttft.prompt_ids(seed, 1, length, hf["vocab_size"]), np.int32))
+    valid = Tensor(np.array([length], np.int32))
+
+    def last_logits():
+        return lm(ids, batch_valid_length=valid)[0].asnumpy().reshape(1, -1)
+
+    compile_original, original, want = ttft.timed_prefill(last_logits, repeats)
+    start = time.perf_counter()
+    report = fuse(lm)
+    fuse_s = time.perf_counter() - start
+    compile_fused, fused, got = ttft.timed_prefill(last_logits, repeats)
+    return {"report": str(report), "all_fused": report.all_fused, "fuse_s": fuse_s, "build_s": build_s,
+            "compile_s": {"original": compile_original, "fused": compile_fused},
+            "ttft": {"original": stats(original), "fused": stats(fused)}, "logits_relative": _relative(got, want)}
+
+
+def mindnlp_point(checkpoint: str, length: int, repeats: int, seed: int, decode_steps: int) -> dict:
+    """Child process, in mindnlp's environment: PyNative prefill and decode steps before and after fuse."""
+    from ms_rope_attention.fusion import mindnlp_compat
+    mindnlp_compat.install()
+    import mindnlp  # noqa: F401  (maps torch to mindtorch and transformers to HF's own)
+    import torch
+    import transformers
+
+    import ttft
+    from ms_rope_attention import fuse
+
+    start = time.perf_counter()
+    model = transformers.LlamaForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32).eval()
+    build_s = time.perf_counter() - start
+    ids = torch.tensor(ttft.prompt_ids(seed, 1, length, model.config.vocab_size))
+
+    def last_logits():
+        with torch.no_grad():
+            return model(ids, logits_to_keep=1).logits[:, -1].float().numpy()
+
+    def decode():
+        """Per-step seconds of ``decode_steps`` greedy steps after a prefill, and the tokens."""
+        with torch.no_grad():
+            out = model(ids, use_cache=True, logits_to_keep=1)
+            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            tokens, steps = [int(token.item())], []
+            for _ in range(decode_steps):
+                begin = time.perf_counter()
+                out = model(token, past_key_values=cache, use_cache=True)
+                token = out.logits[:, -1:].argmax(-1)
+                tokens.append(int(token.item()))
+                steps.append(time.perf_counter() - begin)
+        return steps, tokens
+
+    def measure():
+        compile_s, times, logits = ttft.timed_prefill(last_logits, repeats)
+        steps, tokens = decode()
+        return {"ttft": stats(times), "first_call_s": compile_s, "decode_step": stats(steps),
+                "tokens_per_s": 1.0 / statistics.median(steps)}, logits, tokens
+
+    original, want, want_tokens = measure()
+    start = time.perf_counter()
+    report = fuse(model)
+    fuse_s = time.perf_counter() - start
+    fused, got, tokens = measure()
+    return {"report": str(report), "all_fused": report.all_fused, "fuse_s": fuse_s, "build_s": build_s,
+            "original": original, "fused": fused, "logits_relative": _relative(got, want),
+            "same_tokens": tokens == want_tokens, "tokens": tokens}
+
+
+def summarise(runs: list[dict]) -> list[dict]:
+    rows = []
+    for run in runs:
+        if run["status"] != "ok":
+            rows.append({"library": run["library"], "S": run["length"], "status": run["status"],
+                         "error": run.get("error")})
+            continue
+        ttft_times = run["ttft"] if run["library"] == "mindformers" else {
+            k: run[k]["ttft"] for k in ("original", "fused")}
+        row = {"library": run["library"], "S": run["length"], "status": "ok", "all_fused": run["all_fused"],
+               "original_ttft_median_s": ttft_times["original"]["median_s"],
+               "original_ttft_min_s": ttft_times["original"]["min_s"],
+               "fused_ttft_median_s": ttft_times["fused"]["median_s"], "fused_ttft_min_s": ttft_times["fused"]["min_s"],
+               "ttft_speedup": ttft_times["original"]["median_s"] / ttft_times["fused"]["median_s"],
+               "logits_relative": run["logits_relative"]}
+        if run["library"] == "mindnlp":
+            row.update({"original_decode_step_median_s": run["original"]["decode_step"]["median_s"],
+                        "fused_decode_step_median_s": run["fused"]["decode_step"]["median_s"],
+                        "decode_speedup": run["original"]["decode_step"]["median_s"]
+                        / run["fused"]["decode_step"]["median_s"], "same_tokens": run["same_tokens"]})
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| library | S | TTFT original (s) | TTFT fused (s) | speed-up | decode step original / fused (ms) |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['library']} | {r['S']} | {r['status']}: {r.get('error')} | | | |")
+            continue
+        decode = (f"{r['original_decode_step_median_s'] * 1e3:.0f} / {r['fused_decode_step_median_s'] * 1e3:.0f}"
+                  f" ({r['decode_speedup']:.2f}x)" if "decode_speedup" in r else "not fused (use_past)")
+        lines.append(f"| {r['library']} | {r['S']} | {r['original_ttft_median_s']:.2f} | {r['fused_ttft_median_s']:.2f} "
+                     f"| {r['ttft_speedup']:.2f}x | {decode} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048])
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers of the Llama2-7B-dimension model")
+    parser.add_argument("--model", default="7b", help="models.llama preset the checkpoint's dimensions come from")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--decode-steps", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--libraries", nargs="+", default=list(PYTHONS), choices=list(PYTHONS))
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="fuse-weights-") as checkpoint:
+        written = run_isolated("ttft", "write_checkpoint", {"model": args.model, "layers": args.layers,
+                                                             "seed": args.seed, "directory": checkpoint})
+        if written["status"] != "ok":
+            raise RuntimeError(f"could not write the weights: {written.get('error')}")
+        for length in args.lengths:
+            for library in args.libraries:
+                base = {"library": library, "length": length}
+                if not PYTHONS[library].exists():
+                    runs.append({**base, "status": "skipped", "error": f"{PYTHONS[library]} missing (make thirdparty)"})
+                    continue
+                kwargs = {"checkpoint": checkpoint, "length": length, "repeats": args.repeats, "seed": args.seed}
+                if library == "mindnlp":
+                    kwargs["decode_steps"] = args.decode_steps
+                runs.append({**base, **run_isolated("fuse", f"{library}_point", kwargs, python=str(PYTHONS[library]))})
+                print(f"{library} S={length}: {runs[-1]['status']}", flush=True)
+    rows = summarise(runs)
+    result = {"benchmark": "fuse", "machine": machine_info(), "settings": vars(args), "runs": runs, "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fuse.json").write_text(json.dumps(result, indent=2, default=str))
+    print(table(rows))
+    for run in runs:
+        if run.get("report"):
+            print(f"\n{run['library']} S={run['length']}:\n{run['report']}")
+    print(f"wrote {out / 'fuse.json'}")
+    disagreeing = disagreements(rows)
+    if disagreeing:
+        raise RuntimeError(f"fused and original models disagree: {disagreeing}")
+    return result
+
+
+def disagreements(rows: list[dict]) -> list[str]:
+    """Rows whose fused model computed other logits (beyond 1e-4 relative) or other greedy tokens."""
+    return [f"{r['library']} S={r['S']}" for r in rows if r["status"] == "ok" and
+            (r["logits_relative"] > 1e-4 or r.get("same_tokens") is False)]
+
+
+if __name__ == "__main__":
+    main()

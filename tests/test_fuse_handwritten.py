@@ -1,0 +1,136 @@
+"""fuse() on a MindSpore Llama written in the common hand-written style (rotate_half,
+q*cos + rotate_half(q)*sin, matmul / + mask / softmax / matmul), GRAPH_MODE and PyNative, and its
+near-misses: a padding mask, rotated q/k read after the attention, a RoPE that is not rotate-half."""
+import math
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Tensor, nn, ops
+
+from ms_rope_attention import FuseError, fuse, unfuse
+
+HIDDEN, HEADS, LENGTH = 32, 4, 9
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return ops.cat((-x[..., half:], x[..., :half]), -1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def rotate_every_two(x):
+    return ops.stack((-x[..., 1::2], x[..., ::2]), -1).reshape(x.shape)
+
+
+def apply_interleaved(q, k, cos, sin):  # GPT-J's interleaved RoPE, not rotate-half: must be refused
+    return q * cos + rotate_every_two(q) * sin, k * cos + rotate_every_two(k) * sin
+
+
+class Attention(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.head_dim = HIDDEN // HEADS
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Dense(HIDDEN, HIDDEN) for _ in range(4))
+
+    def heads(self, x):
+        b, s, _ = x.shape
+        return x.reshape(b, s, HEADS, self.head_dim).swapaxes(1, 2)
+
+    def construct(self, x, cos, sin, mask):
+        b, s, _ = x.shape
+        q, k, v = self.heads(self.q_proj(x)), self.heads(self.k_proj(x)), self.heads(self.v_proj(x))
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        scores = ops.matmul(q, k.swapaxes(-1, -2)) / math.sqrt(self.head_dim)
+        scores = scores + mask
+        probs = ops.softmax(scores, axis=-1)
+        out = ops.matmul(probs, v)
+        return self.o_proj(out.swapaxes(1, 2).reshape(b, s, HIDDEN))
+
+
+class LeakyAttention(Attention):
+    def construct(self, x, cos, sin, mask):
+        b, s, _ = x.shape
+        q, k, v = self.heads(self.q_proj(x)), self.heads(self.k_proj(x)), self.heads(self.v_proj(x))
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        scores = ops.matmul(q, k.swapaxes(-1, -2)) / math.sqrt(self.head_dim)
+        scores = scores + mask
+        probs = ops.softmax(scores, axis=-1)
+        out = ops.matmul(probs, v)
+        return self.o_proj(out.swapaxes(1, 2).reshape(b, s, HIDDEN)) + k.sum()  # rotated k used elsewhere
+
+
+class OtherRopeAttention(Attention):
+    def construct(self, x, cos, sin, mask):
+        b, s, _ = x.shape
+        q, k, v = self.heads(self.q_proj(x)), self.heads(self.k_proj(x)), self.heads(self.v_proj(x))
+        q, k = apply_interleaved(q, k, cos, sin)
+        scores = ops.matmul(q, k.swapaxes(-1, -2)) / math.sqrt(self.head_dim)
+        scores = scores + mask
+        probs = ops.softmax(scores, axis=-1)
+        out = ops.matmul(probs, v)
+        return self.o_proj(out.swapaxes(1, 2).reshape(b, s, HIDDEN))
+
+
+class Model(nn.Cell):
+    def __init__(self, kind=Attention, layers=2):
+        super().__init__()
+        self.layers = nn.CellList([kind() for _ in range(layers)])
+
+    def construct(self, x, cos, sin, mask):
+        for layer in self.layers:
+            x = x + layer(x, cos, sin, mask)
+        return x
+
+
+def inputs(pad=0, seed=0):
+    rng = np.random.default_rng(seed)
+    dim = HIDDEN // HEADS
+    angles = np.outer(np.arange(LENGTH), 1.0 / 10000 ** (np.arange(0, dim, 2) / dim))
+    angles = np.concatenate([angles, angles], -1)
+    mask = np.triu(np.full((LENGTH, LENGTH), -1e9, np.float32), 1)
+    if pad:
+        mask[:, :pad] = -1e9  # left padding: not the causal rule
+    return (Tensor(rng.standard_normal((2, LENGTH, HIDDEN), dtype=np.float32)), Tensor(np.cos(angles).astype(np.float32)),
+            Tensor(np.sin(angles).astype(np.float32)), Tensor(mask))
+
+
+def run(model, args):
+    return model(*args).asnumpy().astype(np.float64)
+
+
+def test_every_layer_fused_outputs_match(mode):
+    ms.set_seed(0)
+    model = Model()
+    want = run(model, inputs())
+    report = fuse(model, strict=True)
+    assert report.fused == ["layers.0", "layers.1"] and {s.family for s in report} == {"handwritten"}, str(report)
+    got = run(model, inputs())
+    assert 0 < np.abs(got - want).max() / np.abs(want).max() < 1e-4
+    assert unfuse(model) == ["layers.0", "layers.1"]
+    np.testing.assert_array_equal(run(model, inputs()), want)
+
+
+def test_a_padding_mask_runs_the_original_and_says_so(mode, caplog):
+    ms.set_seed(0)
+    model = Model()
+    want = run(model, inputs(pad=2))
+    fuse(model, strict=True)
+    np.testing.assert_array_equal(run(model, inputs(pad=2)), want)
+    assert any("rotary_fusion_fallback: layers.0: the mask is not exactly causal" in r.getMessage()
+               for r in caplog.records)
+
+
+@pytest.mark.parametrize("kind, reason", [
+    (LeakyAttention, "['k'] (rotated q/k, scores or probabilities) are read after the attention"),
+    (OtherRopeAttention, "its RoPE function is not rotate-half RoPE (checked on a probe)")])
+def test_near_misses_are_left_alone_with_their_reason(kind, reason):
+    model = Model(kind, layers=1)
+    report = fuse(model)
+    assert report["layers.0"].outcome == f"not fused: {reason}"
+    assert type(model.layers[0]) is kind
+    with pytest.raises(FuseError):
+        fuse(model, strict=True)
