@@ -172,9 +172,8 @@ class HuggingFaceLlama(Family):
     def probe(self, site, seed):
         """A 5-token prefill then a 2-token step, through a DynamicCache, with the causal masks HF makes
         for the implementation (boolean for sdpa, additive for eager)."""
-        import mindtorch as torch
-
-        cache_utils = sys.modules["transformers.cache_utils"]
+        # The site is a mindtorch module from transformers: both are loaded (this package needs neither).
+        torch, cache_utils = sys.modules["mindtorch"], sys.modules["transformers.cache_utils"]
         rng = np.random.default_rng(seed)
         batch, hidden, dim = 2, site.config.hidden_size, site.head_dim
         dtype = site.q_proj.weight.dtype
