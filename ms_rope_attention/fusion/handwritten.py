@@ -26,6 +26,7 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from ..functional import rotary_flash_attention
+from ..rope import rope_tables
 from .family import Family, eager
 from .masks import additive_mask_is_causal, fallback_announcer
 
@@ -252,9 +253,7 @@ class HandWrittenAttention(Family):
         hidden, dim = _dims(site)
         length = 7
         x = Tensor(rng.standard_normal((2, length, hidden), dtype=np.float32))
-        angles = np.outer(np.arange(length), 1.0 / 10000 ** (np.arange(0, dim, 2) / dim))
-        angles = np.concatenate([angles, angles], -1)
-        tables = (Tensor(np.cos(angles).astype(np.float32)), Tensor(np.sin(angles).astype(np.float32)))
+        tables = tuple(Tensor(t) for t in rope_tables(dim, length))
         mask = Tensor(np.triu(np.full((length, length), -1e9, np.float32), 1))
         if len(params) != 4:
             raise TypeError(f"the probe calls construct(x, cos, sin, mask); this one takes {params}")
