@@ -14,7 +14,7 @@ from setuptools.command.build_ext import build_ext
 
 CSRC = "ms_rope_attention/csrc"
 ACLNN = "ms_rope_attention/aclnn"
-SOURCES = [f"{CSRC}/rfa_cpu_kernel.cc", f"{CSRC}/rfa_cpu_backward.cc", f"{CSRC}/rfa_cpu_aot.cc"]
+SOURCES = [f"{CSRC}/rfa_cpu_kernel.cc", f"{CSRC}/rfa_cpu_decode.cc", f"{CSRC}/rfa_cpu_backward.cc", f"{CSRC}/rfa_cpu_aot.cc"]
 COMMON = ["-std=c++17", "-O3", "-fopenmp", "-D_GLIBCXX_USE_CXX11_ABI=0", "-fvisibility=hidden", "-Wall", "-Wextra"]
 ISA_FLAGS = {"generic": []}
 if platform.machine() in ("x86_64", "AMD64"):

@@ -66,22 +66,17 @@ def run_direct(length, heads, kv_heads, head_dim, dtype, repeats):
     between processes run at different moments of a noisy machine. A round costs no graph compile, so
     these series take more rounds than `repeats` when they are short (the RoPE cost is a ratio of
     two of them, a few percent wide). Returns {series name: times}."""
-    import ctypes
-
     from ms_rope_attention import cpu_direct
-    from ms_rope_attention.cpu_kernel import last_error, library
+    from ms_rope_attention.cpu_kernel import last_error
     from ms_rope_attention.rope import rope_tables
 
     q, k, v = _inputs(length, heads, kv_heads, head_dim)
     cos, sin = rope_tables(head_dim, length)
     args, _, keep = cpu_direct.prepare(q, k, v, cos, sin, head_num=heads, dtype=dtype, with_lse=False,
                                        with_rotated_key=False)
-    lib = library()
-
     def kernel(rotate):
         def call():
-            if lib.RotaryFlashAttentionRun(*args, ctypes.c_int64(0), ctypes.c_int64(0), ctypes.c_int64(0),
-                                           ctypes.c_int(rotate)) != 0:
+            if cpu_direct.launch(args, rotate=rotate) != 0:
                 raise RuntimeError(f"the kernel refused the call: {last_error()}")
         return call
 

@@ -102,8 +102,7 @@ def run_direct(length, heads, head_dim, repeats):
     grad_args, _, grad_keep = cpu_direct.prepare_grad(q, k, v, cos, sin, None, None, out, lse, d_out)
 
     def fused():
-        if lib.RotaryFlashAttentionRun(*args, ctypes.c_int64(0), ctypes.c_int64(0), ctypes.c_int64(0),
-                                       ctypes.c_int(1)) != 0:
+        if cpu_direct.launch(args) != 0:
             raise RuntimeError(f"the forward kernel refused the call: {last_error()}")
         if lib.RotaryFlashAttentionGradRun(*grad_args, ctypes.c_int64(0), ctypes.c_int64(0), ctypes.c_int64(0)) != 0:
             raise RuntimeError(f"the backward kernel refused the call: {last_error()}")

@@ -96,18 +96,26 @@ def prepare(q, k, v, cos, sin, aq=None, ak=None, *, head_num=None, input_layout=
     return args, outputs, (attrs, arrays, shape_bufs)
 
 
+def launch(args, *, rows=0, kv_block=0, pack_bytes=0, rotate=True, stream_q_max=0, kernel=None) -> int:
+    """One forward launch on ``prepare``'s arguments; the return code (non-zero: the message is in
+    ``cpu_kernel.last_error()``). Tiling knobs at 0 keep the default; ``stream_q_max`` < 0 keeps the
+    call off the decode path. ``kernel`` is another library with the same C entry (the emulated
+    Ascend kernel, which has no decode path and takes no ``stream_q_max``); by default the CPU kernel."""
+    knobs = (ctypes.c_int64(rows), ctypes.c_int64(kv_block), ctypes.c_int64(pack_bytes), ctypes.c_int(int(rotate)))
+    if kernel is not None:
+        return kernel.RotaryFlashAttentionRun(*args, *knobs)
+    return library().RotaryFlashAttentionRun(*args, *knobs, ctypes.c_int64(stream_q_max))
+
+
 def run(q, k, v, cos, sin, aq=None, ak=None, *, dtype="float32", rows=0, kv_block=0, pack_bytes=0, rotate=True,
-        kernel=None, **kwargs):
+        stream_q_max=0, kernel=None, **kwargs):
     """(return code, out, lse, rotated_key) with outputs decoded to float64.
 
-    Keyword arguments are those of ``prepare``. A non-zero code leaves the kernel's message in
-    ``cpu_kernel.last_error()``. ``kernel`` is another library with the same C entry (the emulated
-    Ascend kernel); by default the CPU kernel.
+    Keyword arguments are those of ``prepare`` and ``launch``.
     """
     args, (out, lse, rk), keep = prepare(q, k, v, cos, sin, aq, ak, dtype=dtype, **kwargs)
-    code = (kernel or library()).RotaryFlashAttentionRun(*args, ctypes.c_int64(rows), ctypes.c_int64(kv_block),
-                                                         ctypes.c_int64(pack_bytes),
-                                                         ctypes.c_int(int(rotate)))
+    code = launch(args, rows=rows, kv_block=kv_block, pack_bytes=pack_bytes, rotate=rotate, stream_q_max=stream_q_max,
+                  kernel=kernel)
     del keep
     return code, decode(out, dtype), lse.astype(np.float64), decode(rk, dtype)
 

@@ -78,10 +78,11 @@ extern "C" RFA_EXPORT std::vector<TypeId> RotaryFlashAttentionInferType(std::vec
 }
 
 // Validates, then runs. Shared by the MindSpore entry below and ms_rope_attention.cpu_direct
-// (tests, sanitizer run, benchmark); rows/kv_block/pack_bytes <= 0 keep the default tiling.
+// (tests, sanitizer run, benchmark); rows/kv_block/pack_bytes <= 0 and stream_q_max 0 keep the
+// default tiling (stream_q_max < 0: never the decode path).
 extern "C" RFA_EXPORT int RotaryFlashAttentionRun(const rfa::Attrs *attrs, int *ndims, int64_t **shapes, const char **dtypes,
                                        void **params, int64_t rows, int64_t kv_block, int64_t pack_bytes,
-                                       int rotate) {
+                                       int rotate, int64_t stream_q_max) {
   try {
     rfa::Problem problem;
     const std::string err = rfa::ValidateCall(*attrs, ndims, shapes, dtypes, params, &problem);
@@ -94,6 +95,7 @@ extern "C" RFA_EXPORT int RotaryFlashAttentionRun(const rfa::Attrs *attrs, int *
     if (kv_block > 0) tiling.kv_block = kv_block;
     if (pack_bytes > 0) tiling.pack_bytes = pack_bytes;
     tiling.rotate = rotate != 0;
+    if (stream_q_max != 0) tiling.stream_q_max = stream_q_max;
     rfa::cpu::Run(problem, buf, tiling);
     return 0;
   } catch (const std::bad_alloc &) {
@@ -109,7 +111,7 @@ extern "C" RFA_EXPORT int RotaryFlashAttention(int nparam, void **params, int *n
   auto *data = static_cast<AttrData *>(static_cast<AotExtra *>(extra)->KernelData());
   if (!data) return Fail("kernel attributes missing (Init did not run)");
   if (!data->error.empty()) return Fail(data->error);
-  return RotaryFlashAttentionRun(&data->attrs, ndims, shapes, dtypes, params, 0, 0, 0, 1);
+  return RotaryFlashAttentionRun(&data->attrs, ndims, shapes, dtypes, params, 0, 0, 0, 1, 0);
 }
 
 extern "C" RFA_EXPORT int RotaryFlashAttentionGradInit(int *, int64_t **, const char **, AotExtra *extra) {

@@ -19,7 +19,8 @@
 //   5. O / l is converted to the output dtype; lse = (m + log2 l) * ln 2.
 // Interleaved RoPE (mode 1) de-interleaves the rotated features of Q and K identically while
 // packing, so both modes share the rotate-half arithmetic; Q K^T is invariant under the common
-// permutation. Decode-sized problems split the KV range across threads and merge by log-sum-exp.
+// permutation. A few query rows against a long KV range (decode) take rfa_cpu_decode.cc instead, and
+// a short problem of this path splits the KV range across threads and merges by log-sum-exp.
 #include "rfa_cpu_kernel.h"
 
 #include <omp.h>
@@ -416,6 +417,7 @@ thread_local Scratch tls_scratch, tls_packed;
 const char *Isa() { return simd::kIsa; }
 
 void Run(const Problem &p, const Buffers &buf, const Tiling &tiling) {
+  if (UsesDecodePath(p, buf, tiling)) return RunDecode(p, buf, tiling);
   const int threads = omp_get_max_threads();
   const Plan plan = MakePlan(p, tiling, threads, buf.rotated_key != nullptr);
   Partials partials;

@@ -25,9 +25,14 @@ struct Tiling {
                            // the query blocks re-read it: at S=2048 (2 MiB per unit) a 64 MiB chunk
                            // ran 1.5x slower than 4 MiB ones
   bool rotate = true;      // false only in benchmarks, to measure what the fused rotation costs
+  int64_t stream_q_max = 16;  // decode path (rfa_cpu_decode.cc) when no sequence has more query rows
+                              // than this (one token, or a speculative block); <= 0: never
 };
 
 void Run(const Problem &p, const Buffers &buf, const Tiling &tiling);
+// The decode path: whether it takes this call, and the call itself (Run dispatches to it).
+bool UsesDecodePath(const Problem &p, const Buffers &buf, const Tiling &tiling);
+void RunDecode(const Problem &p, const Buffers &buf, const Tiling &tiling);
 
 // The backward (rfa_cpu_backward.cc): gradients w.r.t. query, key and value of the un-rotated
 // inputs, from the forward's output and log-sum-exp.

@@ -15,7 +15,8 @@
 #include "rfa_problem.h"
 
 extern "C" int RotaryFlashAttentionRun(const rfa::Attrs *attrs, int *ndims, int64_t **shapes, const char **dtypes,
-                                       void **params, int64_t rows, int64_t kv_block, int64_t pack_bytes, int rotate);
+                                       void **params, int64_t rows, int64_t kv_block, int64_t pack_bytes, int rotate,
+                                       int64_t stream_q_max);
 extern "C" const char *RotaryFlashAttentionLastError();
 
 namespace {
@@ -137,7 +138,7 @@ bool RunCase(const Case &c, std::mt19937 &gen) {
   void *params[10] = {const_cast<uint8_t *>(tq.bytes.data()), const_cast<uint8_t *>(tk.bytes.data()),
                       const_cast<uint8_t *>(tv.bytes.data()), cos.data(), sin.data(), nullptr, nullptr,
                       out.bytes.data(), lse.data(), rk.bytes.data()};
-  if (RotaryFlashAttentionRun(&attrs, ndims, shapes, dtypes, params, 0, 0, 0, 1) != 0) {
+  if (RotaryFlashAttentionRun(&attrs, ndims, shapes, dtypes, params, 0, 0, 0, 1, 0) != 0) {
     std::printf("FAIL %s: kernel error: %s\n", c.dtype, RotaryFlashAttentionLastError());
     return false;
   }
@@ -197,6 +198,9 @@ int main() {
       {"float32", 2, 2, 1, 70, 64, 32, 0, true},   {"float32", 8, 1, 20, 53, 128, 128, 1, false},
       {"float32", 2, 1, 130, 131, 80, 80, 0, true}, {"float16", 4, 2, 33, 65, 64, 64, 0, true},
       {"float16", 4, 4, 17, 17, 128, 64, 1, false}, {"bfloat16", 4, 2, 29, 40, 64, 64, 1, true},
+      // the decode path (q_len <= 16): split KV range, half caches read in place
+      {"float32", 8, 2, 1, 1500, 64, 64, 0, true}, {"float16", 4, 1, 16, 700, 128, 128, 0, true},
+      {"bfloat16", 4, 4, 3, 300, 64, 32, 1, false},
   };
   int failed = 0;
   for (const Case &c : cases) failed += RunCase(c, gen) ? 0 : 1;

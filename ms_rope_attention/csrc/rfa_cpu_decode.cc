@@ -1,0 +1,359 @@
+// The forward's decode path: a few query rows per sequence (q_len <= Tiling::stream_q_max: one token,
+// or a speculative block) against a long KV range.
+//
+// Why a path of its own: the general path packs every K/V tile (rotated, transposed) before the query
+// blocks read it, which pays off when hundreds of query rows re-read each tile. With one query row
+// per head the pack is a second pass over K/V and its transposition costs more than the scores: the
+// call ran at ~2 GB/s. Here each K/V row is read once, in place, by the one task that owns it:
+//   - task = (sequence, KV heads, split of the KV range): every KV head of the sequence where a
+//     token's heads are contiguous (BSND, BSH, TND), walked token by token so reads sweep memory in
+//     order; one KV head for BNSD. The splits keep every thread busy and are merged by log-sum-exp;
+//   - the task's rows are every query row of every query head of the GQA group (G x q_len), so a
+//     K/V row read from memory serves the whole group;
+//   - scores are dot products against the K row, read in place in its own dtype (a float16 or
+//     bfloat16 cache is converted in registers: half the bytes of float32), online softmax per block
+//     of keys in base 2, then O += P V row by row;
+//   - causal rows (bottom-right) see keys up to their position; a key a row cannot see is never
+//     read for it (a preallocated cache's unused rows may hold anything).
+// Keys are rotated as they are read unless attrs.key_rotated (the KV-cache case: nothing to do).
+#include <omp.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include "rfa_cpu_kernel.h"
+#include "rows.h"
+#include "simd.h"
+
+namespace rfa {
+namespace cpu {
+namespace {
+
+using simd::kLanes;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kBlock = 128;  // keys per online-softmax block
+
+struct DecodeTask {
+  int64_t seq, g0, g1, lo, hi, item, split;  // KV heads [g0, g1) of `seq`, keys [lo, hi)
+};
+
+struct DecodePlan {
+  int64_t group_size = 0, groups = 0, rows = 0, head_pad = 0, nsplit = 1, items = 0;
+  std::vector<DecodeTask> tasks;
+};
+
+// Where K/V rows of one head are contiguous (BNSD) a task takes one KV head; where a token's heads
+// are (BSND, BSH, TND) it takes them all and walks the keys token by token: the reads then sweep
+// memory in order (the hardware prefetcher follows them), instead of jumping a row of every head
+// (N x D x 4 bytes: a new page per key) for each head in turn.
+DecodePlan MakeDecodePlan(const Problem &p, const Tiling &t, int threads) {
+  DecodePlan plan;
+  plan.group_size = p.q_heads / p.kv_heads;
+  plan.groups = p.kv.head < p.kv.row ? p.kv_heads : 1;
+  plan.head_pad = RoundUp(p.head_dim, kLanes);
+  int64_t max_q = 0, max_kv = 0;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    max_q = std::max(max_q, p.q_lens[b]);
+    max_kv = std::max(max_kv, p.kv_lens[b]);
+  }
+  plan.rows = plan.groups * plan.group_size * max_q;
+  const int64_t per_seq = p.kv_heads / plan.groups;
+  plan.items = p.batch * per_seq;
+  // Enough tasks for dynamic scheduling to even out (4 per thread), none shorter than min_split_keys.
+  const int64_t want = (4 * threads + plan.items - 1) / std::max<int64_t>(1, plan.items);
+  plan.nsplit = std::max<int64_t>(1, std::min(want, max_kv / std::max<int64_t>(1, t.min_split_keys)));
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t lq = p.q_lens[b], lk = p.kv_lens[b];  // the last query row sees every key
+    if (lq == 0) continue;  // no queries (a TND gap sequence): nothing is read
+    const int64_t chunk = RoundUp((lk + plan.nsplit - 1) / plan.nsplit, kBlock);
+    for (int64_t u = 0; u < per_seq; ++u)
+      for (int64_t s = 0; s < plan.nsplit; ++s) {
+        const int64_t lo = std::min(lk, s * chunk), hi = std::min(lk, lo + chunk);
+        plan.tasks.push_back({b, u * plan.groups, (u + 1) * plan.groups, lo, hi, b * per_seq + u, s});
+      }
+  }
+  return plan;
+}
+
+// Unnormalised O rows, running max (log2 units) and sum of one (item, split).
+struct DecodePartials {
+  int64_t rows = 0, head_pad = 0, nsplit = 1;
+  std::vector<float> o, m, l;
+  void Resize(int64_t items) {
+    o.assign(static_cast<size_t>(items * nsplit * rows * head_pad), 0.f);
+    m.assign(static_cast<size_t>(items * nsplit * rows), kNegInf);
+    l.assign(static_cast<size_t>(items * nsplit * rows), 0.f);
+  }
+  float *O(int64_t item, int64_t s) { return o.data() + (item * nsplit + s) * rows * head_pad; }
+  float *M(int64_t item, int64_t s) { return m.data() + (item * nsplit + s) * rows; }
+  float *L(int64_t item, int64_t s) { return l.data() + (item * nsplit + s) * rows; }
+};
+
+// kLanes elements of dtype T at element `off` of `base`, as float32: a half row is converted in
+// registers as it is read (F16C / AVX-512 conversions where the build has them), never copied.
+template <DType T>
+inline simd::vf LoadAs(const void *base, int64_t off) {
+  if constexpr (T == DType::F32) {
+    return simd::Load(static_cast<const float *>(base) + off);
+  } else if constexpr (T == DType::F16) {
+    const simd::Half *h = static_cast<const simd::Half *>(base) + off;
+#if defined(__AVX512F__)
+    return (simd::vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(h)));
+#elif defined(__F16C__) && defined(__AVX2__)
+    return (simd::vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(h)));
+#else
+    simd::vf v;
+    for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(h[i]);
+    return v;
+#endif
+  } else {
+    simd::vh h;
+    std::memcpy(&h, static_cast<const uint16_t *>(base) + off, sizeof h);
+    const simd::vu w = __builtin_convertvector(h, simd::vu) << 16;
+    simd::vf v;
+    std::memcpy(&v, &w, sizeof v);
+    return v;
+  }
+}
+
+// q . x for a row x of n elements (n a multiple of kLanes) at `off`.
+template <DType T>
+inline float DotAs(const float *q, const void *base, int64_t off, int64_t n) {
+  simd::vf acc0 = {}, acc1 = {};
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    acc0 += simd::Load(q + i) * LoadAs<T>(base, off + i);
+    acc1 += simd::Load(q + i + kLanes) * LoadAs<T>(base, off + i + kLanes);
+  }
+  if (i < n) acc0 += simd::Load(q + i) * LoadAs<T>(base, off + i);
+  return simd::ReduceSum(acc0 + acc1);
+}
+
+// o += p * x for a row x of n elements (n a multiple of kLanes) at `off`.
+template <DType T>
+inline void AxpyAs(float *o, float p, const void *base, int64_t off, int64_t n) {
+  const simd::vf vp = simd::Splat(p);
+  for (int64_t i = 0; i < n; i += kLanes) simd::Store(o + i, simd::Load(o + i) + vp * LoadAs<T>(base, off + i));
+}
+
+inline float Dot(const float *q, DType t, const void *base, int64_t off, int64_t n) {
+  switch (t) {
+    case DType::F16: return DotAs<DType::F16>(q, base, off, n);
+    case DType::BF16: return DotAs<DType::BF16>(q, base, off, n);
+    default: return DotAs<DType::F32>(q, base, off, n);
+  }
+}
+
+inline void Axpy(float *o, float p, DType t, const void *base, int64_t off, int64_t n) {
+  switch (t) {
+    case DType::F16: return AxpyAs<DType::F16>(o, p, base, off, n);
+    case DType::BF16: return AxpyAs<DType::BF16>(o, p, base, off, n);
+    default: return AxpyAs<DType::F32>(o, p, base, off, n);
+  }
+}
+
+// Rows of a task: for KV head g0 + u, query head (g0 + u) * G + gi, query i -> row (u * G + gi) * lq + i.
+class DecodeWorker {
+ public:
+  DecodeWorker(const Problem &p, const Buffers &buf, const DecodePlan &plan, DecodePartials *partials)
+      : p_(p), buf_(buf), plan_(plan), partials_(partials), tables_{&p, buf.cos, buf.sin} {}
+
+  bool Bind(Scratch *scratch) {
+    const int64_t R = plan_.rows, Dp = plan_.head_pad;
+    const size_t need = 2 * R * Dp + R * kBlock + 2 * R + 4 * Dp + 2 * p_.rotary_dim + 64;
+    float *base = scratch->Get(need);
+    if (!base) return false;
+    auto take = [&base](int64_t n) { float *r = base; base += RoundUp(n, 16); return r; };
+    q_ = take(R * Dp); s_ = take(R * kBlock); o_ = take(R * Dp); m_ = take(R); l_ = take(R);
+    row_ = take(Dp); krow_ = take(Dp); vrow_ = take(Dp); tmp_ = take(Dp);
+    ctmp_ = take(p_.rotary_dim); stmp_ = take(p_.rotary_dim);
+    valid_.resize(plan_.rows);
+    return true;
+  }
+
+  void RunTask(const DecodeTask &t) {
+    const int64_t G = plan_.group_size, D = p_.head_dim, Dp = plan_.head_pad, rd = p_.rotary_dim;
+    const int64_t lq = p_.q_lens[t.seq], lk = p_.kv_lens[t.seq], mode = p_.attrs.rotary_mode;
+    const int64_t per_group = G * lq, M = (t.g1 - t.g0) * per_group, q_off = lk - lq;
+    const int64_t qseq = t.seq * p_.q.batch + p_.q_start[t.seq] * p_.q.row;
+    // Q rows: rotated at their positions, scaled into log2 units, zero-padded to Dp.
+    for (int64_t r = 0; r < M; ++r) {
+      const int64_t head = t.g0 * G + r / lq, i = r % lq, pos = q_off + i;
+      float *dst = q_ + r * Dp;
+      const float *x = RowAsFloat(p_.qkv_dtype, buf_.query, qseq + head * p_.q.head + i * p_.q.row, D, row_);
+      Rotate(x, tables_.Row(buf_.cos, p_.cos_dtype, pos, ctmp_), tables_.Row(buf_.sin, p_.sin_dtype, pos, stmp_), rd,
+             D, mode, p_.scale * kLog2e, dst);
+      for (int64_t d = D; d < Dp; ++d) dst[d] = 0.f;
+      m_[r] = kNegInf;
+      l_[r] = 0.f;
+    }
+    std::memset(o_, 0, M * Dp * sizeof(float));
+    for (int64_t d = D; d < Dp; ++d) krow_[d] = vrow_[d] = 0.f;
+    const int64_t kvseq = t.seq * p_.kv.batch + p_.kv_start[t.seq] * p_.kv.row;
+    // Rows read in place (in their own dtype) when they are a whole number of vectors and, for K,
+    // already rotated and in kernel order; else converted (and rotated) into a float32 row first.
+    const bool in_place = D == Dp;
+    const bool k_in_place = in_place && p_.attrs.key_rotated && (mode == 0 || rd == 0);
+    const DType kt = k_in_place ? p_.qkv_dtype : DType::F32, vt = in_place ? p_.qkv_dtype : DType::F32;
+    for (int64_t j0 = t.lo; j0 < t.hi; j0 += kBlock) {
+      const int64_t n = std::min(kBlock, t.hi - j0);
+      // Keys of this block each row sees: query i (position q_off + i) sees keys <= its position.
+      int64_t block_valid = 0;
+      for (int64_t r = 0; r < M; ++r) {
+        valid_[r] = p_.attrs.causal ? std::max<int64_t>(0, std::min(n, q_off + r % lq - j0 + 1)) : n;
+        block_valid = std::max(block_valid, valid_[r]);
+      }
+      for (int64_t j = 0; j < block_valid; ++j)
+        for (int64_t g = t.g0; g < t.g1; ++g) {
+          int64_t off = kvseq + g * p_.kv.head + (j0 + j) * p_.kv.row;
+          const void *k = buf_.key;
+          if (!k_in_place) {
+            k = KeyRow(off, j0 + j);
+            off = 0;
+          }
+          for (int64_t r = (g - t.g0) * per_group, e = r + per_group; r < e; ++r)
+            if (j < valid_[r]) s_[r * kBlock + j] = Dot(q_ + r * Dp, kt, k, off, Dp);
+        }
+      for (int64_t r = 0; r < M; ++r) Softmax(r);
+      for (int64_t j = 0; j < block_valid; ++j)
+        for (int64_t g = t.g0; g < t.g1; ++g) {
+          int64_t off = kvseq + g * p_.kv.head + (j0 + j) * p_.kv.row;
+          const void *v = buf_.value;
+          if (!in_place) {
+            LoadRow(p_.qkv_dtype, buf_.value, off, D, vrow_);
+            v = vrow_;
+            off = 0;
+          }
+          for (int64_t r = (g - t.g0) * per_group, e = r + per_group; r < e; ++r)
+            if (j < valid_[r]) Axpy(o_ + r * Dp, s_[r * kBlock + j], vt, v, off, Dp);
+        }
+    }
+    std::memcpy(partials_->O(t.item, t.split), o_, M * Dp * sizeof(float));
+    std::memcpy(partials_->M(t.item, t.split), m_, M * sizeof(float));
+    std::memcpy(partials_->L(t.item, t.split), l_, M * sizeof(float));
+  }
+
+  // Merge the splits of one item by log-sum-exp, normalise, write out and lse.
+  void MergeItem(const DecodeTask &t) {
+    const int64_t G = plan_.group_size, D = p_.head_dim, Dp = plan_.head_pad, lq = p_.q_lens[t.seq];
+    const int64_t qseq = t.seq * p_.q.batch + p_.q_start[t.seq] * p_.q.row;
+    for (int64_t r = 0; r < (t.g1 - t.g0) * G * lq; ++r) {
+      float m = kNegInf;
+      for (int64_t s = 0; s < plan_.nsplit; ++s) m = std::max(m, partials_->M(t.item, s)[r]);
+      float l = 0.f;
+      std::fill(tmp_, tmp_ + Dp, 0.f);
+      if (m != kNegInf)
+        for (int64_t s = 0; s < plan_.nsplit; ++s) {
+          const float ms = partials_->M(t.item, s)[r];
+          if (ms == kNegInf) continue;
+          const float w = std::exp2(ms - m);
+          l += partials_->L(t.item, s)[r] * w;
+          const float *po = partials_->O(t.item, s) + r * Dp;
+          for (int64_t d = 0; d < Dp; ++d) tmp_[d] += po[d] * w;
+        }
+      const float inv = l > 0.f ? 1.0f / l : 0.f;  // a row that saw no key is 0, not NaN
+      for (int64_t d = 0; d < D; ++d) tmp_[d] *= inv;
+      const int64_t head = t.g0 * G + r / lq, i = r % lq;
+      StoreRow(p_.qkv_dtype, tmp_, D, buf_.out, qseq + head * p_.q.head + i * p_.q.row);
+      if (buf_.lse)
+        buf_.lse[t.seq * p_.lse.batch + head * p_.lse.head + (p_.q_start[t.seq] + i) * p_.lse.row] =
+            l > 0.f ? (m + std::log2(l)) * 0.6931471805599453f : kNegInf;
+    }
+  }
+
+ private:
+  // One K row as float32 in kernel order, zero-padded to Dp: converted, reordered or rotated.
+  const float *KeyRow(int64_t off, int64_t pos) {
+    const int64_t D = p_.head_dim, rd = p_.rotary_dim, mode = p_.attrs.rotary_mode;
+    const float *x = RowAsFloat(p_.qkv_dtype, buf_.key, off, D, row_);
+    if (p_.attrs.key_rotated)
+      ToKernelOrder(x, rd, D, mode, krow_);
+    else
+      Rotate(x, tables_.Row(buf_.cos, p_.cos_dtype, pos, ctmp_), tables_.Row(buf_.sin, p_.sin_dtype, pos, stmp_), rd,
+             D, mode, 1.0f, krow_);
+    return krow_;
+  }
+
+  // Online softmax of row r over the block's valid scores: probabilities left in place in s_.
+  void Softmax(int64_t r) {
+    const int64_t valid = valid_[r];
+    if (valid == 0) return;
+    float *srow = s_ + r * kBlock;
+    float block_max = kNegInf;
+    for (int64_t j = 0; j < valid; ++j) block_max = std::max(block_max, srow[j]);
+    if (block_max > m_[r]) {
+      if (m_[r] != kNegInf) {
+        const float alpha = std::exp2(m_[r] - block_max);
+        l_[r] *= alpha;
+        const simd::vf va = simd::Splat(alpha);
+        float *orow = o_ + r * plan_.head_pad;
+        for (int64_t d = 0; d < plan_.head_pad; d += kLanes) simd::Store(orow + d, simd::Load(orow + d) * va);
+      }
+      m_[r] = block_max;
+    }
+    const simd::vf vm = simd::Splat(m_[r]);
+    float sum = 0.f;
+    int64_t j = 0;
+    simd::vf vsum = {};
+    for (; j + kLanes <= valid; j += kLanes) {
+      const simd::vf e = simd::Exp2(simd::Load(srow + j) - vm);
+      simd::Store(srow + j, e);
+      vsum += e;
+    }
+    for (; j < valid; ++j) {
+      srow[j] = std::exp2(srow[j] - m_[r]);
+      sum += srow[j];
+    }
+    l_[r] += sum + simd::ReduceSum(vsum);
+  }
+
+  const Problem &p_;
+  const Buffers &buf_;
+  const DecodePlan &plan_;
+  DecodePartials *partials_;
+  Tables tables_;
+  float *q_ = nullptr, *s_ = nullptr, *o_ = nullptr, *m_ = nullptr, *l_ = nullptr;
+  float *row_ = nullptr, *krow_ = nullptr, *vrow_ = nullptr, *tmp_ = nullptr, *ctmp_ = nullptr, *stmp_ = nullptr;
+  std::vector<int64_t> valid_;
+};
+
+thread_local Scratch tls_decode_scratch;
+
+}  // namespace
+
+bool UsesDecodePath(const Problem &p, const Buffers &buf, const Tiling &t) {
+  if (t.stream_q_max <= 0 || buf.rotated_key || !t.rotate) return false;
+  for (int64_t b = 0; b < p.batch; ++b)
+    if (p.q_lens[b] > t.stream_q_max) return false;
+  return true;
+}
+
+void RunDecode(const Problem &p, const Buffers &buf, const Tiling &tiling) {
+  const int threads = omp_get_max_threads();
+  const DecodePlan plan = MakeDecodePlan(p, tiling, threads);
+  DecodePartials partials;
+  partials.rows = plan.rows;
+  partials.head_pad = plan.head_pad;
+  partials.nsplit = plan.nsplit;
+  partials.Resize(plan.items);
+  const int64_t ntasks = static_cast<int64_t>(plan.tasks.size());
+  bool ok = true;
+#pragma omp parallel num_threads(threads) reduction(&& : ok)
+  {
+    DecodeWorker worker(p, buf, plan, &partials);
+    const bool bound = worker.Bind(&tls_decode_scratch);
+    ok = bound;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < ntasks; ++i)
+      if (bound) worker.RunTask(plan.tasks[i]);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < ntasks; ++i)
+      if (bound && plan.tasks[i].split == 0) worker.MergeItem(plan.tasks[i]);
+  }
+  if (!ok) throw std::bad_alloc();
+}
+
+}  // namespace cpu
+}  // namespace rfa
