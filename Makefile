@@ -46,13 +46,16 @@ sanitize: $(STAMP)
 # The main job: Llama2-7B-dimension time to first token, this project's fused op and unfused path
 # against Hugging Face transformers and MindFormers on the same weights, S = 512..2048 in 2 rounds
 # (about a quarter of an hour on 2 cores); bench-full runs S = 512..16384 in 3 rounds (hours). Both
-# print a progress line and the table, and write benchmarks/results/results.json and ttft.png.
+# print a progress line and the table, and write benchmarks/results/results.json and ttft.png; then
+# the decode benchmark against transformers' caches (benchmarks/results/decode.json, decode.png).
 # The kernel-level benchmark is benchmarks/attention.py (docs/benchmarks.md lists the others).
 bench: $(STAMP) $(PEERS) $(MINDFORMERS)
 	$(PY) benchmarks/ttft.py
+	$(PY) benchmarks/decode.py --contexts 512 2048 --batches 1
 
 bench-full: $(STAMP) $(PEERS) $(MINDFORMERS)
 	$(PY) benchmarks/ttft.py --lengths 512 1024 2048 4096 8192 16384 --rounds 3
+	$(PY) benchmarks/decode.py
 
 # The peers the TTFT benchmark measures beside this project: Hugging Face transformers on PyTorch (in
 # .venv), and MindFormers in a virtual environment of its own (it pins transformers 4.57; see

@@ -71,7 +71,7 @@ extensions.append(Extension(
     depends=[f"{CSRC}/aot_abi.h", f"{CSRC}/rfa_problem.h"],
     include_dirs=[scipy_openblas32.get_include_dir()], library_dirs=[scipy_openblas32.get_lib_dir()],
     libraries=[scipy_openblas32.get_library()], runtime_library_dirs=["$ORIGIN/../scipy_openblas32/lib"],
-    extra_compile_args=[c for c in COMMON if c != "-fopenmp"] + SANITIZE, extra_link_args=SANITIZE[:1],
+    extra_compile_args=COMMON + SANITIZE, extra_link_args=["-fopenmp"] + SANITIZE[:1],
     language="c++"))
 
 # The Ascend C kernel (aclnn/op_kernel) compiled for the CPU against the AscendC emulation, for the

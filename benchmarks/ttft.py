@@ -103,8 +103,8 @@ def ttft_point(model: str, layers: int, dtype: str, batch: int, backend: str, le
     config = lm.config
     rng = np.random.default_rng(seed)
     prompts = prompt_ids(seed, batch, length, config.vocab_size)
-    generator = Generator(lm)
-    compile_s, ttft, probe_logits = timed_prefill(lambda: generator.prefill_logits(prompts)[0], repeats)
+    generator = Generator(lm, slots=batch)  # the prefill writes the prompts' rotated keys into its cache
+    compile_s, ttft, probe_logits = timed_prefill(lambda: generator.prefill_logits(prompts), repeats)
 
     attention = lm.model.layers[0].self_attn.prefill_attention
     hidden_q = config.num_attention_heads * config.dim_per_head

@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
+import decode  # noqa: E402
 import fuse  # noqa: E402
 import harness  # noqa: E402
 import projections  # noqa: E402
@@ -219,3 +220,45 @@ def test_fuse_benchmark_end_to_end(tmp_path):
     assert rows["mindnlp"]["same_tokens"] and rows["mindnlp"]["fused_decode_step_median_s"] > 0
     assert "fused" in results["runs"][0]["report"]
     assert fuse.disagreements([dict(rows["mindnlp"], same_tokens=False)]) == ["mindnlp S=37"]
+
+
+def test_decode_summary_growth_ratios_and_token_agreement():
+    run = lambda system, context, steps, ttft_s, round_=0, tokens=(1, 2): {  # noqa: E731
+        "system": system, "context": context, "batch": "1", "round": round_, "status": "ok", "ttft_s": ttft_s,
+        "step_ms": steps, "tokens": [list(tokens)]}
+    runs = [run("fused", 512, [100, 110], 3.0), run("fused", 512, [90, 120], 3.5, 1), run("fused", 2048, [130], 12),
+            run("hf-dynamic", 512, [200], 5), run("hf-dynamic", 2048, [350], 20),
+            run("hf-static", 512, [190], 4.5), run("hf-static", 2048, [300], 19),
+            {"system": "unfused", "context": 2048, "batch": "1", "round": 0, "status": "oom", "error": "stopped"}]
+    rows = {(r["context"], r["system"]): r for r in decode.summarize(runs)}
+    fused = rows[(512, "fused")]
+    assert (fused["runs"], fused["step_min_ms"], fused["step_median_ms"], fused["ttft_min_s"]) == (2, 90, 105, 3.0)
+    assert fused["tokens_per_s"] == pytest.approx(1e3 / 105)
+    assert fused["growth_ms_per_1k_tokens"] == pytest.approx((130 - 105) / 1.536)
+    assert rows[(2048, "unfused")]["status"] == "oom"
+    by = {r["context"]: r for r in decode.ratios(list(rows.values()))}
+    assert by[512]["best_peer"] == "hf-static" and by[512]["fused_over_best_peer"] == pytest.approx(190 / 105)
+    assert by[2048]["fused_over_best_peer"] == pytest.approx(300 / 130)
+    assert decode.tokens_disagree(runs) == []
+    assert decode.tokens_disagree(runs + [run("hf-static", 512, [1], 1, 1, tokens=(1, 3))]) == [
+        "hf-static context 512 batch 1 round 1"]
+    assert decode.growth_ms_per_1k([(512, 1.0)]) is None
+    assert [len(p) for p in decode.prompts_for("varlen8", 64, 100, 0)] == [8, 16, 24, 32, 40, 48, 56, 64]
+
+
+def test_decode_benchmark_end_to_end(tmp_path):
+    results = decode.main(["--model", "tiny", "--contexts", "9", "--varlen-contexts", "16", "--new-tokens", "3",
+                           "--rounds", "1", "--out", str(tmp_path)])
+    written = json.loads((tmp_path / "decode.json").read_text())
+    assert (tmp_path / "decode.png").stat().st_size > 0
+    status = {(r["system"], r["context"], r["batch"]): r["status"] for r in written["runs"]}
+    assert len(status) == 4 * 2
+    assert all(s == "ok" if system in ("fused", "unfused") else s in ("ok", "skipped")  # peers: make bench installs them
+               for (system, _, _), s in status.items())
+    ok = [r for r in written["runs"] if r["status"] == "ok"]
+    assert written["tokens_disagree"] == [] and all(len(r["tokens"][0]) == 3 for r in ok)
+    assert {r["system"] for r in ok} >= {"fused", "unfused"}
+    if any(r["system"].startswith("hf") for r in ok):
+        assert {r["context"] for r in written["ratios"]} == {9, 16}
+    assert written["op"]["read_bandwidth_gb_per_s"] > 0 and all(c["min_ms"] > 0 for c in written["op"]["calls"])
+    assert "fused / best HF" in decode.table(results)

@@ -151,7 +151,7 @@ def test_scaled_models_compile_in_graph_mode_and_match_pynative_and_reference(na
     for mode in (ms.GRAPH_MODE, ms.PYNATIVE_MODE):
         ms.set_context(mode=mode)
         model = load_checkpoint(path, progress=False)
-        logits[mode] = model(Tensor(np.array([ids], np.int32)))[0].asnumpy()[0]
+        logits[mode] = model(Tensor(np.array([ids], np.int32))).asnumpy()[0]
     inv, attention = independent_inv_freq(config.rope_scaling_type, config.rope_scaling, THETA, config.rotary_dim,
                                           config.max_position_embeddings, config.max_position_embeddings)
     expected = forward(state, config, ids, inv, attention)

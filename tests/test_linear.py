@@ -17,6 +17,8 @@ from ms_rope_attention import linear
 SHAPES = [  # (x shape, out_features)
     ((1, 1), 1), ((1, 4096), 7), ((7, 13), 5), ((3, 5, 17), 9), ((2, 1, 3, 33), 65), ((129, 257), 130),
     ((0, 8), 4), ((4, 8), 0),
+    # decode-sized rows (M <= 8, the library's own product): K and N off its vector and block sizes
+    ((2, 4103), 11), ((8, 4096), 4097), ((5, 3), 1), ((1, 8, 9), 6), ((9, 64), 8),
 ]
 
 

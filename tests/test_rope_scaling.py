@@ -93,5 +93,5 @@ def test_model_uses_the_scaled_cache(rope_scaling, rng):
     ids = rng.integers(0, config.vocab_size, 40).tolist()
     inv, attention = model_inverse_frequencies(config, config.max_position_embeddings)
     expected = forward(state, config, ids, inv, attention)
-    got = model(Tensor(np.array([ids], np.int32)))[0].asnumpy()[0]
+    got = model(Tensor(np.array([ids], np.int32))).asnumpy()[0]
     assert np.abs(got - expected).max() <= 1e-4

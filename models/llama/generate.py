@@ -1,9 +1,11 @@
-"""Text generation with a rotated KV cache: prefill through the fused op (which emits the rotated
-keys for the cache), then one-token decode steps attending to the cache with ``key_rotated``.
+"""Text generation on an in-place KV cache of rotated keys (``kv_cache.KVCache``): prefill through
+the fused op (which emits the rotated keys the cache stores), then decode steps that write one new
+row per sequence and attend over the cache with ``key_rotated``.
 
-Prefill and decode are two graphs compiled once each for any prompt length (dynamic shapes).
-Equal-length batches use the BSH layout; a model built with ``layout="TND"`` takes prompts of
-different lengths with no padding.
+Prefill and decode are two graphs, compiled once per cache capacity for any prompt length and any
+number of sequences (dynamic shapes). Prompts of different lengths are packed with no padding, and
+up to ``slots`` sequences run at once: continuous batching, a finished sequence's slot going to
+the next prompt. ``Generator.stream`` yields each token as it is sampled.
 
     python -m models.llama.generate --checkpoint DIR --prompt "The capital of France is"
     python -m models.llama.generate --model tiny --ids 1,15,27 --max-new-tokens 8
@@ -12,22 +14,27 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mindspore as ms
 import numpy as np
-from mindspore import Tensor, nn
+from mindspore import Tensor, nn, ops
 
-from .model import LlamaForCausalLM
+from .kv_cache import KVCache, Slots, bucket_capacity
+from .model import DTYPES, LlamaForCausalLM, dtype_name
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise ValueError(f"sampling: expected temperature >= 0, 0 < top_p <= 1, top_k >= 0; got {temperature}, "
+                         f"{top_p}, {top_k}")
 
 
 def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float = 0.0, top_k: int = 0,
            top_p: float = 1.0) -> np.ndarray:
     """Next token per row of ``logits`` (B, vocab): greedy at temperature 0, else sampled from the
     temperature-scaled distribution restricted to the top_k tokens and the top_p probability mass."""
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise ValueError(f"sampling: expected temperature >= 0, 0 < top_p <= 1, top_k >= 0; got {temperature}, "
-                         f"{top_p}, {top_k}")
+    check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(-1)
     out = np.empty(logits.shape[0], np.int64)
@@ -43,127 +50,271 @@ def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float = 0.
     return out
 
 
-class _Prefill(nn.Cell):
-    def __init__(self, lm):
+class _CacheGraph(nn.Cell):
+    """A graph over the model and one ``KVCache``, compiled once for every token count (dynamic
+    shapes), in PyNative too (``ms.jit``: one graph launch per step, not one dispatch per op);
+    ``compiles`` counts its compilations (a constexpr runs only while a graph compiles)."""
+
+    def __init__(self, lm, cache):
         super().__init__()
-        self.lm = lm
+        self.lm, self.cache = lm, cache
+        self.compiles = 0
+        self.count_compile = ops.constexpr(reuse_result=False)(self._count_compile)
 
-    def construct(self, input_ids, actual_seq_qlen=None, actual_seq_kvlen=None):
-        return self.lm(input_ids, None, None, None, None, actual_seq_qlen, actual_seq_kvlen)
-
-
-class _Step(nn.Cell):
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def construct(self, input_ids, keys, values, positions, cache_index=None, actual_seq_qlen=None,
-                  actual_seq_kvlen=None):
-        return self.lm(input_ids, keys, values, positions, cache_index, actual_seq_qlen, actual_seq_kvlen)
+    def _count_compile(self):
+        self.compiles += 1
+        return True
 
 
-def _dyn(shape, dtype):
-    return Tensor(shape=shape, dtype=dtype)
+class _Prefill(_CacheGraph):
+    """Whole prompts (packed, ending at ``ends``) into their cache rows; logits of each last token."""
+
+    @ms.jit
+    def construct(self, input_ids, ends, write_rows):
+        self.count_compile()
+        return self.lm(input_ids, ends, ends, (self.cache.keys, self.cache.values, write_rows))
+
+
+class _Decode(_CacheGraph):
+    """New tokens of cached sequences (one per sequence when decoding), written in place and
+    attended against the whole cache."""
+
+    @ms.jit
+    def construct(self, input_ids, aq, akv, write_rows, positions):
+        self.count_compile()
+        return self.lm(input_ids, aq, akv, (self.cache.keys, self.cache.values, write_rows), positions)
+
+
+def _dyn(dtype):
+    return Tensor(shape=[None], dtype=dtype)
+
+
+@dataclass
+class Token:
+    """One generated token of a ``Generator.stream``: ``request`` is the prompt's index."""
+    request: int
+    token: int
+    finished: bool  # the request's last token (EOS or its max_new_tokens)
 
 
 @dataclass
 class Generation:
     tokens: list[list[int]]       # generated ids per prompt (up to and including EOS)
-    ttft_s: float                 # prefill + first token
+    ttft_s: float                 # prefill + first token of the first prompts admitted
     decode_tokens_per_s: float    # per sequence, over the decode steps
-    compile_s: float              # first call: compile + warm-up of both graphs, kept out of TTFT
+    compile_s: float              # first call of a capacity: compile + warm-up of both graphs, kept out of TTFT
+    step_ms: list[tuple[int, float]] = field(default_factory=list)  # (tokens cached in all slots, ms) per decode step
+
+
+@dataclass
+class _Request:
+    index: int
+    prompt: list[int]
+    max_new_tokens: int
+    eos: frozenset
+    slot: int = -1
+    pending: int = -1      # the last sampled token, not yet in the cache
+    generated: int = 0
 
 
 class Generator:
-    """Drives a ``LlamaForCausalLM`` (built with ``logits="last"``) through prefill and decode."""
+    """Drives a ``LlamaForCausalLM`` through prefill and decode on an in-place ``KVCache``.
 
-    def __init__(self, model: LlamaForCausalLM, dynamic: bool = True):
-        if not model.last_only:
-            raise ValueError("model: build it with logits='last' for generation")
-        self.model = model
-        self.prefill = _Prefill(model)
-        self.step = _Step(model)
-        cfg = model.config
-        layers, kv_heads, head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.dim_per_head
-        dtype = model.model.embed_tokens.weight.dtype
-        if dynamic:  # one graph for every prompt length and cache length
-            i64 = ms.int64
-            if model.layout == "BSH":
-                self.prefill.set_inputs(_dyn([None, None], ms.int32))
-                cache = _dyn([layers, None, None, kv_heads * head_dim], dtype)
-                self.step.set_inputs(_dyn([None, None], ms.int32), cache, cache, _dyn([None], i64))
-            else:
-                self.prefill.set_inputs(_dyn([None], ms.int32), _dyn([None], i64), _dyn([None], i64))
-                cache = _dyn([layers, None, kv_heads, head_dim], dtype)
-                self.step.set_inputs(_dyn([None], ms.int32), cache, cache, _dyn([None], i64), _dyn([None], i64),
-                                     _dyn([None], i64), _dyn([None], i64))
-        self._compiled = False
+    ``slots`` sequences are in flight at once (continuous batching): more prompts wait, and a
+    sequence that finishes frees its slot for the next. ``capacity`` fixes the tokens per slot;
+    by default it is the smallest bucket (512 * 2^k, up to the model's positions) that the prompts
+    need, and it only grows, so each graph compiles at most once per bucket. ``cache_dtype``
+    (default: the model's) may be float16 for a float32 model: half the bytes read per step."""
 
-    def prefill_logits(self, prompts: list[list[int]]):
-        """(last-token logits (B, vocab) as numpy, keys, values) for the prompts."""
-        if self.model.layout == "BSH":
-            if len({len(p) for p in prompts}) != 1:
-                raise ValueError("prompts: different lengths need a model built with layout='TND' (no padding)")
-            logits, keys, values = self.prefill(Tensor(np.array(prompts, np.int32)))
-            return logits.asnumpy()[:, -1], keys, values
-        ends = Tensor(np.cumsum([len(p) for p in prompts]), ms.int64)
-        logits, keys, values = self.prefill(Tensor(np.concatenate(prompts).astype(np.int32)), ends, ends)
-        return logits.asnumpy(), keys, values
+    def __init__(self, model: LlamaForCausalLM, *, slots: int = 8, capacity: int | None = None, cache_dtype=None):
+        if not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots: expected a positive int, got {slots!r}")
+        if capacity is not None and (not isinstance(capacity, int) or not 0 < capacity <= model.max_positions):
+            raise ValueError(f"capacity: expected an int in [1, {model.max_positions}] (the model's cos/sin "
+                             f"positions), got {capacity!r}")
+        self.model, self.slots_count, self.fixed_capacity = model, slots, capacity
+        self.cache_dtype = DTYPES[dtype_name(cache_dtype)] if cache_dtype is not None else model.dtype
+        self.cache = self.prefill = self.step = None
+        self._graphs = []
+        self.slots = Slots(slots)
+        self.compile_s = {}  # capacity -> seconds of its first call (compile + warm-up)
 
-    def step_logits(self, tokens: np.ndarray, keys, values, lengths: np.ndarray):
-        """One decode step: ``tokens`` (B,) at positions ``lengths`` (tokens already cached per sequence)."""
-        if self.model.layout == "BSH":
-            logits, keys, values = self.step(Tensor(tokens[:, None].astype(np.int32)), keys, values,
-                                             Tensor(lengths[:1].astype(np.int64)))
-            return logits.asnumpy()[:, -1], keys, values
-        batch = len(tokens)
-        old_ends = np.cumsum(lengths)
-        starts = old_ends - lengths
-        cache_index = np.concatenate([np.append(np.arange(s, e), old_ends[-1] + b)
-                                      for b, (s, e) in enumerate(zip(starts, old_ends))])
-        logits, keys, values = self.step(Tensor(tokens.astype(np.int32)), keys, values,
-                                         Tensor(lengths.astype(np.int64)), Tensor(cache_index.astype(np.int64)),
-                                         Tensor(np.arange(1, batch + 1), ms.int64),
-                                         Tensor(old_ends + np.arange(1, batch + 1), ms.int64))
-        return logits.asnumpy(), keys, values
+    @property
+    def capacity(self) -> int:
+        return 0 if self.cache is None else self.cache.capacity
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int = 32, *, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_ids=None) -> Generation:
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("prompts: expected at least one non-empty prompt")
-        longest = max(len(p) for p in prompts) + max_new_tokens
-        if longest > self.model.max_positions:
-            raise ValueError(f"max_new_tokens: prompt + {max_new_tokens} new tokens reach position {longest}, beyond "
-                             f"the model's cos/sin cache of {self.model.max_positions} positions")
-        eos = set(self.model.config.eos_token_ids if eos_ids is None else eos_ids)
+    @property
+    def compiles(self) -> int:
+        """Graphs compiled so far, all capacities together."""
+        return sum(graph.compiles for graph in self._graphs)
+
+    def _ensure_capacity(self, needed: int) -> None:
+        if self.fixed_capacity is not None:
+            if needed > self.fixed_capacity:
+                raise ValueError(f"capacity: a prompt and its new tokens need {needed} cache positions, the "
+                                 f"generator's capacity is {self.fixed_capacity}")
+            capacity = self.fixed_capacity
+        else:
+            capacity = bucket_capacity(needed, self.model.max_positions)
+        if capacity <= self.capacity:
+            return
+        self.cache = None  # the smaller cache's memory is freed before the larger one is allocated
+        self.cache = KVCache(self.model.config, self.slots_count, capacity, self.cache_dtype)
+        self.prefill, self.step = _Prefill(self.model, self.cache), _Decode(self.model, self.cache)
+        i32, i64 = ms.int32, ms.int64
+        self.prefill.set_inputs(_dyn(i32), _dyn(i64), _dyn(i32))
+        self.step.set_inputs(_dyn(i32), Tensor(shape=[2 * self.slots_count], dtype=i64),
+                             Tensor(shape=[2 * self.slots_count], dtype=i64), _dyn(i32), _dyn(i64))
+        self._graphs += [self.prefill, self.step]
+
+    def _check(self, prompts, max_new_tokens) -> list[int]:
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts: expected a non-empty list of prompts (lists of token ids)")
+        counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(counts) != len(prompts) or any(not isinstance(n, int) or n < 1 for n in counts):
+            raise ValueError(f"max_new_tokens: expected a positive int or one per prompt, got {max_new_tokens!r}")
+        vocab = self.model.vocab_size
+        for i, (prompt, n) in enumerate(zip(prompts, counts)):
+            if len(prompt) == 0:
+                raise ValueError(f"prompts[{i}]: empty; every prompt needs at least one token")
+            ids = np.asarray(prompt)
+            if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= vocab:
+                raise ValueError(f"prompts[{i}]: expected token ids in [0, {vocab}), got {prompt!r:.80}")
+            if len(prompt) + n - 1 > self.model.max_positions:  # the last new token is never cached
+                raise ValueError(f"max_new_tokens: prompts[{i}] ({len(prompt)} tokens) + {n} new tokens need "
+                                 f"{len(prompt) + n - 1} cached positions, beyond the model's cos/sin cache of "
+                                 f"{self.model.max_positions} positions")
+        return counts
+
+    def _prefill(self, joining: list[_Request]) -> np.ndarray:
+        """Prompts into their slots; last-token logits (one row per request)."""
+        rows = np.concatenate([self.cache.rows(r.slot, 0, len(r.prompt)) for r in joining])
+        ids = np.concatenate([r.prompt for r in joining]).astype(np.int32)
+        ends = np.cumsum([len(r.prompt) for r in joining])
+        logits = self.prefill(Tensor(ids), Tensor(ends, ms.int64), Tensor(rows.astype(np.int32))).asnumpy()
+        for r in joining:
+            self.slots.lengths[r.slot] = len(r.prompt)
+        return logits
+
+    def _append(self, requests: list[_Request], tokens: list[list[int]]) -> np.ndarray:
+        """``tokens[i]`` (1..16 per request: a decode step, a speculative block or a prompt's next
+        chunk) appended to each request's cached sequence; logits at every appended token, in
+        ``requests`` order (which this sorts by slot: the packed queries follow the cache's order)."""
+        order = sorted(range(len(requests)), key=lambda i: requests[i].slot)
+        requests[:], tokens = [requests[i] for i in order], [tokens[i] for i in order]
+        counts = np.array([len(t) for t in tokens])
+        slots = np.array([r.slot for r in requests])
+        starts = self.slots.lengths[slots]
+        if (starts + counts > self.cache.capacity).any():
+            raise ValueError(f"capacity: appending would pass the cache's {self.cache.capacity} positions per slot")
+        positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts)])
+        rows = np.concatenate([self.cache.rows(slot, s, n) for slot, s, n in zip(slots, starts, counts)])
+        new_tokens = np.zeros(self.slots_count, np.int64)
+        new_tokens[slots] = counts
+        aq, akv = self.cache.step_offsets(self.slots.lengths + new_tokens, new_tokens)
+        logits = self.step(Tensor(np.concatenate(tokens).astype(np.int32)), aq, akv, Tensor(rows.astype(np.int32)),
+                           Tensor(positions.astype(np.int64))).asnumpy()
+        self.slots.lengths[slots] += counts
+        return logits
+
+    def stream(self, prompts, max_new_tokens=32, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+               seed: int = 0, eos_ids=None, on_step=None):
+        """Yields a ``Token`` per generated token, as soon as it is sampled. ``max_new_tokens`` is one
+        int or one per prompt; a request ends at one of ``eos_ids`` (default: the config's) or at
+        its ``max_new_tokens``. ``on_step(kind, seconds)`` is told each graph call ('prefill' or
+        'decode', host time included). Prompts past the slots wait for a free one."""
+        counts = self._check(prompts, max_new_tokens)
+        self._ensure_capacity(max(len(p) + n - 1 for p, n in zip(prompts, counts)))
+        check_sampling(temperature, top_k, top_p)
+        eos = frozenset(self.model.config.eos_token_ids if eos_ids is None else eos_ids)
         rng = np.random.default_rng(seed)
-        compile_s = 0.0
-        if not self._compiled:  # compile (and warm up) both graphs on real shapes; timed separately
-            t0 = time.perf_counter()
-            logits, keys, values = self.prefill_logits(prompts)
-            self.step_logits(logits.argmax(-1), keys, values, np.array([len(p) for p in prompts], np.int64))
-            compile_s = time.perf_counter() - t0
-            self._compiled = True
+        waiting = [_Request(i, list(p), n, eos) for i, (p, n) in enumerate(zip(prompts, counts))]
+        waiting.reverse()
+        active: list[_Request] = []
+        try:
+            while waiting or active:
+                joining = []
+                for slot in self.slots.free():
+                    if not waiting:
+                        break
+                    request = waiting.pop()
+                    request.slot = slot
+                    self.slots.take(slot)
+                    joining.append(request)
+                batches = []
+                if joining:
+                    t0 = time.perf_counter()
+                    logits = self._prefill(joining)
+                    batches.append((joining, logits, "prefill", t0))
+                elif active:
+                    t0 = time.perf_counter()
+                    logits = self._append(active, [[r.pending] for r in active])
+                    batches.append((list(active), logits, "decode", t0))
+                for requests, logits, kind, t0 in batches:
+                    tokens = sample(logits, rng, temperature, top_k, top_p)
+                    if on_step is not None:
+                        on_step(kind, time.perf_counter() - t0)
+                    for request, token in zip(requests, tokens):
+                        request.pending, request.generated = int(token), request.generated + 1
+                        finished = request.pending in request.eos or request.generated >= request.max_new_tokens
+                        yield Token(request.index, request.pending, finished)
+                        if finished:
+                            self.slots.release(request.slot)
+                            if request in active:
+                                active.remove(request)
+                        elif request not in active:
+                            active.append(request)
+        finally:  # an abandoned or failed stream leaves no slot taken (rows past a length are never read)
+            for slot in range(self.slots_count):
+                self.slots.release(slot)
+
+    def warm_up(self, prompts, max_new_tokens=2) -> float:
+        """Compile and run both graphs of the capacity these prompts need (once per capacity);
+        seconds spent, 0 if already done."""
+        counts = self._check(prompts, max_new_tokens)
+        self._ensure_capacity(max(len(p) + n - 1 for p, n in zip(prompts, counts)))
+        if self.capacity in self.compile_s:
+            return 0.0
         t0 = time.perf_counter()
-        logits, keys, values = self.prefill_logits(prompts)
-        token = sample(logits, rng, temperature, top_k, top_p)
-        ttft = time.perf_counter() - t0
-        out = [[int(t)] for t in token]
-        done = np.array([t in eos for t in token])
-        lengths = np.array([len(p) for p in prompts], np.int64)
-        t1 = time.perf_counter()
-        steps = 0
-        while steps + 1 < max_new_tokens and not done.all():
-            logits, keys, values = self.step_logits(token, keys, values, lengths)
-            lengths = lengths + 1
-            token = sample(logits, rng, temperature, top_k, top_p)
-            steps += 1
-            for b, t in enumerate(token):
-                if not done[b]:
-                    out[b].append(int(t))
-                    done[b] = t in eos
-        decode_s = time.perf_counter() - t1
-        return Generation(out, ttft, steps / decode_s if steps else 0.0, compile_s)
+        for _ in self.stream(prompts, 2, eos_ids=()):
+            pass
+        self.compile_s[self.capacity] = time.perf_counter() - t0
+        return self.compile_s[self.capacity]
+
+    def prefill_logits(self, prompts) -> np.ndarray:
+        """Last-token logits (B, vocab) of a prefill of the prompts into the cache (slots freed after)."""
+        self._check(prompts, 1)
+        if len(prompts) > self.slots_count:
+            raise ValueError(f"prompts: {len(prompts)} prompts in one prefill, the generator has "
+                             f"{self.slots_count} slots")
+        self._ensure_capacity(max(len(p) for p in prompts))
+        requests = [_Request(i, list(p), 1, frozenset(), slot=i) for i, p in enumerate(prompts)]
+        try:
+            return self._prefill(requests)
+        finally:
+            for r in requests:
+                self.slots.release(r.slot)
+
+    def generate(self, prompts, max_new_tokens=32, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int = 0, eos_ids=None) -> Generation:
+        """Every prompt's tokens, with TTFT, the decode rate and per-step times (compile excluded)."""
+        self._check(prompts, max_new_tokens)  # before the warm-up writes anything
+        check_sampling(temperature, top_k, top_p)
+        compile_s = self.warm_up(prompts)
+        out = [[] for _ in prompts]
+        calls = []
+        t0 = time.perf_counter()
+        ttft = None
+        for event in self.stream(prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 seed=seed, eos_ids=eos_ids,
+                                 on_step=lambda kind, s: calls.append((kind, s, int(self.slots.lengths.sum())))):
+            out[event.request].append(event.token)
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+        decode = [(cached, s) for kind, s, cached in calls if kind == "decode"]
+        decode_s = sum(s for _, s in decode)
+        rate = len(decode) / decode_s if decode else 0.0
+        return Generation(out, ttft, rate, compile_s, [(c, s * 1e3) for c, s in decode])
 
 
 def main(argv=None) -> None:
@@ -201,8 +352,7 @@ def main(argv=None) -> None:
         prompts = [[int(t) for t in ids.split(",")] for ids in args.ids]
     else:
         parser.error("give --prompt or --ids")
-    kwargs = dict(dtype=args.dtype, backend=args.backend, logits="last",
-                  layout="TND" if len({len(p) for p in prompts}) > 1 else "BSH")
+    kwargs = dict(dtype=args.dtype, backend=args.backend)
     if args.checkpoint:
         model = load_checkpoint(args.checkpoint, **kwargs)
     else:

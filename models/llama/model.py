@@ -1,5 +1,5 @@
-"""Llama2 in MindSpore on ``RotaryFlashAttention``: RMSNorm, SwiGLU, grouped-query attention, and a
-KV cache that holds *rotated* keys.
+"""Llama2 in MindSpore on ``RotaryFlashAttention``: RMSNorm, SwiGLU, grouped-query attention, and an
+in-place KV cache (``kv_cache.KVCache``) that holds *rotated* keys.
 
 Parameter names equal Hugging Face's (``model.layers.0.self_attn.q_proj.weight``, ...), so a
 checkpoint maps onto ``parameters_dict()`` one to one. Two layouts:
@@ -8,9 +8,9 @@ checkpoint maps onto ``parameters_dict()`` one to one. Two layouts:
 - ``TND`` (variable-length batch, no padding): tokens of all sequences packed, with cumulative
   end offsets ``actual_seq_qlen`` / ``actual_seq_kvlen``.
 
-Prefill rotates Q and K inside the fused op, which also returns the rotated K: that is what enters
-the cache. A later step (decode, or a further chunk) rotates only its new keys, appends them, and
-attends with ``key_rotated=True``: every key is rotated exactly once.
+Prefill rotates Q and K inside the fused op, which also returns the rotated K: that is what is
+written to the cache. A decode step rotates only its new keys, writes them in place, and attends
+over the cache with ``key_rotated=True``: every key is rotated exactly once.
 """
 from __future__ import annotations
 
@@ -116,8 +116,17 @@ class LlamaMLP(nn.Cell):
 
 
 class LlamaAttention(nn.Cell):
-    """Projections around the fused op; returns (output, keys, values) where keys/values are this
-    layer's cache after the step (rotated keys)."""
+    """Projections around the fused op.
+
+    ``cache`` is None (a plain forward in the model's layout) or ``(cache_keys, cache_values,
+    write_rows)``: this layer's preallocated cache (``KVCache``) and the flat cache row of each new
+    token. With a cache the tokens are packed (TND) whatever the model's layout:
+    - ``positions`` None (prefill of whole prompts, ends ``aq``): the op rotates Q and K and returns
+      the rotated K, which is written to the cache rows with the values;
+    - ``positions`` given (tokens appended to cached sequences): only the new keys are rotated
+      (a handful of rows), written in place, and the op attends over the cache with ``key_rotated``,
+      ``aq``/``akv`` describing every slot as its filled rows then a query-less gap (``KVCache``).
+    Every key is rotated exactly once, and no step copies the cache."""
 
     def __init__(self, config: LlamaConfig, cos_sin, layout: str, backend: str, dtype):
         super().__init__()
@@ -131,42 +140,50 @@ class LlamaAttention(nn.Cell):
         self.rotary_mode, self.rotary_dim = config.rotary_mode, config.rotary_dim
         self.cos, self.sin = cos_sin
         common = dict(head_num=self.heads, head_dim=self.head_dim, rotary_dim=self.rotary_dim,
-                      rotary_mode=self.rotary_mode, input_layout=layout, backend=backend, cos_sin=cos_sin)
-        self.prefill_attention = RotaryFlashAttention(return_rotated_key=True, **common)
-        self.cached_attention = RotaryFlashAttention(key_rotated=True, **common)
+                      rotary_mode=self.rotary_mode, backend=backend, cos_sin=cos_sin)
+        self.prefill_attention = RotaryFlashAttention(input_layout=layout, **common)
+        self.cache_prefill = RotaryFlashAttention(input_layout="TND", return_rotated_key=True, **common)
+        self.cached_attention = RotaryFlashAttention(input_layout="TND", key_rotated=True, **common)
+        self.write = ops.ScatterUpdate()
 
     def _heads(self, x, heads):
-        return x.reshape(x.shape[0], heads, self.head_dim) if self.layout == "TND" else x
+        return x.reshape(x.shape[0], heads, self.head_dim)
 
-    def construct(self, x, past_k, past_v, positions, cache_index, aq, akv):
-        q = self._heads(self.q_proj(x), self.heads)
-        k = self._heads(self.k_proj(x), self.kv_heads)
-        v = self._heads(self.v_proj(x), self.kv_heads)
-        if past_k is None:
-            out, keys = self.prefill_attention(q, k, v, aq, akv)
-            values = v
+    def construct(self, x, aq, akv, cache, positions):
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if cache is None:
+            if self.layout == "TND":
+                out = self.prefill_attention(self._heads(q, self.heads), self._heads(k, self.kv_heads),
+                                             self._heads(v, self.kv_heads), aq, akv)
+            else:
+                out = self.prefill_attention(q, k, v)
         else:
-            keys = self._append(past_k, self._rotate_new_keys(k, positions), cache_index)
-            values = self._append(past_v, v, cache_index)
-            out = self.cached_attention(q, keys, values, aq, akv)
-        if self.layout == "TND":
+            out = self._cached(q, k, v, aq, akv, cache, positions)
+        if self.layout == "TND" or cache is not None:
             out = out.reshape(out.shape[0], -1)
-        return self.o_proj(out), keys, values
+        return self.o_proj(out)
+
+    def _cached(self, q, k, v, aq, akv, cache, positions):
+        cache_keys, cache_values, write_rows = cache
+        q, k, v = self._heads(q, self.heads), self._heads(k, self.kv_heads), self._heads(v, self.kv_heads)
+        if positions is None:
+            out, keys = self.cache_prefill(q, k, v, aq, aq)
+            self.write(cache_keys, write_rows, keys.astype(cache_keys.dtype))
+            self.write(cache_values, write_rows, v.astype(cache_values.dtype))
+            return out
+        self.write(cache_keys, write_rows, self._rotate_new_keys(k, positions).astype(cache_keys.dtype))
+        self.write(cache_values, write_rows, v.astype(cache_values.dtype))
+        # A cache in another dtype than the activations (a float16 cache of a float32 model: half the
+        # bytes to read) meets a query of its own dtype, as the op requires; the op accumulates in
+        # float32 either way.
+        return self.cached_attention(q.astype(cache_keys.dtype), cache_keys, cache_values, aq, akv).astype(q.dtype)
 
     def _rotate_new_keys(self, k, positions):
-        """Standalone RoPE on the step's new keys only (a handful of rows), at their absolute positions."""
+        """Standalone RoPE on the step's new keys only (one row per sequence), at their positions."""
         kf = k.astype(ms.float32)
-        if self.layout == "BSH":
-            kf = kf.reshape(kf.shape[0], kf.shape[1], self.kv_heads, self.head_dim)
         c = ops.gather(self.cos.astype(ms.float32), positions, 0).expand_dims(-2)
         s = ops.gather(self.sin.astype(ms.float32), positions, 0).expand_dims(-2)
-        rotated = apply_rope(kf, c, s, self.rotary_mode, self.rotary_dim)
-        return rotated.reshape(k.shape).astype(k.dtype)
-
-    def _append(self, past, new, cache_index):
-        if self.layout == "BSH":
-            return ops.concat((past, new), 1)
-        return ops.gather(ops.concat((past, new), 0), cache_index, 0)
+        return apply_rope(kf, c, s, self.rotary_mode, self.rotary_dim).astype(k.dtype)
 
 
 class LlamaDecoderLayer(nn.Cell):
@@ -177,11 +194,9 @@ class LlamaDecoderLayer(nn.Cell):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def construct(self, x, past_k, past_v, positions, cache_index, aq, akv):
-        attended, keys, values = self.self_attn(self.input_layernorm(x), past_k, past_v, positions, cache_index, aq,
-                                                akv)
-        x = x + attended
-        return x + self.mlp(self.post_attention_layernorm(x)), keys, values
+    def construct(self, x, aq, akv, cache, positions):
+        x = x + self.self_attn(self.input_layernorm(x), aq, akv, cache, positions)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Cell):
@@ -193,32 +208,28 @@ class LlamaModel(nn.Cell):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.num_layers = config.num_hidden_layers
 
-    def construct(self, input_ids, past_keys, past_values, positions, cache_index, aq, akv):
+    def construct(self, input_ids, aq, akv, cache, positions):
         x = self.embed_tokens(input_ids)
-        keys = ()
-        values = ()
         for i in range(self.num_layers):
-            past_k = None if past_keys is None else past_keys[i]
-            past_v = None if past_values is None else past_values[i]
-            x, k, v = self.layers[i](x, past_k, past_v, positions, cache_index, aq, akv)
-            keys = keys + (k,)
-            values = values + (v,)
-        return self.norm(x), ops.stack(keys), ops.stack(values)
+            layer_cache = None if cache is None else (cache[0][i], cache[1][i], cache[2])
+            x = self.layers[i](x, aq, akv, layer_cache, positions)
+        return self.norm(x)
 
 
 class LlamaForCausalLM(nn.Cell):
-    """The causal LM. ``construct(input_ids, past_keys=None, past_values=None, positions=None,
-    cache_index=None, actual_seq_qlen=None, actual_seq_kvlen=None)`` returns
-    ``(logits float32, keys, values)``; keys/values are the whole cache after this step, stacked over
-    layers: (L, B, S, Nkv*D) for BSH, (L, T, Nkv, D) for TND.
+    """The causal LM. ``construct(input_ids, actual_seq_qlen=None, actual_seq_kvlen=None, cache=None,
+    positions=None)`` returns float32 logits.
 
-    - input_ids: (B, S) int32 for BSH; (T,) for TND with cumulative ends ``actual_seq_qlen`` of the
-      new tokens and ``actual_seq_kvlen`` of the whole sequences (cache + new).
-    - With a cache: ``positions`` gives each new token's absolute position ((S,) for BSH, (T,) for
-      TND); for TND ``cache_index`` reorders concat(past, new) so each sequence's new rows follow
-      its cached rows.
-    - ``logits="last"`` computes logits only at each sequence's last new token (what generation
-      needs; at 7B vocab and long prompts the full (S, vocab) logits would dominate the prefill).
+    Without a cache (training, evaluation): input_ids (B, S) int32 for BSH; (T,) for TND with
+    cumulative ends ``actual_seq_qlen`` (= ``actual_seq_kvlen``). ``logits="last"`` computes logits
+    only at each sequence's last token (at 7B vocab and long prompts the full (S, vocab) logits would
+    dominate a prefill).
+
+    With ``cache = (keys, values, write_rows)`` (a ``KVCache``'s parameters and the new tokens' rows;
+    ``models.llama.generate.Generator`` drives this): input_ids (T,) packed, whatever the layout.
+    ``positions`` None: a prefill of whole prompts ending at ``actual_seq_qlen``, logits at each
+    prompt's last token; ``positions`` given: one new token per sequence at those positions, against
+    the cache, logits at every token.
 
     ``backend``: "auto" (fused where available, announced fallback otherwise), "fused" or "unfused",
     for the whole model, so both run on identical weights.
@@ -261,18 +272,27 @@ class LlamaForCausalLM(nn.Cell):
         """The attention path every layer runs: 'fused:CPU' or 'unfused'."""
         return self.model.layers[0].self_attn.prefill_attention.backend
 
-    def construct(self, input_ids, past_keys=None, past_values=None, positions=None, cache_index=None,
-                  actual_seq_qlen=None, actual_seq_kvlen=None):
-        hidden, keys, values = self.model(input_ids, past_keys, past_values, positions, cache_index, actual_seq_qlen,
-                                          actual_seq_kvlen)
-        if self.last_only:
+    @property
+    def dtype(self):
+        """The activations' (and weights') MindSpore dtype."""
+        return self.model.norm.weight.dtype
+
+    def construct(self, input_ids, actual_seq_qlen=None, actual_seq_kvlen=None, cache=None, positions=None):
+        hidden = self.model(input_ids, actual_seq_qlen, actual_seq_kvlen, cache, positions)
+        if cache is not None:
+            if positions is None:
+                hidden = ops.gather(hidden, actual_seq_qlen - 1, 0)
+        elif self.last_only:
             if self.layout == "TND":
                 hidden = ops.gather(hidden, actual_seq_qlen - 1, 0)
             else:
                 hidden = hidden[:, -1:, :]
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        logits = self.matmul(hidden.reshape(-1, self.hidden_size), weight.astype(hidden.dtype))
-        return logits.astype(ms.float32).reshape(hidden.shape[:-1] + (self.vocab_size,)), keys, values
+        if self.tie_word_embeddings:
+            logits = self.matmul(hidden.reshape(-1, self.hidden_size), self.model.embed_tokens.weight.astype(hidden.dtype))
+            logits = logits.reshape(hidden.shape[:-1] + (self.vocab_size,))
+        else:
+            logits = self.lm_head(hidden)  # a Linear: OpenBLAS (or the decode-sized product) on the CPU
+        return logits.astype(ms.float32)
 
 
 class LlamaForTraining(nn.Cell):
@@ -294,7 +314,7 @@ class LlamaForTraining(nn.Cell):
         self.ignore_index = IGNORE_INDEX  # an attribute: amp O1's rewrite drops module constants
 
     def construct(self, input_ids, labels, actual_seq_qlen=None):
-        logits = self.lm(input_ids, None, None, None, None, actual_seq_qlen, actual_seq_qlen)[0]
+        logits = self.lm(input_ids, actual_seq_qlen, actual_seq_qlen)
         if self.packed:
             logits, labels = logits[:-1], labels[1:]
         else:

@@ -1,0 +1,80 @@
+"""The KV cache of generation: preallocated per layer, written in place, read by the fused op.
+
+Each layer has a rotated-key and a value Parameter of shape (slots * capacity, Nkv, D): slot s owns
+rows [s * capacity, (s + 1) * capacity), filled from its start. A step writes only its new rows
+(``ScatterUpdate`` into the Parameter: no concatenation, no copy of the cache, no cache in the
+graph's inputs or outputs) and the op reads each slot's filled rows in place: the call is one TND
+problem in which every slot is two sequences, its filled rows (with the step's queries, or none)
+then a query-less gap over its unused rows, which the kernel never reads.
+
+Shapes are static per capacity: the generator compiles its graphs once per capacity bucket, and
+only ever grows the cache. ``Slots`` is the host-side bookkeeping (which slot holds how many
+tokens) that continuous batching needs.
+"""
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, ParameterTuple, Tensor, nn
+from mindspore.common.initializer import initializer
+
+BUCKET = 512  # capacities are BUCKET * 2^k (capped at the model's cos/sin table)
+
+
+def bucket_capacity(tokens: int, limit: int) -> int:
+    """The smallest capacity bucket holding ``tokens`` positions, at most ``limit``."""
+    capacity = BUCKET
+    while capacity < tokens:
+        capacity *= 2
+    return min(capacity, limit)
+
+
+class KVCache(nn.Cell):
+    """Rotated keys and values of ``slots`` sequences of up to ``capacity`` tokens, per layer."""
+
+    def __init__(self, config, slots: int, capacity: int, dtype):
+        super().__init__()
+        if not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots: expected a positive int, got {slots!r}")
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity: expected a positive int, got {capacity!r}")
+        self.slots, self.capacity = slots, capacity
+        shape = (slots * capacity, config.num_key_value_heads, config.dim_per_head)
+        layers = range(config.num_hidden_layers)
+        self.keys = ParameterTuple([Parameter(initializer("zeros", shape, dtype), name=f"cache_keys.{i}",
+                                                 requires_grad=False) for i in layers])
+        self.values = ParameterTuple([Parameter(initializer("zeros", shape, dtype), name=f"cache_values.{i}",
+                                                   requires_grad=False) for i in layers])
+
+    @property
+    def dtype(self):
+        return self.keys[0].dtype
+
+    def rows(self, slot: int, start: int, count: int) -> np.ndarray:
+        """Flat cache rows of positions [start, start + count) of a slot."""
+        return slot * self.capacity + np.arange(start, start + count)
+
+    def step_offsets(self, lengths: np.ndarray, new_tokens: np.ndarray) -> tuple[Tensor, Tensor]:
+        """(actual_seq_qlen, actual_seq_kvlen) of an attention call over the whole cache: slot s is
+        the sequence of its ``lengths[s]`` filled rows (the step's ``new_tokens[s]`` included, which
+        are its queries), then a query-less gap sequence over the rest of its rows."""
+        q = np.stack([new_tokens, np.zeros_like(new_tokens)], 1).reshape(-1)
+        kv = np.stack([lengths, self.capacity - lengths], 1).reshape(-1)
+        return Tensor(np.cumsum(q), ms.int64), Tensor(np.cumsum(kv), ms.int64)
+
+
+class Slots:
+    """Which cache slot holds how many tokens: the host side of continuous batching."""
+
+    def __init__(self, count: int):
+        self.lengths = np.zeros(count, np.int64)
+        self.busy = np.zeros(count, bool)
+
+    def free(self) -> list[int]:
+        return [int(s) for s in np.flatnonzero(~self.busy)]
+
+    def take(self, slot: int) -> None:
+        self.busy[slot], self.lengths[slot] = True, 0
+
+    def release(self, slot: int) -> None:
+        self.busy[slot], self.lengths[slot] = False, 0

@@ -1,0 +1,174 @@
+"""Generation on the in-place KV cache (models/llama/kv_cache.py, generate.py) on the tiny random
+checkpoint of test_llama: logits of prefill / decode steps / chunks against one full forward, cache
+rows against a one-shot prefill, compiled graphs that do not grow with steps, continuous batching,
+streaming, and bad input refused before anything is written. Logit tolerance as in test_llama."""
+import numpy as np
+import pytest
+
+from models.llama.generate import Generator, Token, _Request
+from models.llama.kv_cache import BUCKET, bucket_capacity
+from models.llama.weights import load_checkpoint
+import test_llama
+from test_llama import ATOL, bsh_logits, ids_of
+
+checkpoint, graph = test_llama.checkpoint, test_llama.graph  # the tiny checkpoint and GRAPH_MODE fixtures
+
+
+@pytest.mark.parametrize("backend", ["fused", "unfused"])
+def test_prefill_steps_and_a_chunk_equal_one_full_forward(checkpoint, backend, mode, rng):
+    """A prefill, one-token steps, then a 7-token chunk (a speculative block), all through the
+    cache of slot 1 of 3: the logits of one full forward over the same tokens."""
+    _, path = checkpoint
+    model = load_checkpoint(path, backend=backend, progress=False)
+    (ids,) = ids_of(rng, 30)
+    full = bsh_logits(model, ids)
+    gen = Generator(model, slots=3)
+    gen._ensure_capacity(len(ids))
+    request = _Request(0, ids[:19], 1, frozenset(), slot=1)
+    gen.slots.take(1)
+    got = [gen._prefill([request])]
+    for pos in range(19, 23):
+        got.append(gen._append([request], [[ids[pos]]]))
+    got.append(gen._append([request], [ids[23:]]))
+    assert np.abs(np.concatenate(got) - full[18:]).max() <= ATOL
+    assert gen.compiles == 2
+
+
+def test_cache_rows_equal_the_rotated_keys_of_a_full_prefill(checkpoint, graph):
+    """Rows written one decode step at a time (keys rotated by the step) equal the rows one prefill
+    of the same tokens writes (keys rotated inside the fused op), in every layer."""
+    _, path = checkpoint
+    prompt = ids_of(np.random.default_rng(3), 9)[0]
+    stepped = Generator(load_checkpoint(path, progress=False), slots=2)
+    tokens = stepped.generate([prompt], 8, eos_ids=()).tokens[0]
+    sequence = prompt + tokens[:-1]  # the last token is sampled, never cached
+    once = Generator(load_checkpoint(path, progress=False), slots=2)
+    once.prefill_logits([sequence])
+    n = len(sequence)
+    for a, b in zip((*stepped.cache.keys, *stepped.cache.values), (*once.cache.keys, *once.cache.values)):
+        a, b = a.asnumpy()[:n], b.asnumpy()[:n]
+        assert np.abs(a - b).max() <= 1e-5 and np.abs(a).max() > 0.1
+
+
+def test_graphs_compile_once_per_capacity_bucket(checkpoint, mode, rng):
+    """Prompts of any length and any number of steps reuse the two graphs; a prompt past the bucket
+    grows the cache to the next one (two more graphs), and a smaller request after it does not."""
+    _, path = checkpoint
+    model = load_checkpoint(path, progress=False, max_positions=2048)
+    gen = Generator(model, slots=2)
+    for n, steps in ((3, 2), (17, 9), (40, 30)):
+        gen.generate(ids_of(rng, n), steps, eos_ids=())
+    assert (gen.capacity, gen.compiles) == (BUCKET, 2)
+    gen.generate(ids_of(rng, BUCKET + 5), 3, eos_ids=())
+    assert (gen.capacity, gen.compiles) == (2 * BUCKET, 4)
+    gen.generate(ids_of(rng, 4), 3, eos_ids=())
+    assert (gen.capacity, gen.compiles) == (2 * BUCKET, 4)
+    assert [bucket_capacity(n, 2048) for n in (1, 512, 513, 1500, 5000)] == [512, 512, 1024, 2048, 2048]
+
+
+def test_continuous_batching_gives_each_prompt_its_own_tokens(checkpoint, mode, rng):
+    """Five prompts of different lengths and budgets through 2 slots: prompts join as others finish
+    (one at EOS), and every prompt gets exactly the tokens it gets alone; the tokens are the argmax
+    of a full forward over prompt + tokens."""
+    _, path = checkpoint
+    model = load_checkpoint(path, progress=False)
+    prompts = ids_of(rng, 5, 12, 1, 30, 8)
+    budgets = [6, 2, 9, 4, 5]
+    alone = Generator(model, slots=1)
+    expected = [alone.generate([p], n, eos_ids=()).tokens[0] for p, n in zip(prompts, budgets)]
+    eos = expected[2][3]  # prompt 2 stops at its 4th token (if that token does not come earlier)
+    stop = expected[2].index(eos) + 1
+    batch = Generator(model, slots=2)
+    events = list(batch.stream(prompts, budgets, eos_ids=(eos,)))
+    got = [[e.token for e in events if e.request == i] for i in range(len(prompts))]
+    want = [t[:t.index(eos) + 1] if eos in t else t for t in expected]
+    assert got == want and len(got[2]) == stop
+    first_finish = next(i for i, e in enumerate(events) if e.finished)
+    assert next(i for i, e in enumerate(events) if e.request == 2) > first_finish  # joined a freed slot
+    assert sum(e.finished for e in events) == len(prompts) and all(isinstance(e, Token) for e in events)
+    assert batch.slots.free() == [0, 1]  # every slot released
+    full = load_checkpoint(path, progress=False)
+    for prompt, tokens in zip(prompts, want):
+        assert tokens == bsh_logits(full, prompt + tokens[:-1]).argmax(-1)[len(prompt) - 1:].tolist()
+
+
+def test_stream_yields_tokens_as_they_come(checkpoint, graph, rng):
+    _, path = checkpoint
+    gen = Generator(load_checkpoint(path, progress=False), slots=4)
+    prompts = ids_of(rng, 4, 9)
+    stream = gen.stream(prompts, 3, eos_ids=())
+    first = [next(stream), next(stream)]  # the prefill's first token of each prompt, before any decode step
+    assert [e.request for e in first] == [0, 1] and not any(e.finished for e in first)
+    rest = list(stream)
+    assert len(rest) == 4 and [e.finished for e in rest][-2:] == [True, True]
+
+
+def test_an_abandoned_stream_leaves_nothing_behind(checkpoint, graph, rng):
+    _, path = checkpoint
+    gen = Generator(load_checkpoint(path, progress=False), slots=2)
+    prompts = ids_of(rng, 6, 11)
+    expected = gen.generate(prompts, 5, eos_ids=()).tokens
+    stream = gen.stream(ids_of(rng, 20, 3), 8, eos_ids=())
+    next(stream), next(stream), next(stream)
+    stream.close()
+    assert gen.slots.free() == [0, 1]
+    assert gen.generate(prompts, 5, eos_ids=()).tokens == expected
+
+
+def test_stops_at_eos(checkpoint, graph, rng):
+    _, path = checkpoint
+    gen = Generator(load_checkpoint(path, progress=False))
+    prompt = ids_of(rng, 6)
+    free = gen.generate(prompt, 5, eos_ids=()).tokens[0]
+    stopped = gen.generate(prompt, 5, eos_ids=(free[1],)).tokens[0]
+    assert stopped == free[:free.index(free[1]) + 1]
+
+
+def test_float16_cache_of_a_float32_model(checkpoint, graph, rng):
+    """A float16 cache (half the bytes a step reads) keeps the logits within float16 rounding of the
+    keys and values: 1e-2 on O(1) logits."""
+    _, path = checkpoint
+    model = load_checkpoint(path, progress=False)
+    (ids,) = ids_of(rng, 25)
+    full = bsh_logits(model, ids)
+    gen = Generator(model, slots=1, cache_dtype="float16")
+    gen._ensure_capacity(len(ids))
+    request = _Request(0, ids[:20], 1, frozenset(), slot=0)
+    gen.slots.take(0)
+    got = [gen._prefill([request])] + [gen._append([request], [[t]]) for t in ids[20:]]
+    error = np.abs(np.concatenate(got) - full[19:]).max()
+    assert 0 < error <= 1e-2
+    assert gen.cache.dtype == gen.cache.keys[1].dtype and str(gen.cache.dtype) == "Float16"
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda g: g.generate([], 3), r"prompts: expected a non-empty list"),
+    (lambda g: g.generate([[1, 2], []], 3), r"prompts\[1\]: empty"),
+    (lambda g: g.generate([[1, 999]], 3), r"prompts\[0\]: expected token ids in \[0, 256\)"),
+    (lambda g: g.generate([[1, 2]], 0), r"max_new_tokens: expected a positive int"),
+    (lambda g: g.generate([[1, 2]], [3, 4]), r"max_new_tokens: expected a positive int or one per prompt"),
+    (lambda g: g.generate([[1] * 500], 20), r"max_new_tokens: prompts\[0\] \(500 tokens\) \+ 20 new tokens need "
+                                            r"519 cached positions, beyond the model's cos/sin cache of 512 "),
+    (lambda g: g.generate([[1, 2]], 3, temperature=-1.0), r"sampling: expected temperature >= 0"),
+    (lambda g: g.prefill_logits([[1]] * 3), r"prompts: 3 prompts in one prefill, the generator has 2 slots"),
+])
+def test_bad_input_is_refused_before_anything_is_written(checkpoint, graph, call, message):
+    _, path = checkpoint
+    gen = Generator(load_checkpoint(path, progress=False), slots=2)
+    with pytest.raises(ValueError, match=message):
+        call(gen)
+    assert gen.cache is None or not any(k.asnumpy().any() for k in gen.cache.keys)
+    assert gen.slots.free() == [0, 1]
+
+
+def test_a_fixed_capacity_too_small_is_refused(checkpoint, graph):
+    _, path = checkpoint
+    model = load_checkpoint(path, progress=False)
+    gen = Generator(model, slots=1, capacity=16)
+    with pytest.raises(ValueError, match=r"capacity: a prompt and its new tokens need 20 cache positions, the "
+                                         r"generator's capacity is 16"):
+        gen.generate([[1] * 15], 6)
+    with pytest.raises(ValueError, match=r"capacity: expected an int in \[1, 512\]"):
+        Generator(model, capacity=1000)
+    with pytest.raises(ValueError, match=r"slots: expected a positive int, got 0"):
+        Generator(model, slots=0)
