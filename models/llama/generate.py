@@ -135,7 +135,7 @@ class Generator:
         self.model, self.slots_count, self.fixed_capacity = model, slots, capacity
         self.cache_dtype = DTYPES[dtype_name(cache_dtype)] if cache_dtype is not None else model.dtype
         self.cache = self.prefill = self.step = None
-        self._graphs = []
+        self._earlier_compiles = 0  # of the graphs of smaller capacities, released when the cache grew
         self.slots = Slots(slots)
         self.compile_s = {}  # capacity -> seconds of its first call (compile + warm-up)
 
@@ -146,7 +146,7 @@ class Generator:
     @property
     def compiles(self) -> int:
         """Graphs compiled so far, all capacities together."""
-        return sum(graph.compiles for graph in self._graphs)
+        return self._earlier_compiles + sum(graph.compiles for graph in (self.prefill, self.step) if graph is not None)
 
     def _ensure_capacity(self, needed: int) -> None:
         if self.fixed_capacity is not None:
@@ -158,14 +158,15 @@ class Generator:
             capacity = bucket_capacity(needed, self.model.max_positions)
         if capacity <= self.capacity:
             return
-        self.cache = None  # the smaller cache's memory is freed before the larger one is allocated
+        self._earlier_compiles = self.compiles
+        # The smaller cache (and the graphs holding it) is released before the larger one is allocated.
+        self.cache = self.prefill = self.step = None
         self.cache = KVCache(self.model.config, self.slots_count, capacity, self.cache_dtype)
         self.prefill, self.step = _Prefill(self.model, self.cache), _Decode(self.model, self.cache)
         i32, i64 = ms.int32, ms.int64
         self.prefill.set_inputs(_dyn(i32), _dyn(i64), _dyn(i32))
         self.step.set_inputs(_dyn(i32), Tensor(shape=[2 * self.slots_count], dtype=i64),
                              Tensor(shape=[2 * self.slots_count], dtype=i64), _dyn(i32), _dyn(i64))
-        self._graphs += [self.prefill, self.step]
 
     def _check(self, prompts, max_new_tokens) -> list[int]:
         if not isinstance(prompts, (list, tuple)) or not prompts:
