@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import statistics
 import tempfile
@@ -35,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness import machine_info, memory_total_bytes, run_isolated, turned
+from harness import machine_info, memory_total_bytes, run_isolated, save, turned
 
 SCHEMA_VERSION = 1
 SYSTEMS = ("fused", "unfused", "hf-dynamic", "hf-static")
@@ -371,12 +370,7 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     results = sweep(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "decode.json").write_text(json.dumps(results, indent=2))
-    plot(results, out / "decode.png")
-    print(table(results))
-    print(f"wrote {out / 'decode.json'} and {out / 'decode.png'}")
+    save(results, args.out, "decode.json", "decode.png", plot, table)
     return results
 
 

@@ -151,6 +151,19 @@ def _wait(proc, result_path: str, memory_limit_bytes: int | None, timeout_s: flo
         return json.load(f)
 
 
+def save(results: dict, out: str, json_name: str, png_name: str, plot, table) -> None:
+    """A benchmark's results as ``out/json_name``, its plot (``plot(results, path)``) as ``out/png_name``,
+    then ``table(results)`` printed."""
+    from pathlib import Path
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / json_name).write_text(json.dumps(results, indent=2))
+    plot(results, out / png_name)
+    print(table(results))
+    print(f"wrote {out / json_name} and {out / png_name}")
+
+
 def machine_info() -> dict:
     import mindspore
     import numpy

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness import machine_info, memory_total_bytes, run_isolated, stats, timed, turned
+from harness import machine_info, memory_total_bytes, run_isolated, save, stats, timed, turned
 
 SCHEMA_VERSION = 3  # 3: one run per process and round ("round"), merged per point
 BACKENDS = ("fused", "unfused")  # this project's two paths, in MindSpore
@@ -627,12 +627,7 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     results = sweep(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    plot(results, out / "ttft.png")
-    print(table(results))
-    print(f"wrote {out / 'results.json'} and {out / 'ttft.png'}")
+    save(results, args.out, "results.json", "ttft.png", plot, table)
     return results
 
 
