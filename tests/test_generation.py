@@ -4,9 +4,10 @@ rows against a one-shot prefill, compiled graphs that do not grow with steps, co
 streaming, and bad input refused before anything is written. Logit tolerance as in test_llama."""
 import numpy as np
 import pytest
+from mindspore import Tensor
 
 from models.llama.generate import Generator, Token, _Request
-from models.llama.kv_cache import BUCKET, bucket_capacity
+from models.llama.kv_cache import BUCKET, bucket_capacity, token_bucket
 from models.llama.weights import load_checkpoint
 import test_llama
 from test_llama import ATOL, bsh_logits, ids_of
@@ -16,8 +17,9 @@ checkpoint, graph = test_llama.checkpoint, test_llama.graph  # the tiny checkpoi
 
 @pytest.mark.parametrize("backend", ["fused", "unfused"])
 def test_prefill_steps_and_a_chunk_equal_one_full_forward(checkpoint, backend, mode, rng):
-    """A prefill, one-token steps, then a 7-token chunk (a speculative block), all through the
-    cache of slot 1 of 3: the logits of one full forward over the same tokens."""
+    """A prefill, one-token steps, then a 7-token chunk (a speculative block, padded to 8 tokens),
+    all through the cache of slot 1 of 3: the logits of one full forward over the same tokens. Three
+    graphs: the prefill and the decode graphs of 1 and of 8 tokens."""
     _, path = checkpoint
     model = load_checkpoint(path, backend=backend, progress=False)
     (ids,) = ids_of(rng, 30)
@@ -29,9 +31,36 @@ def test_prefill_steps_and_a_chunk_equal_one_full_forward(checkpoint, backend, m
     got = [gen._prefill([request])]
     for pos in range(19, 23):
         got.append(gen._append([request], [[ids[pos]]]))
-    got.append(gen._append([request], [ids[23:]]))
+    got.append(gen._append([request], [ids[23:29]]))
+    got.append(gen._append([request], [[ids[29]]]))
     assert np.abs(np.concatenate(got) - full[18:]).max() <= ATOL
-    assert gen.compiles == 2
+    assert gen.compiles == 3
+
+
+def test_padded_steps_touch_only_their_rows_and_the_scratch_row(checkpoint, mode, rng):
+    """Three sequences decode in steps padded to 4 tokens: with NaN in every cache row no sequence
+    has written (the scratch rows included), each gets the tokens it gets alone, and afterwards every
+    row past a sequence's length is still NaN but the scratch row the padding wrote."""
+    _, path = checkpoint
+    model = load_checkpoint(path, progress=False)
+    prompts = ids_of(rng, 7, 3, 12)
+    alone = Generator(model, slots=1)
+    expected = [alone.generate([p], 4, eos_ids=()).tokens[0] for p in prompts]
+    gen = Generator(model, slots=3)
+    gen._ensure_capacity(16)
+    for tensor in (*gen.cache.keys, *gen.cache.values):
+        tensor.set_data(Tensor(np.full(tensor.shape, np.nan, np.float32)))
+    assert gen.generate(prompts, 4, eos_ids=()).tokens == expected
+    rows = gen.cache.keys[0].asnumpy()
+    capacity = gen.cache.capacity
+    for slot, prompt in enumerate(prompts):
+        used = len(prompt) + 3  # the prompt and every sampled token but the last
+        assert np.isfinite(rows[slot * capacity:slot * capacity + used]).all()
+        assert np.isnan(rows[slot * capacity + used:(slot + 1) * capacity]).all()
+    scratch = rows[gen.cache.scratch_start:]
+    assert gen.cache.scratch == 31 and np.isfinite(scratch[-1]).all() and np.isnan(scratch[:-1]).all()
+    assert [token_bucket(n) for n in (1, 2, 3, 4, 5, 9, 128)] == [1, 2, 4, 4, 8, 16, 128]
+    assert [gen.cache.padded_tokens(n) for n in (3, 33, 49, 65)] == [4, 64, 64, 65]
 
 
 def test_cache_rows_equal_the_rotated_keys_of_a_full_prefill(checkpoint, graph):

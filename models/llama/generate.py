@@ -2,8 +2,9 @@
 the fused op (which emits the rotated keys the cache stores), then decode steps that write one new
 row per sequence and attend over the cache with ``key_rotated``.
 
-Prefill and decode are two graphs, compiled once per cache capacity for any prompt length and any
-number of sequences (dynamic shapes). Prompts of different lengths are packed with no padding, and
+Prefill is one graph per cache capacity for any prompt length and any number of sequences (dynamic
+shapes); a decode step is padded to a power-of-two token count (``KVCache.padded_tokens``) and runs
+a static graph per capacity and token count. Prompts of different lengths are packed with no padding, and
 up to ``slots`` sequences run at once: continuous batching, a finished sequence's slot going to
 the next prompt. ``Generator.stream`` yields each token as it is sampled.
 
@@ -51,8 +52,7 @@ def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float = 0.
 
 
 class _CacheGraph(nn.Cell):
-    """A graph over the model and one ``KVCache``, compiled once for every token count (dynamic
-    shapes), in PyNative too (``ms.jit``: one graph launch per step, not one dispatch per op);
+    """A graph over the model and one ``KVCache``, compiled once per input signature, in PyNative too (``ms.jit``: one graph launch per step, not one dispatch per op);
     ``compiles`` counts its compilations (a constexpr runs only while a graph compiles)."""
 
     def __init__(self, lm, cache):
@@ -77,7 +77,7 @@ class _Prefill(_CacheGraph):
 
 class _Decode(_CacheGraph):
     """New tokens of cached sequences (one per sequence when decoding), written in place and
-    attended against the whole cache."""
+    attended against the whole cache; static shapes, so one graph per token bucket."""
 
     @ms.jit
     def construct(self, input_ids, aq, akv, write_rows, positions):
@@ -163,10 +163,7 @@ class Generator:
         self.cache = self.prefill = self.step = None
         self.cache = KVCache(self.model.config, self.slots_count, capacity, self.cache_dtype)
         self.prefill, self.step = _Prefill(self.model, self.cache), _Decode(self.model, self.cache)
-        i32, i64 = ms.int32, ms.int64
-        self.prefill.set_inputs(_dyn(i32), _dyn(i64), _dyn(i32))
-        self.step.set_inputs(_dyn(i32), Tensor(shape=[2 * self.slots_count], dtype=i64),
-                             Tensor(shape=[2 * self.slots_count], dtype=i64), _dyn(i32), _dyn(i64))
+        self.prefill.set_inputs(_dyn(ms.int32), _dyn(ms.int64), _dyn(ms.int32))
 
     def _check(self, prompts, max_new_tokens) -> list[int]:
         if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -212,11 +209,15 @@ class Generator:
         rows = np.concatenate([self.cache.rows(slot, s, n) for slot, s, n in zip(slots, starts, counts)])
         new_tokens = np.zeros(self.slots_count, np.int64)
         new_tokens[slots] = counts
-        aq, akv = self.cache.step_offsets(self.slots.lengths + new_tokens, new_tokens)
-        logits = self.step(Tensor(np.concatenate(tokens).astype(np.int32)), aq, akv, Tensor(rows.astype(np.int32)),
-                           Tensor(positions.astype(np.int64))).asnumpy()
+        total = int(counts.sum())
+        padding = self.cache.padded_tokens(total) - total  # token 0 at position 0, into scratch rows
+        aq, akv = self.cache.step_offsets(self.slots.lengths + new_tokens, new_tokens, padding)
+        ids = np.concatenate([*tokens, np.zeros(padding, np.int64)]).astype(np.int32)
+        rows = np.append(rows, self.cache.padding_rows(padding)).astype(np.int32)
+        positions = np.append(positions, np.zeros(padding, np.int64))
+        logits = self.step(Tensor(ids), aq, akv, Tensor(rows), Tensor(positions)).asnumpy()
         self.slots.lengths[slots] += counts
-        return logits
+        return logits[:total]
 
     def stream(self, prompts, max_new_tokens=32, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed: int = 0, eos_ids=None, on_step=None):
