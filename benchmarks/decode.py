@@ -355,7 +355,7 @@ def parse_args(argv=None):
     parser.add_argument("--varlen-contexts", type=int, nargs="+", default=[512, 2048],
                         help="contexts of the varlen8 batch (eight prompts: the long ones take minutes to prefill)")
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
-    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--memory-limit-gb", type=float, default=round(0.85 * memory_total_bytes() / 2**30, 1))

@@ -61,6 +61,12 @@ def test_padded_steps_touch_only_their_rows_and_the_scratch_row(checkpoint, mode
     assert gen.cache.scratch == 31 and np.isfinite(scratch[-1]).all() and np.isnan(scratch[:-1]).all()
     assert [token_bucket(n) for n in (1, 2, 3, 4, 5, 9, 128)] == [1, 2, 4, 4, 8, 16, 128]
     assert [gen.cache.padded_tokens(n) for n in (3, 33, 49, 65)] == [4, 64, 64, 65]
+    # Eight slots of 19 rows: the scratch rows are capped at a slot's (no sequence of the call may be
+    # longer than the cos/sin table): a step of 9 tokens is padded to 16, one of 33 not to 64.
+    short = Generator(load_checkpoint(path, progress=False, max_positions=19), slots=8, capacity=19)
+    prompts = ids_of(rng, *range(2, 17, 2))
+    assert short.generate(prompts, 3, eos_ids=()).tokens == [alone.generate([p], 3, eos_ids=()).tokens[0] for p in prompts]
+    assert short.cache.scratch == 19 and [short.cache.padded_tokens(n) for n in (5, 9, 33)] == [8, 16, 33]
 
 
 def test_cache_rows_equal_the_rotated_keys_of_a_full_prefill(checkpoint, graph):

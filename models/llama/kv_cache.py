@@ -54,7 +54,8 @@ class KVCache(nn.Cell):
             raise ValueError(f"capacity: expected a positive int, got {capacity!r}")
         self.slots, self.capacity = slots, capacity
         self.scratch_start = slots * capacity
-        self.scratch = max(token_bucket(n) - n for n in range(1, slots * STEP_TOKENS + 1))
+        # At most a slot's rows: no sequence of the attention call is longer than the cos/sin table.
+        self.scratch = min(capacity, max(token_bucket(n) - n for n in range(1, slots * STEP_TOKENS + 1)))
         shape = (slots * capacity + self.scratch, config.num_key_value_heads, config.dim_per_head)
         layers = range(config.num_hidden_layers)
         self.keys = ParameterTuple([Parameter(initializer("zeros", shape, dtype), name=f"cache_keys.{i}",
