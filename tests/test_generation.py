@@ -65,7 +65,8 @@ def test_padded_steps_touch_only_their_rows_and_the_scratch_row(checkpoint, mode
     # longer than the cos/sin table): a step of 9 tokens is padded to 16, one of 33 not to 64.
     short = Generator(load_checkpoint(path, progress=False, max_positions=19), slots=8, capacity=19)
     prompts = ids_of(rng, *range(2, 17, 2))
-    assert short.generate(prompts, 3, eos_ids=()).tokens == [alone.generate([p], 3, eos_ids=()).tokens[0] for p in prompts]
+    expected = [alone.generate([p], 3, eos_ids=()).tokens[0] for p in prompts]
+    assert short.generate(prompts, 3, eos_ids=()).tokens == expected
     assert short.cache.scratch == 19 and [short.cache.padded_tokens(n) for n in (5, 9, 33)] == [8, 16, 33]
 
 

@@ -4,8 +4,8 @@ row per sequence and attend over the cache with ``key_rotated``.
 
 Prefill is one graph per cache capacity for any prompt length and any number of sequences (dynamic
 shapes); a decode step is padded to a power-of-two token count (``KVCache.padded_tokens``) and runs
-a static graph per capacity and token count. Prompts of different lengths are packed with no padding, and
-up to ``slots`` sequences run at once: continuous batching, a finished sequence's slot going to
+a static graph per capacity and token count. Prompts of different lengths are packed with no
+padding, and up to ``slots`` sequences run at once: continuous batching, a finished sequence's slot going to
 the next prompt. ``Generator.stream`` yields each token as it is sampled.
 
     python -m models.llama.generate --checkpoint DIR --prompt "The capital of France is"
@@ -52,8 +52,9 @@ def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float = 0.
 
 
 class _CacheGraph(nn.Cell):
-    """A graph over the model and one ``KVCache``, compiled once per input signature, in PyNative too (``ms.jit``: one graph launch per step, not one dispatch per op);
-    ``compiles`` counts its compilations (a constexpr runs only while a graph compiles)."""
+    """A graph over the model and one ``KVCache``, compiled once per input signature, in PyNative
+    too (``ms.jit``: one graph launch per step, not one dispatch per op); ``compiles`` counts its
+    compilations (a constexpr runs only while a graph compiles)."""
 
     def __init__(self, lm, cache):
         super().__init__()
@@ -77,7 +78,7 @@ class _Prefill(_CacheGraph):
 
 class _Decode(_CacheGraph):
     """New tokens of cached sequences (one per sequence when decoding), written in place and
-    attended against the whole cache; static shapes, so one graph per token bucket."""
+    attended against the whole cache; static shapes, so one graph per padded token count."""
 
     @ms.jit
     def construct(self, input_ids, aq, akv, write_rows, positions):
