@@ -3,6 +3,7 @@ environment) installs with plain ``pip install`` into a fresh virtual environmen
 kernels there, and the installed package runs a fused call and a Llama generation from outside the
 checkout, its libraries found where pip put them."""
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +43,8 @@ def test_sdist_installs_into_a_fresh_environment_and_runs(tmp_path):
     python = venv / "bin" / "python"
     # Nothing of this checkout or of the test environment leaks in.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "RFA_"))}
-    _run([str(python), "-m", "pip", "install", "--quiet", str(sdist)], tmp_path, env)
+    # No copy into pip's cache: the environment alone is ~1.5 GB, and CI's disk is not always large.
+    _run([str(python), "-m", "pip", "install", "--quiet", "--no-cache-dir", str(sdist)], tmp_path, env)
     site = str(venv / "lib")
     # The best build for this CPU, then each build it can run: every ISA shipped is checked.
     usable = usable_isas()
@@ -54,3 +56,4 @@ def test_sdist_installs_into_a_fresh_environment_and_runs(tmp_path):
     out = _run([str(python), "-m", "models.llama.generate", "--model", "tiny", "--ids", "1,15,27",
                 "--max-new-tokens", "3"], tmp_path, env)
     assert "backend fused:CPU" in out, out
+    shutil.rmtree(venv)  # passed: free its disk for the rest of the suite (a failure keeps it to look at)
