@@ -81,6 +81,7 @@ def _open(path: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(path)
     lib.RotaryFlashAttentionLastError.restype = ctypes.c_char_p
     lib.RotaryFlashAttentionIsa.restype = ctypes.c_char_p
+    lib.RotaryFlashAttentionDecodeCalls.restype = ctypes.c_int64
     return lib
 
 
@@ -92,6 +93,11 @@ def library() -> ctypes.CDLL:
 def last_error() -> str:
     """The message of the CPU kernel's last failed launch ('' if none)."""
     return library().RotaryFlashAttentionLastError().decode()
+
+
+def decode_calls() -> int:
+    """Calls of the loaded kernel that took its decode path (q_len <= 16) in this process so far."""
+    return library().RotaryFlashAttentionDecodeCalls()
 
 
 def kernel_isa() -> str:

@@ -1,17 +1,25 @@
 """The CPU kernel as a plain C++ program checked against a float64 reference written in C++
 (tests/cross/kernel_vs_reference.cc): natively here, and for aarch64, the host CPU of Ascend
 servers, with a cross compiler and qemu-user where they are installed (Debian packages
-g++-aarch64-linux-gnu and qemu-user; skipped, saying so, where they are not)."""
+g++-aarch64-linux-gnu and qemu-user; skipped, saying so, where they are not). The float16 conversion
+the kernels read half caches with (tests/cross/half_conversion.cc) is checked the same way, for
+every instruction set this CPU runs."""
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from ms_rope_attention.cpu_kernel import usable_isas
+
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "ms_rope_attention" / "csrc"
 KERNEL = [CSRC / name for name in ("rfa_cpu_kernel.cc", "rfa_cpu_decode.cc", "rfa_cpu_backward.cc", "rfa_cpu_aot.cc")]
 DRIVER = ROOT / "tests" / "cross" / "kernel_vs_reference.cc"
+HALF_DRIVER = ROOT / "tests" / "cross" / "half_conversion.cc"
+# The instruction sets of setup.py's builds, as compiler flags.
+ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+             "avx2": ["-mavx2", "-mfma", "-mf16c"], "generic": []}
 FLAGS = ["-std=c++17", "-O2", "-fopenmp", "-Wall", "-Wextra", "-Werror", f"-I{CSRC}"]
 AARCH64_CXX = shutil.which("aarch64-linux-gnu-g++")
 QEMU = shutil.which("qemu-aarch64")
@@ -25,15 +33,28 @@ def build(compiler: str, out: Path) -> Path:
     return out
 
 
-def check_run(cmd) -> None:
+def build_half(compiler: str, out: Path, flags=()) -> Path:
+    result = subprocess.run([compiler, *FLAGS, *flags, str(HALF_DRIVER), "-o", str(out)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def check_run(cmd, expected="0 of 11 cases failed") -> None:
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "0 of 11 cases failed" in result.stdout
+    assert expected in result.stdout
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_native_program_matches_reference(tmp_path):
     check_run([str(build("g++", tmp_path / "kernel_vs_reference"))])
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("isa", usable_isas())
+def test_half_conversion_is_exact_for_every_pattern(tmp_path, isa):
+    program = build_half("g++", tmp_path / f"half_{isa}", ISA_FLAGS[isa])
+    check_run([str(program)], f"{isa}: 0 of 65536 float16 patterns differ")
 
 
 @pytest.mark.skipif(AARCH64_CXX is None, reason="needs aarch64-linux-gnu-g++ (Debian g++-aarch64-linux-gnu)")
@@ -49,3 +70,5 @@ def test_aarch64_build_compiles_warning_free(tmp_path):
 def test_aarch64_program_matches_reference_under_qemu(tmp_path):
     program = build(AARCH64_CXX, tmp_path / "kernel_vs_reference_aarch64")
     check_run([QEMU, "-L", str(SYSROOT), str(program)])
+    half = build_half(AARCH64_CXX, tmp_path / "half_aarch64")
+    check_run([QEMU, "-L", str(SYSROOT), str(half)], "generic: 0 of 65536 float16 patterns differ")

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 from mindspore import Tensor
 
+from ms_rope_attention.cpu_kernel import decode_calls
+
 from models.llama.generate import Generator, Token, _Request
 from models.llama.kv_cache import BUCKET, bucket_capacity, token_bucket
 from models.llama.weights import load_checkpoint
@@ -84,6 +86,19 @@ def test_cache_rows_equal_the_rotated_keys_of_a_full_prefill(checkpoint, graph):
     for a, b in zip((*stepped.cache.keys, *stepped.cache.values), (*once.cache.keys, *once.cache.values)):
         a, b = a.asnumpy()[:n], b.asnumpy()[:n]
         assert np.abs(a - b).max() <= 1e-5 and np.abs(a).max() > 0.1
+
+
+def test_decode_steps_run_the_kernels_decode_path(checkpoint, mode, rng):
+    """Each decode step of the fused model calls the kernel's decode path once per layer (the
+    prefill does not): the step's one token per sequence against the cache takes that path."""
+    _, path = checkpoint
+    model = load_checkpoint(path, progress=False)
+    gen = Generator(model, slots=2)
+    gen.warm_up(ids_of(rng, 5, 9))
+    before = decode_calls()
+    steps = 4
+    gen.generate(ids_of(rng, 5, 9), steps + 1, eos_ids=())  # its warm-up is done: a prefill, then the steps
+    assert decode_calls() - before == steps * model.config.num_hidden_layers
 
 
 def test_graphs_compile_once_per_capacity_bucket(checkpoint, mode, rng):

@@ -1,12 +1,14 @@
 """The forward kernel's decode path (csrc/rfa_cpu_decode.cc: q_len <= 16 against a long KV range,
 each K/V row read once in its own dtype, splits merged by log-sum-exp) against the float64
 reference, called directly: q_len 1..16, every layout, GQA/MQA, float16/bfloat16 caches, a rotated
-cache and keys rotated on the fly, and the general (packed) path on the same calls."""
+cache and keys rotated on the fly, and the general (packed) path on the same calls. Every check also
+asserts which path the kernel took (its decode-call counter), so a decode path that stopped being
+taken would fail here, not only show in a benchmark."""
 import numpy as np
 import pytest
 
 from ms_rope_attention import cpu_direct as kh
-from ms_rope_attention.cpu_kernel import last_error
+from ms_rope_attention.cpu_kernel import decode_calls, last_error
 from cases import Case
 from conftest import tolerance
 from kernel_check import check_kernel, rounded
@@ -16,7 +18,9 @@ PATHS = {"decode": 0, "packed": -1}  # stream_q_max: the default, or never the d
 
 
 def check(case, rng, path="decode", **kwargs):
+    before = decode_calls()
     check_kernel(case, rng, kh.run, last_error, with_rotated_key=False, stream_q_max=PATHS[path], **kwargs)
+    assert (decode_calls() > before) == (path == "decode"), f"the kernel did not take the {path} path"
 
 
 @pytest.mark.parametrize("layout", ["BNSD", "BSND", "BSH", "TND"])

@@ -7,6 +7,8 @@
 //   RotaryFlashAttentionGrad[Init|InferShape]  the same for the backward (d_query, d_key, d_value)
 // Errors never crash: they return non-zero, print the message and keep it for
 // RotaryFlashAttentionLastError(), which the Python side reads to raise a clear exception.
+// RotaryFlashAttentionIsa and RotaryFlashAttentionDecodeCalls say which build runs and how many
+// calls took the decode path.
 #include <cstdio>
 #include <exception>
 #include <mutex>
@@ -59,6 +61,7 @@ std::string ReadAttrs(AotExtra *extra, rfa::Attrs *a) {
 
 extern "C" RFA_EXPORT const char *RotaryFlashAttentionLastError() { return g_last_error.c_str(); }
 extern "C" RFA_EXPORT const char *RotaryFlashAttentionIsa() { return rfa::cpu::Isa(); }
+extern "C" RFA_EXPORT int64_t RotaryFlashAttentionDecodeCalls() { return rfa::cpu::DecodeCalls(); }
 
 extern "C" RFA_EXPORT int RotaryFlashAttentionInit(int *, int64_t **, const char **, AotExtra *extra) {
   auto *data = new AttrData;

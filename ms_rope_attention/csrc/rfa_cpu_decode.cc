@@ -92,29 +92,15 @@ struct DecodePartials {
 };
 
 // kLanes elements of dtype T at element `off` of `base`, as float32: a half row is converted in
-// registers as it is read (F16C / AVX-512 conversions where the build has them), never copied.
+// registers as it is read (simd::HalfVector), never copied.
 template <DType T>
 inline simd::vf LoadAs(const void *base, int64_t off) {
   if constexpr (T == DType::F32) {
     return simd::Load(static_cast<const float *>(base) + off);
   } else if constexpr (T == DType::F16) {
-    const simd::Half *h = static_cast<const simd::Half *>(base) + off;
-#if defined(__AVX512F__)
-    return (simd::vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(h)));
-#elif defined(__F16C__) && defined(__AVX2__)
-    return (simd::vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(h)));
-#else
-    simd::vf v;
-    for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(h[i]);
-    return v;
-#endif
+    return simd::HalfVector(static_cast<const simd::Half *>(base) + off);
   } else {
-    simd::vh h;
-    std::memcpy(&h, static_cast<const uint16_t *>(base) + off, sizeof h);
-    const simd::vu w = __builtin_convertvector(h, simd::vu) << 16;
-    simd::vf v;
-    std::memcpy(&v, &w, sizeof v);
-    return v;
+    return simd::BFloat16Vector(static_cast<const uint16_t *>(base) + off);
   }
 }
 

@@ -26,6 +26,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <limits>
 #include <vector>
 
@@ -416,8 +417,17 @@ thread_local Scratch tls_scratch, tls_packed;
 
 const char *Isa() { return simd::kIsa; }
 
+namespace {
+std::atomic<int64_t> g_decode_calls{0};
+}  // namespace
+
+int64_t DecodeCalls() { return g_decode_calls.load(std::memory_order_relaxed); }
+
 void Run(const Problem &p, const Buffers &buf, const Tiling &tiling) {
-  if (UsesDecodePath(p, buf, tiling)) return RunDecode(p, buf, tiling);
+  if (UsesDecodePath(p, buf, tiling)) {
+    g_decode_calls.fetch_add(1, std::memory_order_relaxed);
+    return RunDecode(p, buf, tiling);
+  }
   const int threads = omp_get_max_threads();
   const Plan plan = MakePlan(p, tiling, threads, buf.rotated_key != nullptr);
   Partials partials;

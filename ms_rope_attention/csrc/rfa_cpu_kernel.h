@@ -33,6 +33,8 @@ void Run(const Problem &p, const Buffers &buf, const Tiling &tiling);
 // The decode path: whether it takes this call, and the call itself (Run dispatches to it).
 bool UsesDecodePath(const Problem &p, const Buffers &buf, const Tiling &tiling);
 void RunDecode(const Problem &p, const Buffers &buf, const Tiling &tiling);
+// Calls that took the decode path in this process: what shows that a decode step really ran it.
+int64_t DecodeCalls();
 
 // The backward (rfa_cpu_backward.cc): gradients w.r.t. query, key and value of the un-rotated
 // inputs, from the forward's output and log-sum-exp.

@@ -77,17 +77,56 @@ using Half = __fp16;
 using Half = _Float16;
 #endif
 
-// float16 <-> float32 rows with the F16C conversion instructions where the build has them (GCC
-// otherwise converts one element at a time). Float -> half rounds to nearest even.
+typedef uint16_t vh __attribute__((vector_size(kLanes * 2)));
+typedef uint32_t vu __attribute__((vector_size(kLanes * 4)));
+
+// kLanes float16 values at `src` as float32, exactly (subnormals, infinities and NaN included): the
+// F16C / AVX-512 conversion where the build has it, aarch64's own conversion, else integer vector
+// ops on the bits. GCC converts a scalar _Float16 without F16C through a libgcc call per element:
+// the portable x86-64 build read a float16 KV cache at 0.8 GB/s that way.
+inline vf HalfVector(const Half *src) {
+#if defined(__AVX512F__)  // the maskz form: GCC 12 warns of the plain form's undefined pass-through
+  return (vf)_mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i *>(src)));
+#elif defined(__F16C__) && defined(__AVX2__)
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(src)));
+#elif defined(__aarch64__)
+  vf v;
+  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(src[i]);
+  return v;
+#else
+  vh bits;
+  std::memcpy(&bits, src, sizeof bits);
+  const vu h = __builtin_convertvector(bits, vu);
+  const vu magnitude = (h & 0x7fffu) << 13, exponent = magnitude & 0x0f800000u;
+  vu w = magnitude + 0x38000000u;                      // rebias 15 -> 127
+  w += vu(exponent == 0x0f800000u) & 0x38000000u;      // infinity / NaN: exponent all ones
+  const vu tiny = vu(exponent == 0u);                  // zero / subnormal: renormalise
+  vu shifted = w + 0x00800000u;
+  vf f;
+  std::memcpy(&f, &shifted, sizeof f);
+  f -= Splat(6.103515625e-05f);                        // 2^-14
+  std::memcpy(&shifted, &f, sizeof f);
+  w = ((shifted & tiny) | (w & ~tiny)) | ((h & 0x8000u) << 16);
+  std::memcpy(&f, &w, sizeof f);
+  return f;
+#endif
+}
+
+// kLanes bfloat16 values (uint16 bits) at `src` as float32: the bits shifted into the high half.
+inline vf BFloat16Vector(const uint16_t *src) {
+  vh h;
+  std::memcpy(&h, src, sizeof h);
+  const vu w = __builtin_convertvector(h, vu) << 16;
+  vf f;
+  std::memcpy(&f, &w, sizeof f);
+  return f;
+}
+
+// float16 <-> float32 rows. Float -> half rounds to nearest even (F16C where the build has it, GCC's
+// conversion otherwise: outputs are few next to the inputs read).
 inline void HalfToFloat(const Half *src, float *dst, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(src + i))));
-#elif defined(__F16C__)
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(src + i))));
-#endif
+  for (; i + kLanes <= n; i += kLanes) Store(dst + i, HalfVector(src + i));
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
@@ -96,7 +135,7 @@ inline void FloatToHalf(const float *src, Half *dst, int64_t n) {
 #if defined(__AVX512F__)
   for (; i + 16 <= n; i += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i *>(dst + i),
-                        _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                        _mm512_maskz_cvtps_ph(0xffff, _mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #elif defined(__F16C__)
   for (; i + 8 <= n; i += 8)
     _mm_storeu_si128(reinterpret_cast<__m128i *>(dst + i),
@@ -108,17 +147,10 @@ inline void FloatToHalf(const float *src, Half *dst, int64_t n) {
 // bfloat16 (as uint16 bits) <-> float32 rows, a vector at a time with integer ops, next to the
 // float16 ones. Float -> bfloat16 rounds to nearest even; NaN stays a (quiet) NaN, whatever its
 // payload (rounding would carry an all-ones payload into -0.0).
-typedef uint16_t vh __attribute__((vector_size(kLanes * 2)));
-typedef uint32_t vu __attribute__((vector_size(kLanes * 4)));
 
 inline void BFloat16ToFloat(const uint16_t *src, float *dst, int64_t n) {
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    vh h;
-    std::memcpy(&h, src + i, sizeof h);
-    const vu w = __builtin_convertvector(h, vu) << 16;
-    std::memcpy(dst + i, &w, sizeof w);
-  }
+  for (; i + kLanes <= n; i += kLanes) Store(dst + i, BFloat16Vector(src + i));
   for (; i < n; ++i) {
     const uint32_t w = static_cast<uint32_t>(src[i]) << 16;
     std::memcpy(dst + i, &w, 4);
