@@ -15,7 +15,7 @@ time stamps); tokens/s is per sequence.
 
 The op's point, in a process of its own in the same run: one decode call (q_len 1, 32 heads,
 head_dim 128, a BSND cache of ``context`` rotated keys, float32 and float16) through
-``cpu_direct`` against the read bandwidth of this machine (the best of a sum over 1 GiB on every core
+``cpu_direct``, by every kernel build this CPU runs, against the read bandwidth of this machine (the best of a sum over 1 GiB on every core
 by numpy threads and by PyTorch): the fraction of it the call reaches is bytes(K + V) / time /
 bandwidth.
 
@@ -161,13 +161,16 @@ def read_bandwidth() -> dict:
 
 
 def bandwidth_point(contexts: list[int], repeats: int = 20) -> dict:
-    """The op's decode call (q_len 1, 32 heads, D 128, BSND cache) against the read bandwidth."""
+    """The op's decode call (q_len 1, 32 heads, D 128, BSND cache) against the read bandwidth, for
+    every kernel build this CPU runs (the one the op picks first), their calls interleaved so that
+    the machine's drift falls on all of them alike."""
     from ms_rope_attention import cpu_direct
-    from ms_rope_attention.cpu_kernel import last_error
+    from ms_rope_attention.cpu_kernel import built_libraries, isa_library, select_library, usable_isas
     from ms_rope_attention.rope import rope_tables
 
     read = read_bandwidth()
     bandwidth = read["bytes_per_s"]
+    builds = {isa: isa_library(isa) for isa in usable_isas() if isa in built_libraries()}
     rng = np.random.default_rng(0)
     calls = []
     for dtype in ("float32", "float16"):
@@ -177,19 +180,21 @@ def bandwidth_point(contexts: list[int], repeats: int = 20) -> dict:
             cos, sin = rope_tables(128, context)
             args, _, keep = cpu_direct.prepare(q, k, v, cos, sin, input_layout="BSND", dtype=dtype, key_rotated=True,
                                                with_lse=False, with_rotated_key=False)
-            times = []
+            times = {isa: [] for isa in builds}
             for _ in range(repeats):
-                start = time.perf_counter()
-                if cpu_direct.launch(args) != 0:
-                    raise RuntimeError(f"the kernel refused the call: {last_error()}")
-                times.append(time.perf_counter() - start)
+                for isa, lib in builds.items():
+                    start = time.perf_counter()
+                    if cpu_direct.launch(args, kernel=lib) != 0:
+                        raise RuntimeError(f"the {isa} kernel refused the call: {lib.RotaryFlashAttentionLastError().decode()}")
+                    times[isa].append(time.perf_counter() - start)
             del keep
             nbytes = 2 * k.size * (4 if dtype == "float32" else 2)
-            calls.append({"dtype": dtype, "context": context, "min_ms": min(times) * 1e3,
-                          "median_ms": statistics.median(times) * 1e3, "bytes": nbytes,
-                          "gb_per_s": nbytes / min(times) / 1e9, "fraction_of_bandwidth": nbytes / min(times) / bandwidth})
+            for isa, t in times.items():
+                calls.append({"isa": isa, "dtype": dtype, "context": context, "min_ms": min(t) * 1e3,
+                              "median_ms": statistics.median(t) * 1e3, "bytes": nbytes,
+                              "gb_per_s": nbytes / min(t) / 1e9, "fraction_of_bandwidth": nbytes / min(t) / bandwidth})
     return {"read_bandwidth_gb_per_s": bandwidth / 1e9, "bandwidth_probe": read["probe"],
-            "probes_gb_per_s": read["probes_gb_per_s"], "calls": calls}
+            "probes_gb_per_s": read["probes_gb_per_s"], "selected_isa": select_library()[0], "calls": calls}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,9 +280,11 @@ def table(results: dict) -> str:
                      (f" | {ratio['fused_over_best_peer']:.2f}x |" if ratio else " | - |"))
     bw = results.get("op")
     if bw:
-        lines += ["", f"Op decode call vs read bandwidth ({bw['read_bandwidth_gb_per_s']:.1f} GB/s): " + ", ".join(
-            f"{c['dtype']} {c['context']}: {c['min_ms']:.2f} ms, {100 * c['fraction_of_bandwidth']:.0f}%"
-            for c in bw["calls"])]
+        lines += ["", f"The op's decode call against the read bandwidth ({bw['read_bandwidth_gb_per_s']:.1f} GB/s; "
+                      f"the op runs the {bw['selected_isa']} build here), min of the calls:", "",
+                  "| build | dtype | cached keys | ms | GB/s | of bandwidth |", "|---|---|---|---|---|---|"]
+        lines += [f"| {c['isa']} | {c['dtype']} | {c['context']} | {c['min_ms']:.2f} | {c['gb_per_s']:.1f} | "
+                  f"{100 * c['fraction_of_bandwidth']:.0f}% |" for c in bw["calls"]]
     return "\n".join(lines)
 
 

@@ -90,6 +90,14 @@ def library() -> ctypes.CDLL:
     return _open(str(select_library()[1]))
 
 
+def isa_library(isa: str) -> ctypes.CDLL:
+    """One ISA's kernel build, opened once per process (benchmarks measure every build this CPU runs)."""
+    built = built_libraries()
+    if isa not in built:
+        raise RuntimeError(f"no {isa} kernel build in {kernel_dir()} (built: {sorted(built)}; {NOT_BUILT})")
+    return _open(str(built[isa]))
+
+
 def last_error() -> str:
     """The message of the CPU kernel's last failed launch ('' if none)."""
     return library().RotaryFlashAttentionLastError().decode()

@@ -80,6 +80,31 @@ using Half = _Float16;
 typedef uint16_t vh __attribute__((vector_size(kLanes * 2)));
 typedef uint32_t vu __attribute__((vector_size(kLanes * 4)));
 
+// N floats as one vector, whatever the build's own width (kLanes): the decode path reads a float32
+// cache 8 floats at a time in the AVX-512 build too (see rfa_cpu_decode.cc).
+template <int N>
+struct FloatsOf {  // (GCC drops vector_size from an alias template; a member typedef keeps it)
+  typedef float type __attribute__((vector_size(N * 4)));
+};
+template <int N>
+using Floats = typename FloatsOf<N>::type;
+
+template <int N>
+inline Floats<N> LoadFloats(const float *p) { Floats<N> v; std::memcpy(&v, p, sizeof v); return v; }
+template <int N>
+inline void StoreFloats(float *p, Floats<N> v) { std::memcpy(p, &v, sizeof v); }
+template <int N>
+inline float SumFloats(Floats<N> v) {
+  if constexpr (N == 4) {
+    return Reduce4(v, [](auto a, auto b) { return a + b; });
+  } else {
+    Floats<N / 2> lo, hi;
+    std::memcpy(&lo, &v, sizeof lo);
+    std::memcpy(&hi, reinterpret_cast<const char *>(&v) + sizeof lo, sizeof hi);
+    return SumFloats<N / 2>(lo + hi);
+  }
+}
+
 // kLanes float16 values at `src` as float32, exactly (subnormals, infinities and NaN included): the
 // F16C / AVX-512 conversion where the build has it, aarch64's own conversion, else integer vector
 // ops on the bits. GCC converts a scalar _Float16 without F16C through a libgcc call per element:
