@@ -128,7 +128,7 @@ class LlamaAttention(nn.Cell):
       ``aq``/``akv`` describing every slot as its filled rows then a query-less gap (``KVCache``).
     Every key is rotated exactly once, and no step copies the cache."""
 
-    def __init__(self, config: LlamaConfig, cos_sin, layout: str, backend: str, dtype):
+    def __init__(self, config: LlamaConfig, cos_sin, layout: str, backend: str, dtype, context_parallel=False):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
                                                     config.dim_per_head)
@@ -145,12 +145,23 @@ class LlamaAttention(nn.Cell):
         self.cache_prefill = RotaryFlashAttention(input_layout="TND", return_rotated_key=True, **common)
         self.cached_attention = RotaryFlashAttention(input_layout="TND", key_rotated=True, **common)
         self.write = ops.ScatterUpdate()
+        self.context_parallel = context_parallel
+        if context_parallel:  # the rank's part of every sequence (load-balanced chunks), K/V gathered
+            from ms_rope_attention.distributed import ContextParallelRotaryAttention
+            self.cp_attention = ContextParallelRotaryAttention(self.heads, rotary_mode=self.rotary_mode,
+                                                               rotary_dim=self.rotary_dim)
 
     def _heads(self, x, heads):
         return x.reshape(x.shape[0], heads, self.head_dim)
 
     def construct(self, x, aq, akv, cache, positions):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if cache is None and self.context_parallel:
+            b, s = q.shape[0], q.shape[1]
+            out = self.cp_attention(q.reshape(b, s, self.heads, self.head_dim),
+                                    k.reshape(b, s, self.kv_heads, self.head_dim),
+                                    v.reshape(b, s, self.kv_heads, self.head_dim), self.cos, self.sin)
+            return self.o_proj(out.reshape(b, s, -1))
         if cache is None:
             if self.layout == "TND":
                 out = self.prefill_attention(self._heads(q, self.heads), self._heads(k, self.kv_heads),
@@ -187,9 +198,9 @@ class LlamaAttention(nn.Cell):
 
 
 class LlamaDecoderLayer(nn.Cell):
-    def __init__(self, config: LlamaConfig, cos_sin, layout, backend, dtype):
+    def __init__(self, config: LlamaConfig, cos_sin, layout, backend, dtype, context_parallel=False):
         super().__init__()
-        self.self_attn = LlamaAttention(config, cos_sin, layout, backend, dtype)
+        self.self_attn = LlamaAttention(config, cos_sin, layout, backend, dtype, context_parallel)
         self.mlp = LlamaMLP(config, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -200,10 +211,10 @@ class LlamaDecoderLayer(nn.Cell):
 
 
 class LlamaModel(nn.Cell):
-    def __init__(self, config: LlamaConfig, cos_sin, layout, backend, dtype):
+    def __init__(self, config: LlamaConfig, cos_sin, layout, backend, dtype, context_parallel=False):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.CellList([LlamaDecoderLayer(config, cos_sin, layout, backend, dtype)
+        self.layers = nn.CellList([LlamaDecoderLayer(config, cos_sin, layout, backend, dtype, context_parallel)
                                    for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.num_layers = config.num_hidden_layers
@@ -236,10 +247,15 @@ class LlamaForCausalLM(nn.Cell):
 
     ``projections``: "auto" (OpenBLAS for float32 on the CPU, MatMul otherwise) or "matmul" (MindSpore's
     MatMul everywhere: the benchmarks' A/B of the two GEMMs).
+
+    ``context_parallel``: each rank of the world group (``mindspore.communication.init()`` first) runs
+    its load-balanced part of every sequence (``ms_rope_attention.distributed.load_balanced_chunks``,
+    BSH, no cache); attention gathers K/V across the ranks (``models.llama.parallel`` trains it).
     """
 
     def __init__(self, config: LlamaConfig, *, dtype="float32", layout: str = "BSH", backend: str = "auto",
-                 logits: str = "all", max_positions: int | None = None, projections: str = "auto"):
+                 logits: str = "all", max_positions: int | None = None, projections: str = "auto",
+                 context_parallel: bool = False):
         super().__init__()
         dtype = dtype_name(dtype)
         if layout not in LAYOUTS:
@@ -249,6 +265,9 @@ class LlamaForCausalLM(nn.Cell):
         if projections not in PROJECTIONS:
             raise ValueError(f"projections: expected one of {list(PROJECTIONS)}, got {projections!r}")
         check_device_dtype(dtype)
+        if context_parallel and (layout != "BSH" or logits != "all"):
+            raise ValueError(f"context_parallel: needs layout='BSH' and logits='all' (each rank holds two chunks of "
+                             f"every sequence), got layout={layout!r}, logits={logits!r}")
         self.config = config  # for Python callers; construct reads only the plain values below (GRAPH_MODE)
         self.hidden_size, self.vocab_size = config.hidden_size, config.vocab_size
         self.layout = layout
@@ -256,7 +275,7 @@ class LlamaForCausalLM(nn.Cell):
         ms_dtype = DTYPES[dtype]
         cos, sin = model_rope_tables(config, self.max_positions)
         cos_sin = (Tensor(cos), Tensor(sin))  # one pair for every layer
-        self.model = LlamaModel(config, cos_sin, layout, backend, ms_dtype)
+        self.model = LlamaModel(config, cos_sin, layout, backend, ms_dtype, context_parallel)
         self.tie_word_embeddings = config.tie_word_embeddings
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, ms_dtype)

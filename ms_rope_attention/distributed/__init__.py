@@ -1,0 +1,21 @@
+"""Past one device: context-parallel rotary attention on MindSpore's collectives (msrun; mccl on a
+CPU, HCCL on Ascend).
+
+- ``ContextParallelRotaryAttention``: each rank holds two chunks of every sequence (the load-balanced
+  layout), gathers K/V across the group and runs the fused op once on its own queries.
+- ``load_balanced_chunks`` / ``load_balanced_merge``: the layout, to split a sequence and put the
+  ranks' parts back together.
+- ``GatherChunks``: AllGather whose gradient is correct where the backend has no ReduceScatter.
+- ``ring_attention_blocks`` / ``merge_by_lse``: the per-block numerics of a ring (send/recv) schedule,
+  for Ascend; checked against the one-call op on a single process.
+- ``CopyToTensorParallel`` / ``ReduceFromTensorParallel``: Megatron's f and g, for tensor-parallel
+  blocks around the op.
+- ``launch``: ``python -m ms_rope_attention.distributed.launch --workers N script.py``, msrun set up.
+"""
+from .collectives import GatherChunks, group_geometry
+from .context_parallel import ContextParallelRotaryAttention, load_balanced_chunks, load_balanced_merge
+from .ring import merge_by_lse, ring_attention_blocks
+from .tensor_parallel import CopyToTensorParallel, ReduceFromTensorParallel
+
+__all__ = ["ContextParallelRotaryAttention", "CopyToTensorParallel", "GatherChunks", "ReduceFromTensorParallel",
+           "group_geometry", "load_balanced_chunks", "load_balanced_merge", "merge_by_lse", "ring_attention_blocks"]

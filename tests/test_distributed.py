@@ -1,0 +1,131 @@
+"""ms_rope_attention.distributed: the load-balanced layout and the ring's per-block numerics against
+the one-call op on one process; then, under msrun on 2 ranks (one launch for every check,
+tests/distributed/parallel_checks.py), the context-parallel attention and a tensor-parallel
+attention block, each rank against the one-process computation, with their negative controls."""
+import time
+from pathlib import Path
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+from ms_rope_attention import rope_tables, rotary_flash_attention
+from ms_rope_attention.distributed import load_balanced_chunks, load_balanced_merge, merge_by_lse, ring_attention_blocks
+from ms_rope_attention.distributed.launch import launch
+
+CHECKS = Path(__file__).resolve().parent / "distributed" / "parallel_checks.py"
+FAILING = Path(__file__).resolve().parent / "distributed" / "failing_rank.py"
+LAUNCH_CHECKS = ["cp-graph-gqa-fp32", "cp-pynative-gqa-fp32", "cp-graph-partial-interleaved", "cp-pynative-mha-partial",
+                 "cp-graph-fp16", "cp-graph-mqa-batch1-long", "tp-graph-attention-block", "tp-pynative-attention-block",
+                 "tp-plain-allreduce-gives-wrong-gradients", "cp-llama-training-step-graph",
+                 "cp-llama-training-step-pynative", "native-gather-gradient-refused"]
+
+
+def test_load_balanced_layout_round_trips(rng):
+    x = rng.standard_normal((2, 24, 3))
+    parts = [load_balanced_chunks(x, r, 3) for r in range(3)]
+    assert [p.shape for p in parts] == [(2, 8, 3)] * 3
+    np.testing.assert_array_equal(parts[1], np.concatenate([x[:, 4:8], x[:, 16:20]], 1))  # chunks 1 and 4 of 6
+    np.testing.assert_array_equal(load_balanced_merge(parts), x)
+    with pytest.raises(ValueError, match="multiple of 2 x context-parallel size = 6"):
+        load_balanced_chunks(x[:, :20], 0, 3)
+
+
+def test_merge_by_lse_of_rows_without_keys():
+    out = ms.Tensor(np.ones((1, 2, 1, 4), np.float32))
+    lse = ms.Tensor(np.array([[[-np.inf, 0.0]]], np.float32))
+    merged, merged_lse = merge_by_lse(out * 0, lse, out * 0, lse)
+    assert np.all(merged.asnumpy() == 0) and merged_lse.asnumpy()[0, 0, 0] == -np.inf
+    merged, merged_lse = merge_by_lse(out, lse, out * 3, ms.Tensor(np.array([[[-np.inf, 0.0]]], np.float32)))
+    np.testing.assert_allclose(merged.asnumpy()[0, 1, 0], 2.0, rtol=1e-6)  # equal mass: the mean
+    np.testing.assert_allclose(merged_lse.asnumpy()[0, 0, 1], np.log(2.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("heads,kv_heads,rotary_dim,rotary_mode", [(4, 2, None, 0), (4, 1, 16, 1)])
+def test_ring_blocks_equal_the_one_call_op(heads, kv_heads, rotary_dim, rotary_mode, rng):
+    """4 blocks as 4 ring ranks would compute them (keys rotated once, in their block's causal call,
+    then reused rotated), merged by lse: output, lse and dq/dk/dv equal one call on the sequence."""
+    length, dim = 64, 32
+    q = ms.Tensor(rng.standard_normal((2, length, heads, dim)).astype(np.float32))
+    k, v = (ms.Tensor(rng.standard_normal((2, length, kv_heads, dim)).astype(np.float32)) for _ in range(2))
+    cos, sin = map(ms.Tensor, rope_tables(rotary_dim or dim, length, rotary_mode=rotary_mode))
+    d_out = ms.Tensor(rng.standard_normal(q.shape).astype(np.float32))
+    d_lse = ms.Tensor(rng.standard_normal((2, heads, length)).astype(np.float32))
+    attrs = dict(rotary_dim=rotary_dim, rotary_mode=rotary_mode)
+
+    def one_call(q, k, v):
+        return rotary_flash_attention(q, k, v, cos, sin, input_layout="BSND", return_softmax_lse=True, **attrs)
+
+    def ring(q, k, v):
+        return ring_attention_blocks(q, k, v, cos, sin, 4, **attrs)
+
+    results = []
+    for fn in (one_call, ring):
+        loss = lambda q, k, v, fn=fn: ((lambda o, l: (o * d_out).sum() + (l * d_lse).sum())(*fn(q, k, v)))  # noqa: E731
+        results.append([x.asnumpy() for x in (*fn(q, k, v), *ms.grad(loss, grad_position=(0, 1, 2))(q, k, v))])
+    for name, want, got in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max()), name
+
+
+def test_without_init_the_error_says_what_to_do():
+    from ms_rope_attention.distributed import ContextParallelRotaryAttention
+
+    with pytest.raises(RuntimeError, match=r"call mindspore.communication.init\(\) first"):
+        ContextParallelRotaryAttention(4)
+    with pytest.raises(ValueError, match="rank, size: expected 0 <= rank < size, got rank 2, size 2"):
+        ContextParallelRotaryAttention(4, rank=2, size=2)
+
+
+def test_a_failing_rank_ends_the_job_promptly():
+    """Rank 1 fails before its first collective while rank 0 waits in one: the launcher's settings
+    end the job (non-zero status) instead of leaving rank 0 hanging."""
+    start = time.perf_counter()
+    result = launch(FAILING, workers=2, timeout=300)
+    assert result.returncode not in (0, -1), result.logs  # -1: stopped by the timeout
+    assert "rank 1 fails on purpose" in result.logs[1]
+    assert time.perf_counter() - start < 120
+
+
+@pytest.fixture(scope="module")
+def launched():
+    return launch(CHECKS, ["--negative"], workers=2, timeout=600)
+
+
+def _lines(launched, prefix):
+    """Each rank's RESULT lines whose check starts with ``prefix``, after every check was seen to run."""
+    results = launched.results()
+    for rank, lines in enumerate(results):
+        names = [line.split()[1] for line in lines]
+        assert names == LAUNCH_CHECKS, f"rank {rank} ran {names}\n{launched.logs[rank][-3000:]}"
+    return [[line for line in lines if line.split()[1].startswith(prefix)] for lines in results]
+
+
+def _assert_ok(rank_lines):
+    for rank, lines in enumerate(rank_lines):
+        failed = [line for line in lines if line.split()[2] != "OK"]
+        assert not failed, f"rank {rank}: {failed}"
+
+
+def test_context_parallel_attention_equals_one_process(launched):
+    """CP=2, load-balanced: every rank's output, lse, dq, dk and dv within 1e-5 of the one-process
+    op (2e-3 in float16), GRAPH_MODE and PyNative, GQA/MHA/MQA, partial and interleaved rotary."""
+    _assert_ok([[line for line in lines if not line.split()[1].startswith("cp-llama-")]
+                for lines in _lines(launched, "cp-")])
+
+
+def test_llama_context_parallel_training_step_equals_one_process(launched):
+    """The tiny Llama with CP=2: the ranks' losses and weight gradients summed equal one process's
+    mean cross-entropy and gradients on the whole batch (1e-5), both modes."""
+    _assert_ok(_lines(launched, "cp-llama-"))
+
+
+def test_tensor_parallel_block_equals_one_process(launched):
+    """TP=2: dx and each rank's weight-shard gradients within 1e-5 of one process, both modes; g as a
+    plain AllReduce is off by more than 1e-2 (the control)."""
+    _assert_ok(_lines(launched, "tp-"))
+
+
+def test_native_allgather_gradient_is_refused_on_cpu(launched):
+    """MindSpore's own AllGather gradient is ReduceScatter, which the CPU lacks: the summed gradient
+    of GatherChunks is what makes context parallelism trainable here."""
+    _assert_ok(_lines(launched, "native-"))
