@@ -8,10 +8,12 @@ from pathlib import Path
 import mindspore as ms
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from ms_rope_attention import rope_tables, rotary_flash_attention
 from ms_rope_attention.distributed import load_balanced_chunks, load_balanced_merge, merge_by_lse, ring_attention_blocks
 from ms_rope_attention.distributed.launch import launch
+from models.llama import train as train_cli
 
 CHECKS = Path(__file__).resolve().parent / "distributed" / "parallel_checks.py"
 FAILING = Path(__file__).resolve().parent / "distributed" / "failing_rank.py"
@@ -129,3 +131,24 @@ def test_native_allgather_gradient_is_refused_on_cpu(launched):
     """MindSpore's own AllGather gradient is ReduceScatter, which the CPU lacks: the summed gradient
     of GatherChunks is what makes context parallelism trainable here."""
     _assert_ok(_lines(launched, "native-"))
+
+
+@pytest.mark.parametrize("packing", ["fixed", "varlen"])
+def test_data_parallel_training_tracks_one_process_and_resumes(corpus, tmp_path, packing):
+    """``models.llama.train --data-parallel`` on 2 ranks (AdamW, constant learning rate): 3 steps,
+    stopped, then resumed to 5 from rank 0's checkpoint; the weights after step 3 and step 5 equal
+    one process's on the whole batches within 1e-4 (relative to each tensor's largest value)."""
+    common = ["--model", "tiny", "--data", str(corpus), "--seq-len", "64", "--batch-size", "4", "--packing", packing,
+              "--warmup", "0", "--min-lr-ratio", "1.0", "--save-every", "1"]
+    train_cli.main(common + ["--out", str(tmp_path / "one"), "--steps", "5"])
+    dp = ["--out", str(tmp_path / "dp"), "--data-parallel"]
+    for steps, more in (("3", []), ("5", ["--resume"])):
+        run = launch(None, common + dp + ["--steps", steps, *more], module="models.llama.train", workers=2, timeout=600)
+        assert run.returncode == 0, run.logs[0][-3000:] + run.logs[1][-3000:]
+    for step in (3, 5):
+        one = load_file(tmp_path / "one" / f"step-{step}" / "model.safetensors")
+        two = load_file(tmp_path / "dp" / f"step-{step}" / "model.safetensors")
+        assert one.keys() == two.keys()
+        worst = max(np.abs(one[k] - two[k]).max() / max(1e-6, np.abs(one[k]).max()) for k in one)
+        assert worst <= 1e-4, (step, worst)
+    assert not (tmp_path / "dp" / "step-6").exists() and (tmp_path / "dp" / "latest").read_text() == "step-5"

@@ -11,7 +11,12 @@ with a vocabulary of 256..512 and no tokenizer, UTF-8 bytes), and packed whole:
 - ``varlen``: up to ``--batch-size * --seq-len`` tokens of whole documents per batch (TND, no
   padding, attention never crosses documents); one graph for every batch size (dynamic shapes).
 Training: AdamW, linear warm-up then cosine decay, global-norm gradient clipping, gradient
-accumulation, a tqdm bar with loss and tokens/s. Checkpoints (``--save-every`` and at the end, and
+accumulation, a tqdm bar with loss and tokens/s. ``--data-parallel`` under msrun
+(``python -m ms_rope_attention.distributed.launch --workers 2 -m models.llama.train --data-parallel
+...``, docs/distributed.md): every rank trains on its share of each batch, the gradients are
+summed with MindSpore's ``DistributedGradReducer`` (each rank's weighted by its share of the
+batch's scored tokens, so the step equals one process's on the whole batch), and rank 0 writes the
+checkpoints, which every rank resumes from. Checkpoints (``--save-every`` and at the end, and
 on Ctrl-C, so no finished step is lost) are Hugging Face safetensors directories that
 ``models.llama.generate --checkpoint`` loads, plus the optimizer state for ``--resume``.
 """
@@ -132,6 +137,30 @@ def learning_rates(steps: int, peak: float, warmup: int, min_ratio: float) -> np
     return np.asarray(lrs, np.float32)
 
 
+def data_parallel_share(batch, rank: int, size: int):
+    """This rank's part of a batch (rows ``rank::size``, or whole sequences of a packed batch) and
+    its share of the batch's scored tokens: (ids, labels, ends, share)."""
+    ids, labels, ends = batch
+    if size == 1:
+        return ids, labels, ends, 1.0
+    if ends is None:
+        if len(ids) % size:
+            raise ValueError(f"--batch-size {len(ids)}: expected a multiple of the {size} data-parallel ranks")
+        scored = int((labels[:, 1:] != IGNORE_INDEX).sum())
+        ids, labels = ids[rank::size], labels[rank::size]
+        return ids, labels, None, int((labels[:, 1:] != IGNORE_INDEX).sum()) / max(1, scored)
+    starts = np.concatenate([[0], ends[:-1]])
+    if len(ends) < size:
+        raise ValueError(f"data: a packed batch of {len(ends)} documents cannot feed {size} data-parallel ranks; "
+                         f"raise --batch-size or --seq-len")
+    scored = int((labels[1:] != IGNORE_INDEX).sum())
+    mine = range(rank, len(ends), size)
+    ids = np.concatenate([ids[starts[i]:ends[i]] for i in mine])
+    labels = np.concatenate([labels[starts[i]:ends[i]] for i in mine])
+    ends = np.cumsum([ends[i] - starts[i] for i in mine]).astype(np.int64)
+    return ids, labels, ends, int((labels[1:] != IGNORE_INDEX).sum()) / max(1, scored)
+
+
 class LossAndGrads(nn.Cell):
     """One micro-batch: the loss and the gradients of the trainable weights (one compiled graph)."""
 
@@ -144,10 +173,11 @@ class LossAndGrads(nn.Cell):
 
 
 class Trainer:
-    """Model, optimizer and the compiled step; ``save``/``restore`` a checkpoint directory."""
+    """Model, optimizer and the compiled step; ``save``/``restore`` a checkpoint directory. With
+    ``size`` > 1 (data parallel) the gradients are summed over the ranks before the optimizer."""
 
-    def __init__(self, lm: LlamaForCausalLM, args):
-        self.lm, self.args = lm, args
+    def __init__(self, lm: LlamaForCausalLM, args, rank: int = 0, size: int = 1):
+        self.lm, self.args, self.rank, self.size = lm, args, rank, size
         self.net = LlamaForTraining(lm)
         if args.amp != "O0":
             from mindspore import amp
@@ -156,18 +186,28 @@ class Trainer:
         lrs = learning_rates(args.steps, args.lr, args.warmup, args.min_lr_ratio)
         self.optimizer = nn.AdamWeightDecay(weights, learning_rate=Tensor(lrs), weight_decay=args.weight_decay)
         self.step_fn = LossAndGrads(self.net, self.optimizer.parameters)
+        if size > 1:
+            self.reducer = nn.DistributedGradReducer(self.optimizer.parameters, mean=False, degree=size)
+            self.sum_over_ranks = ops.AllReduce()
         if args.packing == "varlen":
             self.step_fn.set_inputs(Tensor(shape=[None], dtype=ms.int32), Tensor(shape=[None], dtype=ms.int32),
                                     Tensor(shape=[None], dtype=ms.int64))
         self.step = 0
 
     def train_step(self, micro_batches) -> float:
-        """One optimizer step over ``micro_batches`` (gradient accumulation): mean loss."""
+        """One optimizer step over ``micro_batches`` (gradient accumulation): mean loss. Each
+        micro-batch is (ids, labels, ends) of the whole batch; a data-parallel rank takes its share."""
         total, grads = 0.0, None
-        for ids, labels, ends in micro_batches:
+        for batch in micro_batches:
+            ids, labels, ends, share = data_parallel_share(batch, self.rank, self.size)
             loss, g = self.step_fn(Tensor(ids), Tensor(labels), None if ends is None else Tensor(ends))
+            if self.size > 1:  # this rank's share of the batch's mean
+                loss, g = loss * share, tuple(x * share for x in g)
             total += float(loss.asnumpy())
             grads = g if grads is None else tuple(a + b for a, b in zip(grads, g))
+        if self.size > 1:
+            grads = self.reducer(grads)
+            total = float(self.sum_over_ranks(Tensor(np.float32(total))).asnumpy())
         if len(micro_batches) > 1:
             grads = tuple(g / len(micro_batches) for g in grads)
         if self.args.clip > 0:
@@ -177,8 +217,11 @@ class Trainer:
         return total / len(micro_batches)
 
     def save(self, out: Path, config: LlamaConfig, checkpoint: str | None) -> Path:
-        """out/step-N: HF safetensors + config (for generate) + optimizer state; out/latest names it."""
+        """out/step-N: HF safetensors + config (for generate) + optimizer state; out/latest names it.
+        Rank 0 writes (every rank holds the same weights)."""
         target = out / f"step-{self.step}"
+        if self.rank != 0:
+            return target
         save_hf_checkpoint(model_state(self.lm), config, target)
         ms.save_checkpoint(self.optimizer, str(target / "optimizer.ckpt"))
         (target / "trainer.json").write_text(json.dumps({"step": self.step, "args": vars(self.args)}, indent=2))
@@ -221,8 +264,18 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mode", default="graph", choices=["graph", "pynative"])
     parser.add_argument("--device", default="CPU")
+    parser.add_argument("--data-parallel", action="store_true",
+                        help="under msrun: each rank trains on its share of every batch (see docs/distributed.md)")
     args = parser.parse_args(argv)
     ms.set_device(args.device)
+    rank, size = 0, 1
+    if args.data_parallel:  # first: msrun's scheduler runs the script up to init()
+        from mindspore.communication import init
+
+        from ms_rope_attention.distributed import group_geometry
+
+        init()
+        rank, size = group_geometry()
     ms.set_context(mode=ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE)
     ms.set_seed(args.seed)
 
@@ -236,7 +289,7 @@ def main(argv=None) -> None:
                           max_positions=max(args.seq_len, config.max_position_embeddings))
     if args.checkpoint:
         load_weights(lm, args.checkpoint, read_config(args.checkpoint)[1], progress=False)
-    trainer = Trainer(lm, args)
+    trainer = Trainer(lm, args, rank, size)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.resume:

@@ -1,6 +1,7 @@
 """One way to launch: MindSpore's ``msrun`` with the settings a job on one machine wants.
 
     python -m ms_rope_attention.distributed.launch --workers 2 script.py [script args]
+    python -m ms_rope_attention.distributed.launch --workers 2 -m models.llama.train --data-parallel ...
 
 runs ``msrun --worker_num=N --local_worker_num=N --master_addr=127.0.0.1 --master_port=<free>
 --join=True --log_dir=DIR script.py ...`` with MindSpore's cluster timeouts shortened (a rank that
@@ -40,8 +41,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(script, args=(), *, workers: int = 2, log_dir=None, timeout: float = 900, env=None) -> Launch:
-    """Runs ``script`` on ``workers`` local ranks under msrun; their logs come back in rank order."""
+RUN_MODULE = Path(__file__).resolve().parent / "run_module.py"
+
+
+def launch(script, args=(), *, workers: int = 2, log_dir=None, timeout: float = 900, env=None, module=None) -> Launch:
+    """Runs ``script`` (or, with ``module``, ``python -m module``) on ``workers`` local ranks under
+    msrun; their logs come back in rank order."""
+    if module is not None:
+        script, args = RUN_MODULE, [module, *args]
     if workers < 1:
         raise ValueError(f"workers: expected a positive int, got {workers!r}")
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="msrun-"))
@@ -62,16 +69,31 @@ def launch(script, args=(), *, workers: int = 2, log_dir=None, timeout: float = 
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     prog="python -m ms_rope_attention.distributed.launch")
+                                     prog="python -m ms_rope_attention.distributed.launch",
+                                     usage="%(prog)s [--workers N] [--log-dir DIR] [--timeout S] "
+                                           "(script.py | -m module) [args ...]")
     parser.add_argument("--workers", type=int, default=2, help="ranks on this machine")
     parser.add_argument("--log-dir", help="where msrun writes worker_<rank>.log (default: a new temporary folder)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds before the job is stopped")
-    parser.add_argument("script")
-    parser.add_argument("args", nargs=argparse.REMAINDER)
-    options = parser.parse_args(argv)
-    result = launch(options.script, options.args, workers=options.workers, log_dir=options.log_dir,
-                    timeout=options.timeout)
+    # The launcher's own options come first; everything from the script (or -m) on is the job's.
+    split = 0
+    while split < len(argv) and argv[split] != "-m" and argv[split].startswith("-"):
+        split += 1 if "=" in argv[split] or argv[split] in ("-h", "--help") else 2
+    options = parser.parse_args(argv[:split])
+    job = argv[split:]
+    module = None
+    if job[:1] == ["-m"]:
+        if len(job) < 2:
+            parser.error("-m: expected a module name")
+        module, script, args = job[1], None, job[2:]
+    elif job:
+        script, args = job[0], job[1:]
+    else:
+        parser.error("give a script, or -m and a module")
+    result = launch(script, args, workers=options.workers, log_dir=options.log_dir, timeout=options.timeout,
+                    module=module)
     for rank, log in enumerate(result.logs):
         print(f"==== rank {rank} ====\n{log}")
     return result.returncode
