@@ -28,10 +28,11 @@ $(STAMP): pyproject.toml setup.py $(KERNEL_SOURCES)
 	touch $(STAMP)
 
 # The suite in parallel worker processes (pytest-xdist): most of its time is MindSpore compiling
-# graphs on one thread. At most 4 workers: each holds its own MindSpore (about 1-2 GB).
+# graphs on one thread. At most 4 workers: each holds its own MindSpore (about 1-2 GB). Tests marked
+# with an xdist_group run in one worker, in file order (tests/test_generation.py says why).
 TEST_WORKERS ?= $(shell nproc | awk '{print ($$1 < 4) ? $$1 : 4}')
 test: $(STAMP) sanitize
-	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
 # The kernel tests (forward and backward, and the projections' GEMM) again against kernels built with AddressSanitizer +
 # UBSan (any finding aborts), for the best ISA of this CPU and the portable build.

@@ -57,7 +57,7 @@ class _CacheGraph(nn.Cell):
     compilations (a constexpr runs only while a graph compiles)."""
 
     def __init__(self, lm, cache):
-        super().__init__()
+        super().__init__(auto_prefix=False)  # the model's parameters keep their Hugging Face names
         self.lm, self.cache = lm, cache
         self.compiles = 0
         self.count_compile = ops.constexpr(reuse_result=False)(self._count_compile)
