@@ -162,7 +162,7 @@ class Generator:
         self._earlier_compiles = self.compiles
         # The smaller cache (and the graphs holding it) is released before the larger one is allocated.
         self.cache = self.prefill = self.step = None
-        self.cache = KVCache(self.model.config, self.slots_count, capacity, self.cache_dtype)
+        self.cache = KVCache(self.model.cache_config, self.slots_count, capacity, self.cache_dtype)
         self.prefill, self.step = _Prefill(self.model, self.cache), _Decode(self.model, self.cache)
         self.prefill.set_inputs(_dyn(ms.int32), _dyn(ms.int64), _dyn(ms.int32))
 

@@ -76,12 +76,25 @@ class Linear(nn.Cell):
 
 
 class Embedding(nn.Cell):
-    def __init__(self, vocab_size: int, hidden_size: int, dtype):
+    """Token embeddings; with ``tp`` (vocab-parallel) the rank holds a slice of the vocabulary, looks
+    up the ids that fall in it (zeros elsewhere) and the ranks' rows are summed."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype, tp=None):
         super().__init__()
-        self.weight = Parameter(initializer(Normal(0.02), (vocab_size, hidden_size), dtype), name="weight")
+        rows = vocab_size // tp.size if tp else vocab_size
+        self.weight = Parameter(initializer(Normal(0.02), (rows, hidden_size), dtype), name="weight")
+        self.parallel, self.rows, self.start = tp is not None, rows, tp.rank * rows if tp else 0
+        if tp:
+            from ms_rope_attention.distributed import ReduceFromTensorParallel
+            self.g = ReduceFromTensorParallel()
 
     def construct(self, ids):
-        return ops.gather(self.weight, ids, 0)
+        if not self.parallel:
+            return ops.gather(self.weight, ids, 0)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.rows)
+        x = ops.gather(self.weight, ops.where(inside, local, ops.zeros_like(local)), 0)
+        return self.g(x * inside.expand_dims(-1).astype(x.dtype))
 
 
 class RMSNorm(nn.Cell):
@@ -102,17 +115,34 @@ class RMSNorm(nn.Cell):
         return normed * self.weight.astype(x.dtype).broadcast_to(normed.shape)
 
 
-class LlamaMLP(nn.Cell):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+class _Identity(nn.Cell):
+    def construct(self, x):
+        return x
 
-    def __init__(self, config: LlamaConfig, dtype):
+
+def _tensor_parallel_pair(tp):
+    """Megatron's (f, g) for a block of a tensor-parallel model; identities on one process."""
+    if tp is None:
+        return _Identity(), _Identity()
+    from ms_rope_attention.distributed import CopyToTensorParallel, ReduceFromTensorParallel
+    return CopyToTensorParallel(), ReduceFromTensorParallel()
+
+
+class LlamaMLP(nn.Cell):
+    """SwiGLU: down(silu(gate(x)) * up(x)); with ``tp`` the rank's share of the features, between
+    Megatron's f and g."""
+
+    def __init__(self, config: LlamaConfig, dtype, tp=None):
         super().__init__()
-        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, dtype)
-        self.up_proj = Linear(config.hidden_size, config.intermediate_size, dtype)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, dtype)
+        features = config.intermediate_size // tp.size if tp else config.intermediate_size
+        self.gate_proj = Linear(config.hidden_size, features, dtype)
+        self.up_proj = Linear(config.hidden_size, features, dtype)
+        self.down_proj = Linear(features, config.hidden_size, dtype)
+        self.f, self.g = _tensor_parallel_pair(tp)
 
     def construct(self, x):
-        return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
+        x = self.f(x)
+        return self.g(self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class LlamaAttention(nn.Cell):
@@ -128,10 +158,14 @@ class LlamaAttention(nn.Cell):
       ``aq``/``akv`` describing every slot as its filled rows then a query-less gap (``KVCache``).
     Every key is rotated exactly once, and no step copies the cache."""
 
-    def __init__(self, config: LlamaConfig, cos_sin, layout: str, backend: str, dtype, context_parallel=False):
+    def __init__(self, config: LlamaConfig, cos_sin, layout: str, backend: str, dtype, context_parallel=False,
+                 tp=None):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
                                                     config.dim_per_head)
+        if tp:  # the rank's heads (Megatron: q/k/v column-parallel, o row-parallel)
+            self.heads, self.kv_heads = tp.heads(config), tp.kv_heads(config)
+        self.f, self.g = _tensor_parallel_pair(tp)
         self.q_proj = Linear(config.hidden_size, self.heads * self.head_dim, dtype)
         self.k_proj = Linear(config.hidden_size, self.kv_heads * self.head_dim, dtype)
         self.v_proj = Linear(config.hidden_size, self.kv_heads * self.head_dim, dtype)
@@ -155,13 +189,14 @@ class LlamaAttention(nn.Cell):
         return x.reshape(x.shape[0], heads, self.head_dim)
 
     def construct(self, x, aq, akv, cache, positions):
+        x = self.f(x)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if cache is None and self.context_parallel:
             b, s = q.shape[0], q.shape[1]
             out = self.cp_attention(q.reshape(b, s, self.heads, self.head_dim),
                                     k.reshape(b, s, self.kv_heads, self.head_dim),
                                     v.reshape(b, s, self.kv_heads, self.head_dim), self.cos, self.sin)
-            return self.o_proj(out.reshape(b, s, -1))
+            return self.g(self.o_proj(out.reshape(b, s, -1)))
         if cache is None:
             if self.layout == "TND":
                 out = self.prefill_attention(self._heads(q, self.heads), self._heads(k, self.kv_heads),
@@ -172,7 +207,7 @@ class LlamaAttention(nn.Cell):
             out = self._cached(q, k, v, aq, akv, cache, positions)
         if self.layout == "TND" or cache is not None:
             out = out.reshape(out.shape[0], -1)
-        return self.o_proj(out)
+        return self.g(self.o_proj(out))
 
     def _cached(self, q, k, v, aq, akv, cache, positions):
         cache_keys, cache_values, write_rows = cache
@@ -198,10 +233,10 @@ class LlamaAttention(nn.Cell):
 
 
 class LlamaDecoderLayer(nn.Cell):
-    def __init__(self, config: LlamaConfig, cos_sin, layout, backend, dtype, context_parallel=False):
+    def __init__(self, config: LlamaConfig, cos_sin, layout, backend, dtype, context_parallel=False, tp=None):
         super().__init__()
-        self.self_attn = LlamaAttention(config, cos_sin, layout, backend, dtype, context_parallel)
-        self.mlp = LlamaMLP(config, dtype)
+        self.self_attn = LlamaAttention(config, cos_sin, layout, backend, dtype, context_parallel, tp)
+        self.mlp = LlamaMLP(config, dtype, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -211,10 +246,10 @@ class LlamaDecoderLayer(nn.Cell):
 
 
 class LlamaModel(nn.Cell):
-    def __init__(self, config: LlamaConfig, cos_sin, layout, backend, dtype, context_parallel=False):
+    def __init__(self, config: LlamaConfig, cos_sin, layout, backend, dtype, context_parallel=False, tp=None):
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.CellList([LlamaDecoderLayer(config, cos_sin, layout, backend, dtype, context_parallel)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, tp)
+        self.layers = nn.CellList([LlamaDecoderLayer(config, cos_sin, layout, backend, dtype, context_parallel, tp)
                                    for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.num_layers = config.num_hidden_layers
@@ -251,11 +286,16 @@ class LlamaForCausalLM(nn.Cell):
     ``context_parallel``: each rank of the world group (``mindspore.communication.init()`` first) runs
     its load-balanced part of every sequence (``ms_rope_attention.distributed.load_balanced_chunks``,
     BSH, no cache); attention gathers K/V across the ranks (``models.llama.parallel`` trains it).
+
+    ``tensor_parallel``: each rank of the world group holds its share of the heads, MLP features and
+    vocabulary (``models.llama.parallel.TensorParallel``); the logits come back whole on every rank.
+    Training, generation with the KV cache and ``weights.load_weights`` (the rank's slices only) work
+    as on one process.
     """
 
     def __init__(self, config: LlamaConfig, *, dtype="float32", layout: str = "BSH", backend: str = "auto",
                  logits: str = "all", max_positions: int | None = None, projections: str = "auto",
-                 context_parallel: bool = False):
+                 context_parallel: bool = False, tensor_parallel: bool = False):
         super().__init__()
         dtype = dtype_name(dtype)
         if layout not in LAYOUTS:
@@ -269,16 +309,29 @@ class LlamaForCausalLM(nn.Cell):
             raise ValueError(f"context_parallel: needs layout='BSH' and logits='all' (each rank holds two chunks of "
                              f"every sequence), got layout={layout!r}, logits={logits!r}")
         self.config = config  # for Python callers; construct reads only the plain values below (GRAPH_MODE)
+        tp = None
+        if tensor_parallel:
+            from models.llama.parallel import TensorParallel
+            tp = TensorParallel.of_world(config)
+        self.tensor_parallel = tp  # None on one process
+        # What this rank's KV cache holds per layer (its KV heads).
+        self.cache_config = config.replace(num_key_value_heads=tp.kv_heads(config)) if tp else config
         self.hidden_size, self.vocab_size = config.hidden_size, config.vocab_size
         self.layout = layout
         self.max_positions = max_positions or config.max_position_embeddings
         ms_dtype = DTYPES[dtype]
         cos, sin = model_rope_tables(config, self.max_positions)
         cos_sin = (Tensor(cos), Tensor(sin))  # one pair for every layer
-        self.model = LlamaModel(config, cos_sin, layout, backend, ms_dtype, context_parallel)
+        self.model = LlamaModel(config, cos_sin, layout, backend, ms_dtype, context_parallel, tp)
         self.tie_word_embeddings = config.tie_word_embeddings
+        self.local_vocab = config.vocab_size // tp.size if tp else config.vocab_size
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, ms_dtype)
+            self.lm_head = Linear(config.hidden_size, self.local_vocab, ms_dtype)
+        self.f, _ = _tensor_parallel_pair(tp)
+        self.vocab_parallel = tp is not None
+        if tp:
+            from ms_rope_attention.distributed import GatherFromTensorParallel
+            self.gather_vocab = GatherFromTensorParallel(tp.rank, tp.size)
         self.matmul = ops.MatMul(transpose_b=True)
         self.last_only = logits == "last"
         if projections == "matmul":
@@ -306,11 +359,14 @@ class LlamaForCausalLM(nn.Cell):
                 hidden = ops.gather(hidden, actual_seq_qlen - 1, 0)
             else:
                 hidden = hidden[:, -1:, :]
+        hidden = self.f(hidden)
         if self.tie_word_embeddings:
             logits = self.matmul(hidden.reshape(-1, self.hidden_size), self.model.embed_tokens.weight.astype(hidden.dtype))
-            logits = logits.reshape(hidden.shape[:-1] + (self.vocab_size,))
+            logits = logits.reshape(hidden.shape[:-1] + (self.local_vocab,))
         else:
             logits = self.lm_head(hidden)  # a Linear: OpenBLAS (or the decode-sized product) on the CPU
+        if self.vocab_parallel:
+            logits = self.gather_vocab(logits)
         return logits.astype(ms.float32)
 
 

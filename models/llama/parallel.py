@@ -1,5 +1,12 @@
 """Llama across ranks (msrun; ``ms_rope_attention.distributed`` holds the op-level pieces).
 
+Tensor parallelism (``TensorParallel``, ``LlamaForCausalLM(tensor_parallel=True)``): Megatron's
+split. Each rank holds some heads (q/k/v column-parallel, o row-parallel), some MLP features
+(gate/up column-parallel, down row-parallel) and a slice of the vocabulary (embedding and LM head);
+KV heads are split too, or replicated when there are fewer of them than ranks. Each rank reads only
+its slices of a full Hugging Face checkpoint (``TensorParallel.index``, through safetensors' slices),
+and ``gathered_state`` puts the full weights back together (to save a checkpoint one process loads).
+
 Context parallelism for training: every rank holds the load-balanced part (chunks r and 2W-1-r) of
 every sequence, runs a ``LlamaForCausalLM(context_parallel=True)`` on it (only attention talks to the
 other ranks), and scores its own tokens. The next-token targets are shifted over the *whole*
@@ -11,13 +18,103 @@ ranks' losses and weight gradients add up to those of one process on the whole b
 """
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
+
 import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
-from ms_rope_attention.distributed import load_balanced_chunks
+from ms_rope_attention.distributed import group_geometry, load_balanced_chunks
 
+from .config import LlamaConfig
 from .model import IGNORE_INDEX, LlamaForCausalLM
+
+# How each weight (Hugging Face name, (out, in) layout) is split: along its rows (output features)
+# or its columns (input features); anything else (the norms) is replicated.
+_ROWS = re.compile(r".*(self_attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)\.weight$|^(model\.embed_tokens|lm_head)\.weight$")
+_COLUMNS = re.compile(r".*(self_attn\.o_proj|mlp\.down_proj)\.weight$")
+_KV = re.compile(r".*self_attn\.(k|v)_proj\.weight$")
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """Rank ``rank`` of ``size`` in a tensor-parallel group: which part of a Llama it holds."""
+    rank: int
+    size: int
+
+    @classmethod
+    def of_world(cls, config: LlamaConfig) -> "TensorParallel":
+        """This process's part of the world group (``mindspore.communication.init()`` first), checked
+        against the model's dimensions."""
+        rank, size = group_geometry()
+        tp = cls(rank, size)
+        tp.check(config)
+        return tp
+
+    def check(self, config: LlamaConfig) -> None:
+        size, kv = self.size, config.num_key_value_heads
+        problems = [f"{name} {value}" for name, value in (
+            ("num_attention_heads", config.num_attention_heads), ("intermediate_size", config.intermediate_size),
+            ("vocab_size", config.vocab_size)) if value % size]
+        if kv % size and size % kv:
+            problems.append(f"num_key_value_heads {kv} (nor does it divide it)")
+        if problems:
+            raise ValueError(f"tensor parallel: the world size {size} does not divide " + ", ".join(problems))
+
+    def heads(self, config: LlamaConfig) -> int:
+        return config.num_attention_heads // self.size
+
+    def kv_heads(self, config: LlamaConfig) -> int:
+        """KV heads per rank: a share of them, or one (replicated) when there are fewer than ranks."""
+        return max(1, config.num_key_value_heads // self.size)
+
+    def index(self, name: str, config: LlamaConfig):
+        """This rank's part of the full tensor ``name``: a tuple of slices, or None (replicated)."""
+        kv = config.num_key_value_heads
+        if _KV.match(name) and kv < self.size:
+            d = config.dim_per_head
+            head = self.rank * kv // self.size  # the KV head of this rank's query heads
+            return (slice(head * d, (head + 1) * d),)
+        rows, columns = _ROWS.match(name), _COLUMNS.match(name)
+        if not rows and not columns:
+            return None
+        full = _full_features(name, config, columns is not None)
+        part = full // self.size
+        chosen = slice(self.rank * part, (self.rank + 1) * part)
+        return (chosen,) if rows else (slice(None), chosen)
+
+
+def _full_features(name: str, config: LlamaConfig, columns: bool) -> int:
+    """The split axis's length of the full tensor ``name``."""
+    d = config.dim_per_head
+    if "embed_tokens" in name or name.startswith("lm_head"):
+        return config.vocab_size
+    if "mlp." in name:
+        return config.intermediate_size
+    if _KV.match(name):
+        return config.num_key_value_heads * d
+    return config.num_attention_heads * d
+
+
+def gathered_state(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
+    """The full float32 weights of a tensor-parallel model (every rank calls it; every rank gets
+    them), as ``weights.model_state`` gives them for one process."""
+    tp, config = model.tensor_parallel, model.config
+    gather = ops.AllGather()
+    state = {}
+    for name, param in model.parameters_dict().items():
+        local = param.astype(ms.float32)
+        index = tp.index(name, config)
+        if index is None:
+            state[name] = local.asnumpy()
+            continue
+        axis = len(index) - 1
+        parts = np.split(gather(ops.moveaxis(local, axis, 0)).asnumpy(), tp.size, 0)
+        if _KV.match(name) and config.num_key_value_heads < tp.size:
+            parts = parts[::tp.size // config.num_key_value_heads]  # one copy of each replicated head
+        state[name] = np.moveaxis(np.concatenate(parts, 0), 0, axis)
+    return state
 
 
 def shifted_targets(labels: np.ndarray) -> np.ndarray:

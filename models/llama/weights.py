@@ -92,12 +92,18 @@ def hf_files(directory: Path) -> list[Path]:
     return files
 
 
-def _read_alone(path: Path, name: str) -> np.ndarray:
-    """One tensor, with its file mapped only while it is read: safetensors maps the whole file, and
-    mapped pages count as the process's resident memory until the file is closed (measured loading
-    a 2.7 GB checkpoint: 2.7 GB of file pages on top of the model, peak 5.5 GB instead of 3.6)."""
+def _read_alone(path: Path, name: str, index=None) -> np.ndarray:
+    """One tensor (or its part ``index``, a tuple of slices: only that part is read), with its file
+    mapped only while it is read: safetensors maps the whole file, and mapped pages count as the
+    process's resident memory until the file is closed (measured loading a 2.7 GB checkpoint: 2.7 GB
+    of file pages on top of the model, peak 5.5 GB instead of 3.6)."""
     with _open_safetensors(path) as handle:
-        return _read(handle, name, path)
+        if index is None:
+            return _read(handle, name, path)
+        try:
+            return handle.get_slice(name)[index]
+        except (SafetensorError, OSError, ValueError, TypeError) as exc:
+            raise CheckpointError(f"tensor {name!r} in {path.name}: cannot be read ({exc})") from None
 
 
 def _hf_tensors(directory: Path):
@@ -105,7 +111,7 @@ def _hf_tensors(directory: Path):
         with _open_safetensors(path) as handle:
             names = [name for name in handle.keys() if not HF_IGNORED.match(name)]
         for name in names:
-            yield name, path, (lambda n=name, p=path: _read_alone(p, n))
+            yield name, path, (lambda index=None, n=name, p=path: _read_alone(p, n, index))
 
 
 def _meta_shards(directory: Path, stack: ExitStack) -> list[dict]:
@@ -148,10 +154,10 @@ def _meta_tensors(directory: Path):
                 if name not in shard:
                     raise CheckpointError(f"tensor {name!r} is missing from model-parallel shard {i}")
             if dim is None or len(shards) == 1:
-                getter = shards[0][name][1]
+                read = shards[0][name][1]
             else:
-                getter = (lambda n=name, d=dim: np.concatenate([s[n][1]() for s in shards], axis=d))
-            yield hf_name, Path(f"consolidated.*[{name}]"), getter
+                read = (lambda n=name, d=dim: np.concatenate([s[n][1]() for s in shards], axis=d))
+            yield hf_name, Path(f"consolidated.*[{name}]"), (lambda index=None, r=read: r() if index is None else r()[index])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,6 +189,7 @@ def load_weights(model: LlamaForCausalLM, directory: str | Path, source: str = "
     directory = Path(directory)
     params = model.parameters_dict()
     expected = set(params)
+    tp = model.tensor_parallel  # a tensor-parallel rank reads its part of each tensor only
     tied = model.config.tie_word_embeddings
     tensors = _hf_tensors(directory) if source == "hf" else _meta_tensors(directory)
     loaded = set()
@@ -196,7 +203,7 @@ def load_weights(model: LlamaForCausalLM, directory: str | Path, source: str = "
         if name not in expected:
             raise CheckpointError(f"unknown tensor {name!r} in {path.name}: the model has no such parameter "
                                   f"(config: {model.config.num_hidden_layers} layers)")
-        array = get()
+        array = get(tp.index(name, model.config) if tp else None)
         param = params[name]
         if tuple(array.shape) != tuple(param.shape):
             raise CheckpointError(f"tensor {name!r} in {path.name}: shape {tuple(array.shape)}, "
@@ -216,7 +223,7 @@ def load_weights(model: LlamaForCausalLM, directory: str | Path, source: str = "
 
 def load_checkpoint(directory: str | Path, *, dtype: str = "float32", layout: str = "BSH", backend: str = "auto",
                     logits: str = "all", max_positions: int | None = None, num_layers: int | None = None,
-                    progress: bool = True, projections: str = "auto") -> LlamaForCausalLM:
+                    progress: bool = True, projections: str = "auto", tensor_parallel: bool = False) -> LlamaForCausalLM:
     """A ``LlamaForCausalLM`` built from a checkpoint's config and filled with its weights
     (only the first ``num_layers`` decoder layers when given)."""
     config, source = read_config(directory)
@@ -228,7 +235,7 @@ def load_checkpoint(directory: str | Path, *, dtype: str = "float32", layout: st
     # it took 25 of the 30 s of a load, and held a second copy of the weights until they were replaced).
     with no_init_parameters():
         model = LlamaForCausalLM(config, dtype=dtype, layout=layout, backend=backend, logits=logits,
-                                 max_positions=max_positions, projections=projections)
+                                 max_positions=max_positions, projections=projections, tensor_parallel=tensor_parallel)
     load_weights(model, directory, source, progress, first_layers_only=num_layers is not None)
     return model
 

@@ -8,14 +8,15 @@ CPU, HCCL on Ascend).
 - ``GatherChunks``: AllGather whose gradient is correct where the backend has no ReduceScatter.
 - ``ring_attention_blocks`` / ``merge_by_lse``: the per-block numerics of a ring (send/recv) schedule,
   for Ascend; checked against the one-call op on a single process.
-- ``CopyToTensorParallel`` / ``ReduceFromTensorParallel``: Megatron's f and g, for tensor-parallel
-  blocks around the op.
+- ``CopyToTensorParallel`` / ``ReduceFromTensorParallel`` / ``GatherFromTensorParallel``: Megatron's
+  f and g, and the vocab-parallel logits' gather, for tensor-parallel blocks around the op.
 - ``launch``: ``python -m ms_rope_attention.distributed.launch --workers N script.py``, msrun set up.
 """
 from .collectives import GatherChunks, group_geometry
 from .context_parallel import ContextParallelRotaryAttention, load_balanced_chunks, load_balanced_merge
 from .ring import merge_by_lse, ring_attention_blocks
-from .tensor_parallel import CopyToTensorParallel, ReduceFromTensorParallel
+from .tensor_parallel import CopyToTensorParallel, GatherFromTensorParallel, ReduceFromTensorParallel
 
-__all__ = ["ContextParallelRotaryAttention", "CopyToTensorParallel", "GatherChunks", "ReduceFromTensorParallel",
+__all__ = ["ContextParallelRotaryAttention", "CopyToTensorParallel", "GatherChunks", "GatherFromTensorParallel",
+           "ReduceFromTensorParallel",
            "group_geometry", "load_balanced_chunks", "load_balanced_merge", "merge_by_lse", "ring_attention_blocks"]

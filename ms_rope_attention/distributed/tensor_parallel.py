@@ -7,6 +7,9 @@ activation; a row-parallel one (o, down: each rank holds some input features) le
   the ranks (each rank's column shard contributed a part of it).
 - ``ReduceFromTensorParallel`` ("g"): the partial sums added over the ranks in the forward; identity
   backward (every rank already holds the whole gradient).
+- ``GatherFromTensorParallel``: the ranks' slices of the last axis concatenated (vocab-parallel
+  logits); the backward takes the rank's slice of the gradient (the loss after it is the same on
+  every rank, so nothing is summed).
 
 A plain ``ops.AllReduce`` in place of "g" differentiates to another AllReduce: every rank's
 gradient comes back summed over the ranks, i.e. multiplied by the degree (measured on 2 CPU ranks:
@@ -49,3 +52,22 @@ class ReduceFromTensorParallel(_Collective):
 
     def bprop(self, x, out, dout):
         return (dout,)
+
+
+class GatherFromTensorParallel(nn.Cell):
+    """The ranks' slices of the last axis, concatenated in rank order; gradient: the rank's slice."""
+
+    def __init__(self, rank: int, size: int, group: str | None = None):
+        super().__init__()
+        self.gather = ops.AllGather(**({} if group is None else {"group": group}))
+        self.rank, self.size = rank, size
+        self.device = ms.get_context("device_target")
+
+    def construct(self, x):
+        # AllGather concatenates dim 0: the last axis goes first and comes back.
+        moved = ops.moveaxis(carried_dtype(x, self.device), -1, 0)
+        return ops.moveaxis(self.gather(moved), 0, -1).astype(x.dtype)
+
+    def bprop(self, x, out, dout):
+        width = x.shape[-1]
+        return (dout[..., self.rank * width:(self.rank + 1) * width],)

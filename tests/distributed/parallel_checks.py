@@ -7,6 +7,9 @@ process, and prints one ``RESULT <check> OK|FAIL <detail>`` line per check.
   rank's heads, row-parallel o; f and g): loss, dx and every weight shard's gradient;
 - a tiny Llama's training step with context parallelism: the ranks' losses and weight gradients
   summed equal one process's mean cross-entropy and gradients on the whole batch;
+- a tensor-parallel tiny Llama loaded from a one-process checkpoint (each rank its slices): logits
+  and greedy tokens (KV cache) equal one process's, GQA split and KV heads replicated; one training
+  step's gradients equal the slices of one process's; the gathered weights load back into one process;
 - negative controls: g as a plain AllReduce (wrong gradients), and, last, MindSpore's own AllGather
   gradient (ReduceScatter, which CPUs lack; after a failed collective, later ones can block)."""
 import sys
@@ -166,6 +169,56 @@ def check_llama_context_parallel(name, mode):
     report(name, errors, 1e-5)
 
 
+def check_llama_tensor_parallel(name, mode, kv_heads=2, train=True):
+    """TP=2 tiny Llama (4 heads; 2 KV heads split, or 1 replicated) from a one-process checkpoint."""
+    import tempfile
+
+    from mindspore.nn.utils import no_init_parameters
+
+    from models.llama import LlamaForCausalLM, preset
+    from models.llama.generate import Generator
+    from models.llama.model import LlamaForTraining
+    from models.llama.parallel import gathered_state
+    from models.llama.weights import load_checkpoint, load_weights, model_state, save_hf_checkpoint
+
+    ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
+    ms.set_seed(9)  # the same one-process weights on every rank
+    config = preset("tiny", num_key_value_heads=kv_heads)
+    whole = LlamaForCausalLM(config)
+    with tempfile.TemporaryDirectory() as scratch:
+        save_hf_checkpoint(model_state(whole), config, scratch)
+        with no_init_parameters():
+            tp = LlamaForCausalLM(config, tensor_parallel=True)
+        load_weights(tp, scratch, progress=False)
+    rng = np.random.default_rng(4)
+    ids = ms.Tensor(rng.integers(0, config.vocab_size, (2, 24)).astype(np.int32))
+    want = whole(ids).asnumpy()
+    errors = {"logits": relative(tp(ids).asnumpy(), want)}
+    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (7, 13)]
+    same_tokens = (Generator(whole, slots=2).generate(prompts, 6, eos_ids=()).tokens
+                   == Generator(tp, slots=2).generate(prompts, 6, eos_ids=()).tokens)
+    errors["tokens differ"] = 0.0 if same_tokens else 1.0
+    if train:
+        labels = ids
+        nets = LlamaForTraining(whole), LlamaForTraining(tp)
+        (want_loss, want_grads), (loss, grads) = (ms.value_and_grad(n, None, n.trainable_params())(ids, labels)
+                                                  for n in nets)
+        errors["loss"] = abs(float(loss.asnumpy()) - float(want_loss.asnumpy()))
+        full = dict(zip((p.name for p in nets[0].trainable_params()), want_grads))
+        worst = 0.0
+        for param, grad in zip(nets[1].trainable_params(), grads):
+            index = tp.tensor_parallel.index(param.name, config)
+            expected = full[param.name].asnumpy()
+            worst = max(worst, relative(grad.asnumpy(), expected if index is None else expected[index]))
+        errors["grads"] = worst
+    back = gathered_state(tp)
+    errors["gathered weights"] = max(float(np.abs(back[k] - v).max()) for k, v in model_state(whole).items())
+    with tempfile.TemporaryDirectory() as scratch:
+        save_hf_checkpoint(back, config, scratch)
+        errors["reloaded logits"] = relative(load_checkpoint(scratch, progress=False)(ids).asnumpy(), want)
+    report(name, errors, 1e-5)
+
+
 def negative_control():
     """MindSpore's own AllGather gradient (ReduceScatter) on a CPU: refused, which is why the
     gather's gradient is written here."""
@@ -195,6 +248,9 @@ CHECKS = [
     ("tp-plain-allreduce-gives-wrong-gradients", check_tensor_parallel, ("graph",), dict(plain_allreduce=True)),
     ("cp-llama-training-step-graph", check_llama_context_parallel, ("graph",), {}),
     ("cp-llama-training-step-pynative", check_llama_context_parallel, ("pynative",), {}),
+    ("tp-llama-graph", check_llama_tensor_parallel, ("graph",), {}),
+    ("tp-llama-pynative", check_llama_tensor_parallel, ("pynative",), {}),
+    ("tp-llama-replicated-kv-graph", check_llama_tensor_parallel, ("graph",), dict(kv_heads=1, train=False)),
 ]
 
 if __name__ == "__main__":
