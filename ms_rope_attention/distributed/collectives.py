@@ -39,35 +39,28 @@ def carried_dtype(x, device: str):
     return x.astype(ms.float32) if _needs_float32(x.dtype, device) else x
 
 
-class _Gather(nn.Cell):
-    """Every rank's ``x`` concatenated along dim 0 in rank order, MindSpore's own gradient."""
+class GatherChunks(nn.Cell):
+    """Every rank's input concatenated along dim 0 in rank order. Its gradient is the sum over the
+    ranks of the gathered tensor's gradient, the rank's own rows of it: ``ReduceScatter`` (what
+    MindSpore's own AllGather gradient is) where ``native_backward`` (default: on any device but the
+    CPU), else ``AllReduce`` and a slice."""
 
-    def __init__(self, rank: int, size: int, group: str | None):
+    def __init__(self, rank: int, size: int, group: str | None = None, native_backward: bool | None = None):
         super().__init__()
         kwargs = {} if group is None else {"group": group}
         self.rank, self.size = rank, size
+        self.device = ms.get_context("device_target")
+        self.native_backward = self.device != "CPU" if native_backward is None else native_backward
         self.gather = ops.AllGather(**kwargs)
         self.reduce = ops.AllReduce(**kwargs)
-        self.device = ms.get_context("device_target")
+        self.reduce_scatter = ops.ReduceScatter(**kwargs)
 
     def construct(self, x):
         return self.gather(carried_dtype(x, self.device)).astype(x.dtype)
 
-
-class _SummedGather(_Gather):
-    """The same gather, differentiated without ReduceScatter."""
-
     def bprop(self, x, out, dout):
-        total = self.reduce(carried_dtype(dout, self.device))
+        dout = carried_dtype(dout, self.device)
+        if self.native_backward:
+            return (self.reduce_scatter(dout).astype(x.dtype),)
         rows = x.shape[0]
-        return (total[self.rank * rows:(self.rank + 1) * rows].astype(x.dtype),)
-
-
-def GatherChunks(rank: int, size: int, group: str | None = None, native_backward: bool | None = None) -> nn.Cell:
-    """A Cell concatenating every rank's input along dim 0 in rank order. Its gradient is the sum
-    over ranks of the gathered tensor's gradient, the rank's own rows of it: MindSpore's own
-    (ReduceScatter) where ``native_backward`` (default: on any device but the CPU), else AllReduce
-    and a slice."""
-    if native_backward is None:
-        native_backward = ms.get_context("device_target") != "CPU"
-    return (_Gather if native_backward else _SummedGather)(rank, size, group)
+        return (self.reduce(dout)[self.rank * rows:(self.rank + 1) * rows].astype(x.dtype),)
