@@ -79,13 +79,13 @@ class TensorParallel:
         rows, columns = _ROWS.match(name), _COLUMNS.match(name)
         if not rows and not columns:
             return None
-        full = _full_features(name, config, columns is not None)
+        full = _full_features(name, config)
         part = full // self.size
         chosen = slice(self.rank * part, (self.rank + 1) * part)
         return (chosen,) if rows else (slice(None), chosen)
 
 
-def _full_features(name: str, config: LlamaConfig, columns: bool) -> int:
+def _full_features(name: str, config: LlamaConfig) -> int:
     """The split axis's length of the full tensor ``name``."""
     d = config.dim_per_head
     if "embed_tokens" in name or name.startswith("lm_head"):
