@@ -13,6 +13,8 @@ from safetensors.numpy import load_file
 from ms_rope_attention import rope_tables, rotary_flash_attention
 from ms_rope_attention.distributed import load_balanced_chunks, load_balanced_merge, merge_by_lse, ring_attention_blocks
 from ms_rope_attention.distributed.launch import launch
+from ms_rope_attention.distributed.mesh import mesh_ranks
+from models.llama import generate as generate_cli
 from models.llama import train as train_cli
 
 CHECKS = Path(__file__).resolve().parent / "distributed" / "parallel_checks.py"
@@ -82,6 +84,19 @@ def test_ring_blocks_equal_the_one_call_op(heads, kv_heads, rotary_dim, rotary_m
         assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max()), name
 
 
+def test_mesh_ranks_lay_the_tensor_axis_fastest():
+    """8 ranks as data 2 x context 2 x tensor 2: rank 5 = (d 1, c 0, t 1)."""
+    assert mesh_ranks(5, 8, tensor=2, context=2) == {"data": (1, 5), "context": (5, 7), "tensor": (4, 5),
+                                                     "replicas": (1, 3, 5, 7)}
+    assert mesh_ranks(2, 4, tensor=2) == {"data": (0, 2), "context": (2,), "tensor": (2, 3), "replicas": (0, 2)}
+    with pytest.raises(ValueError, match="tensor x context = 4 x 1: expected a divisor of the world size 6"):
+        mesh_ranks(0, 6, tensor=4)
+    with pytest.raises(ValueError, match="data x context x tensor = 3 x 1 x 2 = 6: expected the world size 8"):
+        mesh_ranks(0, 8, tensor=2, data=3)
+    with pytest.raises(ValueError, match="context: expected a positive int, got 0"):
+        mesh_ranks(0, 2, context=0)
+
+
 @pytest.fixture(scope="module")
 def launched():
     return launch(CHECKS, ["--negative"], workers=2, timeout=600)
@@ -136,22 +151,64 @@ def test_native_allgather_gradient_is_refused_on_cpu(launched):
     _assert_ok(_lines(launched, "native-"))
 
 
+def _assert_same_weights(one, other, steps):
+    """The checkpoints of two runs after each of ``steps`` within 1e-4 of each tensor's largest value."""
+    for step in steps:
+        want = load_file(one / f"step-{step}" / "model.safetensors")
+        got = load_file(other / f"step-{step}" / "model.safetensors")
+        assert want.keys() == got.keys()
+        worst = max(np.abs(want[k] - got[k]).max() / max(1e-6, np.abs(want[k]).max()) for k in want)
+        assert worst <= 1e-4, (step, worst)
+
+
+def _train(tmp_path, corpus, packing, name, steps, extra=(), workers=None):
+    """``models.llama.train`` on the tiny preset (AdamW, constant learning rate, clipping at 1.0),
+    in this process or launched on ``workers`` ranks; its checkpoint directory."""
+    args = ["--model", "tiny", "--data", str(corpus), "--seq-len", "64", "--batch-size", "4", "--packing", packing,
+            "--warmup", "0", "--min-lr-ratio", "1.0", "--save-every", "1", "--out", str(tmp_path / name),
+            "--steps", str(steps), *extra]
+    if workers is None:
+        train_cli.main(args)
+    else:
+        run = launch(None, args, module="models.llama.train", workers=workers, timeout=900)
+        assert run.returncode == 0, "\n".join(log[-3000:] for log in run.logs)
+    return tmp_path / name
+
+
 @pytest.mark.parametrize("packing", ["fixed", "varlen"])
 def test_data_parallel_training_tracks_one_process_and_resumes(corpus, tmp_path, packing):
-    """``models.llama.train --data-parallel`` on 2 ranks (AdamW, constant learning rate): 3 steps,
-    stopped, then resumed to 5 from rank 0's checkpoint; the weights after step 3 and step 5 equal
-    one process's on the whole batches within 1e-4 (relative to each tensor's largest value)."""
-    common = ["--model", "tiny", "--data", str(corpus), "--seq-len", "64", "--batch-size", "4", "--packing", packing,
-              "--warmup", "0", "--min-lr-ratio", "1.0", "--save-every", "1"]
-    train_cli.main(common + ["--out", str(tmp_path / "one"), "--steps", "5"])
-    dp = ["--out", str(tmp_path / "dp"), "--data-parallel"]
-    for steps, more in (("3", []), ("5", ["--resume"])):
-        run = launch(None, common + dp + ["--steps", steps, *more], module="models.llama.train", workers=2, timeout=600)
-        assert run.returncode == 0, run.logs[0][-3000:] + run.logs[1][-3000:]
-    for step in (3, 5):
-        one = load_file(tmp_path / "one" / f"step-{step}" / "model.safetensors")
-        two = load_file(tmp_path / "dp" / f"step-{step}" / "model.safetensors")
-        assert one.keys() == two.keys()
-        worst = max(np.abs(one[k] - two[k]).max() / max(1e-6, np.abs(one[k]).max()) for k in one)
-        assert worst <= 1e-4, (step, worst)
-    assert not (tmp_path / "dp" / "step-6").exists() and (tmp_path / "dp" / "latest").read_text() == "step-5"
+    """``models.llama.train --data-parallel`` on 2 ranks: 3 steps, stopped, then resumed to 5 from
+    rank 0's checkpoint; the weights after step 3 and step 5 equal one process's on the whole batches."""
+    one = _train(tmp_path, corpus, packing, "one", 5)
+    _train(tmp_path, corpus, packing, "dp", 3, ["--data-parallel"], workers=2)
+    dp = _train(tmp_path, corpus, packing, "dp", 5, ["--data-parallel", "--resume"], workers=2)
+    _assert_same_weights(one, dp, (3, 5))
+    assert not (dp / "step-6").exists() and (dp / "latest").read_text() == "step-5"
+
+
+def test_data_parallel_composes_with_tensor_and_context_parallel(corpus, tmp_path):
+    """4 ranks: 3 steps as data 2 x tensor 2, then resumed to 5 as data 2 x context 2 from the whole
+    weights and AdamW moments rank 0 gathered and wrote; the weights after steps 3 and 5 equal one
+    process's (the clipping norm taken over the whole tensor-parallel model)."""
+    one = _train(tmp_path, corpus, "fixed", "one", 5)
+    _train(tmp_path, corpus, "fixed", "mesh", 3, ["--tensor-parallel", "2"], workers=4)
+    mesh = _train(tmp_path, corpus, "fixed", "mesh", 5, ["--context-parallel", "2", "--resume"], workers=4)
+    _assert_same_weights(one, mesh, (3, 5))
+    assert (mesh / "latest").read_text() == "step-5"
+
+
+def test_tensor_parallel_generation_cli_prints_one_process_tokens(capsys, tmp_path):
+    """``models.llama.generate --tensor-parallel 2`` under msrun on a one-process checkpoint: rank 0
+    prints the tokens one process generates (greedy, KV cache), and rank 1 prints nothing."""
+    from models.llama import LlamaForCausalLM, preset
+    from models.llama.weights import model_state, save_hf_checkpoint
+
+    ms.set_seed(1)
+    save_hf_checkpoint(model_state(LlamaForCausalLM(preset("tiny"))), preset("tiny"), tmp_path)
+    args = ["--checkpoint", str(tmp_path), "--ids", "1,15,27", "--ids", "5,9", "--max-new-tokens", "6"]
+    generate_cli.main(args)
+    want = [line for line in capsys.readouterr().out.splitlines() if line.startswith("prompt ids")]
+    run = launch(None, args + ["--tensor-parallel", "2"], module="models.llama.generate", workers=2, timeout=600)
+    assert run.returncode == 0, "\n".join(log[-3000:] for log in run.logs)
+    printed = [[line for line in log.splitlines() if line.startswith("prompt ids")] for log in run.logs]
+    assert len(want) == 2 and printed == [want, []], printed

@@ -10,6 +10,8 @@ the next prompt. ``Generator.stream`` yields each token as it is sampled.
 
     python -m models.llama.generate --checkpoint DIR --prompt "The capital of France is"
     python -m models.llama.generate --model tiny --ids 1,15,27 --max-new-tokens 8
+    python -m ms_rope_attention.distributed.launch --workers 2 -m models.llama.generate \
+        --checkpoint DIR --prompt "..." --tensor-parallel 2     # each rank holds half the model
 """
 from __future__ import annotations
 
@@ -337,8 +339,18 @@ def main(argv=None) -> None:
     parser.add_argument("--backend", default="auto", choices=["auto", "fused", "unfused"])
     parser.add_argument("--mode", default="graph", choices=["graph", "pynative"])
     parser.add_argument("--device", default="CPU")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
+                        help="under msrun on T ranks: each holds its share of the model (docs/distributed.md)")
     args = parser.parse_args(argv)
     ms.set_device(args.device)
+    mesh = None
+    if args.tensor_parallel > 1:
+        from mindspore.communication import init
+
+        from ms_rope_attention.distributed import ParallelMesh
+
+        init()  # first: msrun's scheduler runs the script up to init()
+        mesh = ParallelMesh.create(tensor=args.tensor_parallel, data=1)
     ms.set_context(mode=ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE)
 
     from .config import preset
@@ -355,13 +367,15 @@ def main(argv=None) -> None:
         prompts = [[int(t) for t in ids.split(",")] for ids in args.ids]
     else:
         parser.error("give --prompt or --ids")
-    kwargs = dict(dtype=args.dtype, backend=args.backend)
+    kwargs = dict(dtype=args.dtype, backend=args.backend, parallel=mesh)
     if args.checkpoint:
         model = load_checkpoint(args.checkpoint, **kwargs)
     else:
         model = LlamaForCausalLM(config.replace(num_hidden_layers=args.layers) if args.layers else config, **kwargs)
     result = Generator(model).generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                        top_p=args.top_p, seed=args.seed)
+    if mesh is not None and mesh.world_rank != 0:
+        return  # every rank generated the same tokens; one prints them
     for prompt, tokens in zip(prompts, result.tokens):
         text = tokenizer.decode(tokens) if tokenizer else ""
         print(f"prompt ids {prompt} -> {tokens}" + (f"\n{text}" if text else ""))

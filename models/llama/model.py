@@ -54,24 +54,27 @@ class Linear(nn.Cell):
     """y = x W^T, W stored (out, in) as in Hugging Face checkpoints; no bias (Llama has none).
 
     On the CPU, float32 activations go through OpenBLAS (``ms_rope_attention.linear``), faster there
-    than MindSpore's MatMul; other devices and dtypes (amp's float16) take MatMul."""
+    than MindSpore's MatMul; other devices and dtypes (amp's float16) take MatMul. ``weight_hook``: a
+    Cell the weight passes through first (a replicated tensor-parallel weight's gradient sum)."""
 
-    def __init__(self, in_features: int, out_features: int, dtype):
+    def __init__(self, in_features: int, out_features: int, dtype, weight_hook: nn.Cell | None = None):
         super().__init__()
         self.weight = Parameter(initializer(Normal(0.02), (out_features, in_features), dtype), name="weight")
         self.in_features, self.out_features = in_features, out_features
         self.matmul = ops.MatMul(transpose_b=True)
         self.use_blas = ms.get_context("device_target") == "CPU"  # LlamaForCausalLM(projections="matmul") clears it
         self.blas = linear_op() if self.use_blas else None
+        self.weight_hook = weight_hook
 
     def construct(self, x):
-        if self.use_blas and x.dtype == ms.float32 and self.weight.dtype == ms.float32:
-            return self.blas(x, self.weight)
+        weight = self.weight if self.weight_hook is None else self.weight_hook(self.weight)
+        if self.use_blas and x.dtype == ms.float32 and weight.dtype == ms.float32:
+            return self.blas(x, weight)
         # The static feature count (not -1) keeps the last dim static under dynamic batch/sequence
         # shapes, so the attention op still knows its head counts at compile time.
         # The weight in the activation's dtype: under mixed precision (amp O2/O3) activations are float16
         # while the master weights stay float32.
-        y = self.matmul(x.reshape(-1, self.in_features), self.weight.astype(x.dtype))
+        y = self.matmul(x.reshape(-1, self.in_features), weight.astype(x.dtype))
         return y.reshape(x.shape[:-1] + (self.out_features,))
 
 
@@ -86,7 +89,7 @@ class Embedding(nn.Cell):
         self.parallel, self.rows, self.start = tp is not None, rows, tp.rank * rows if tp else 0
         if tp:
             from ms_rope_attention.distributed import ReduceFromTensorParallel
-            self.g = ReduceFromTensorParallel()
+            self.g = ReduceFromTensorParallel(tp.rank, tp.size, tp.group)
 
     def construct(self, ids):
         if not self.parallel:
@@ -125,7 +128,17 @@ def _tensor_parallel_pair(tp):
     if tp is None:
         return _Identity(), _Identity()
     from ms_rope_attention.distributed import CopyToTensorParallel, ReduceFromTensorParallel
-    return CopyToTensorParallel(), ReduceFromTensorParallel()
+    return CopyToTensorParallel(tp.rank, tp.size, tp.group), ReduceFromTensorParallel(tp.rank, tp.size, tp.group)
+
+
+def _replica_gradient_sum(tp):
+    """Megatron's "f" over the ranks that share a replicated KV head (None when heads are split):
+    applied to the k/v weights, it sums their gradients, each rank's covering its own query heads."""
+    if tp is None or tp.kv_share is None:
+        return None
+    from ms_rope_attention.distributed import CopyToTensorParallel
+    share = tp.kv_share
+    return CopyToTensorParallel(share.rank, share.size, share.group)
 
 
 class LlamaMLP(nn.Cell):
@@ -158,8 +171,7 @@ class LlamaAttention(nn.Cell):
       ``aq``/``akv`` describing every slot as its filled rows then a query-less gap (``KVCache``).
     Every key is rotated exactly once, and no step copies the cache."""
 
-    def __init__(self, config: LlamaConfig, cos_sin, layout: str, backend: str, dtype, context_parallel=False,
-                 tp=None):
+    def __init__(self, config: LlamaConfig, cos_sin, layout: str, backend: str, dtype, cp=None, tp=None):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
                                                     config.dim_per_head)
@@ -167,8 +179,8 @@ class LlamaAttention(nn.Cell):
             self.heads, self.kv_heads = tp.heads(config), tp.kv_heads(config)
         self.f, self.g = _tensor_parallel_pair(tp)
         self.q_proj = Linear(config.hidden_size, self.heads * self.head_dim, dtype)
-        self.k_proj = Linear(config.hidden_size, self.kv_heads * self.head_dim, dtype)
-        self.v_proj = Linear(config.hidden_size, self.kv_heads * self.head_dim, dtype)
+        self.k_proj = Linear(config.hidden_size, self.kv_heads * self.head_dim, dtype, _replica_gradient_sum(tp))
+        self.v_proj = Linear(config.hidden_size, self.kv_heads * self.head_dim, dtype, _replica_gradient_sum(tp))
         self.o_proj = Linear(self.heads * self.head_dim, config.hidden_size, dtype)
         self.layout = layout
         self.rotary_mode, self.rotary_dim = config.rotary_mode, config.rotary_dim
@@ -179,11 +191,12 @@ class LlamaAttention(nn.Cell):
         self.cache_prefill = RotaryFlashAttention(input_layout="TND", return_rotated_key=True, **common)
         self.cached_attention = RotaryFlashAttention(input_layout="TND", key_rotated=True, **common)
         self.write = ops.ScatterUpdate()
-        self.context_parallel = context_parallel
-        if context_parallel:  # the rank's part of every sequence (load-balanced chunks), K/V gathered
+        self.context_parallel = cp is not None
+        if cp is not None:  # the rank's part of every sequence (load-balanced chunks), K/V gathered
             from ms_rope_attention.distributed import ContextParallelRotaryAttention
             self.cp_attention = ContextParallelRotaryAttention(self.heads, rotary_mode=self.rotary_mode,
-                                                               rotary_dim=self.rotary_dim)
+                                                               rotary_dim=self.rotary_dim, group=cp.group,
+                                                               rank=cp.rank, size=cp.size)
 
     def _heads(self, x, heads):
         return x.reshape(x.shape[0], heads, self.head_dim)
@@ -233,9 +246,9 @@ class LlamaAttention(nn.Cell):
 
 
 class LlamaDecoderLayer(nn.Cell):
-    def __init__(self, config: LlamaConfig, cos_sin, layout, backend, dtype, context_parallel=False, tp=None):
+    def __init__(self, config: LlamaConfig, cos_sin, layout, backend, dtype, cp=None, tp=None):
         super().__init__()
-        self.self_attn = LlamaAttention(config, cos_sin, layout, backend, dtype, context_parallel, tp)
+        self.self_attn = LlamaAttention(config, cos_sin, layout, backend, dtype, cp, tp)
         self.mlp = LlamaMLP(config, dtype, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -246,10 +259,10 @@ class LlamaDecoderLayer(nn.Cell):
 
 
 class LlamaModel(nn.Cell):
-    def __init__(self, config: LlamaConfig, cos_sin, layout, backend, dtype, context_parallel=False, tp=None):
+    def __init__(self, config: LlamaConfig, cos_sin, layout, backend, dtype, cp=None, tp=None):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, tp)
-        self.layers = nn.CellList([LlamaDecoderLayer(config, cos_sin, layout, backend, dtype, context_parallel, tp)
+        self.layers = nn.CellList([LlamaDecoderLayer(config, cos_sin, layout, backend, dtype, cp, tp)
                                    for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.num_layers = config.num_hidden_layers
@@ -283,19 +296,19 @@ class LlamaForCausalLM(nn.Cell):
     ``projections``: "auto" (OpenBLAS for float32 on the CPU, MatMul otherwise) or "matmul" (MindSpore's
     MatMul everywhere: the benchmarks' A/B of the two GEMMs).
 
-    ``context_parallel``: each rank of the world group (``mindspore.communication.init()`` first) runs
-    its load-balanced part of every sequence (``ms_rope_attention.distributed.load_balanced_chunks``,
-    BSH, no cache); attention gathers K/V across the ranks (``models.llama.parallel`` trains it).
-
-    ``tensor_parallel``: each rank of the world group holds its share of the heads, MLP features and
-    vocabulary (``models.llama.parallel.TensorParallel``); the logits come back whole on every rank.
-    Training, generation with the KV cache and ``weights.load_weights`` (the rank's slices only) work
-    as on one process.
+    ``parallel``: this rank's ``ms_rope_attention.distributed.ParallelMesh`` (``mindspore.communication
+    .init()`` first), or None for one process. Along its context axis each rank runs its load-balanced
+    part of every sequence (``ms_rope_attention.distributed.load_balanced_chunks``, BSH, no cache) and
+    attention gathers K/V across the group (``models.llama.parallel`` trains it). Along its tensor
+    axis each rank holds its share of the heads, MLP features and vocabulary
+    (``models.llama.parallel.TensorParallel``); the logits come back whole on every rank, and
+    training, generation with the KV cache and ``weights.load_weights`` (the rank's slices only)
+    work as on one process. The data axis is the trainer's (each rank its share of a batch).
     """
 
     def __init__(self, config: LlamaConfig, *, dtype="float32", layout: str = "BSH", backend: str = "auto",
                  logits: str = "all", max_positions: int | None = None, projections: str = "auto",
-                 context_parallel: bool = False, tensor_parallel: bool = False):
+                 parallel=None):
         super().__init__()
         dtype = dtype_name(dtype)
         if layout not in LAYOUTS:
@@ -305,15 +318,17 @@ class LlamaForCausalLM(nn.Cell):
         if projections not in PROJECTIONS:
             raise ValueError(f"projections: expected one of {list(PROJECTIONS)}, got {projections!r}")
         check_device_dtype(dtype)
-        if context_parallel and (layout != "BSH" or logits != "all"):
-            raise ValueError(f"context_parallel: needs layout='BSH' and logits='all' (each rank holds two chunks of "
-                             f"every sequence), got layout={layout!r}, logits={logits!r}")
+        cp = parallel.context if parallel is not None and parallel.context.size > 1 else None
+        if cp is not None and (layout != "BSH" or logits != "all"):
+            raise ValueError(f"parallel: a context-parallel model needs layout='BSH' and logits='all' (each rank holds "
+                             f"two chunks of every sequence), got layout={layout!r}, logits={logits!r}")
         self.config = config  # for Python callers; construct reads only the plain values below (GRAPH_MODE)
+        self.parallel = parallel
         tp = None
-        if tensor_parallel:
+        if parallel is not None and parallel.tensor.size > 1:
             from models.llama.parallel import TensorParallel
-            tp = TensorParallel.of_world(config)
-        self.tensor_parallel = tp  # None on one process
+            tp = TensorParallel.of_mesh(config, parallel)
+        self.tensor_parallel = tp  # None without a tensor-parallel axis
         # What this rank's KV cache holds per layer (its KV heads).
         self.cache_config = config.replace(num_key_value_heads=tp.kv_heads(config)) if tp else config
         self.hidden_size, self.vocab_size = config.hidden_size, config.vocab_size
@@ -322,7 +337,7 @@ class LlamaForCausalLM(nn.Cell):
         ms_dtype = DTYPES[dtype]
         cos, sin = model_rope_tables(config, self.max_positions)
         cos_sin = (Tensor(cos), Tensor(sin))  # one pair for every layer
-        self.model = LlamaModel(config, cos_sin, layout, backend, ms_dtype, context_parallel, tp)
+        self.model = LlamaModel(config, cos_sin, layout, backend, ms_dtype, cp, tp)
         self.tie_word_embeddings = config.tie_word_embeddings
         self.local_vocab = config.vocab_size // tp.size if tp else config.vocab_size
         if not self.tie_word_embeddings:
@@ -331,7 +346,7 @@ class LlamaForCausalLM(nn.Cell):
         self.vocab_parallel = tp is not None
         if tp:
             from ms_rope_attention.distributed import GatherFromTensorParallel
-            self.gather_vocab = GatherFromTensorParallel(tp.rank, tp.size)
+            self.gather_vocab = GatherFromTensorParallel(tp.rank, tp.size, tp.group)
         self.matmul = ops.MatMul(transpose_b=True)
         self.last_only = logits == "last"
         if projections == "matmul":

@@ -1,31 +1,37 @@
-"""Llama across ranks (msrun; ``ms_rope_attention.distributed`` holds the op-level pieces).
+"""Llama across ranks (msrun; ``ms_rope_attention.distributed`` holds the op-level pieces). The
+ranks form a data x context x tensor grid (``ParallelMesh``); ``LlamaForCausalLM(config,
+parallel=ParallelMesh.create(tensor=T, context=C))`` builds this rank's part of it.
 
-Tensor parallelism (``TensorParallel``, ``LlamaForCausalLM(tensor_parallel=True)``): Megatron's
-split. Each rank holds some heads (q/k/v column-parallel, o row-parallel), some MLP features
-(gate/up column-parallel, down row-parallel) and a slice of the vocabulary (embedding and LM head);
-KV heads are split too, or replicated when there are fewer of them than ranks. Each rank reads only
-its slices of a full Hugging Face checkpoint (``TensorParallel.index``, through safetensors' slices),
-and ``gathered_state`` puts the full weights back together (to save a checkpoint one process loads).
+Tensor parallelism (``TensorParallel``): Megatron's split. Each rank holds some heads (q/k/v
+column-parallel, o row-parallel), some MLP features (gate/up column-parallel, down row-parallel) and
+a slice of the vocabulary (embedding and LM head); KV heads are split too, or replicated when there
+are fewer of them than ranks (their weight gradients then summed over the ranks sharing a head).
+Each rank reads only its slices of a full Hugging Face checkpoint (``TensorParallel.index``, through
+safetensors' slices), and ``gathered_state`` puts the full weights back together (to save a
+checkpoint one process loads).
 
-Context parallelism for training: every rank holds the load-balanced part (chunks r and 2W-1-r) of
-every sequence, runs a ``LlamaForCausalLM(context_parallel=True)`` on it (only attention talks to the
+Context parallelism for training: every rank of a context-parallel group holds the load-balanced
+part (chunks r and 2W-1-r) of every sequence, runs the model on it (only attention talks to the
 other ranks), and scores its own tokens. The next-token targets are shifted over the *whole*
 sequence before it is cut (a chunk's last target is the next chunk's first token, which another rank
 may hold), and each rank's loss is its tokens' share of the mean over all ranks' tokens, so the
 ranks' losses and weight gradients add up to those of one process on the whole batch.
 
-    python -m ms_rope_attention.distributed.launch --workers 2 my_training_script.py
+Data parallelism composes with either: each data-parallel rank takes its share of every batch, and
+the gradients are summed over the ranks that hold the same weights (``ParallelMesh.replicas``).
+
+    python -m ms_rope_attention.distributed.launch --workers 4 -m models.llama.train --tensor-parallel 2 ...
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
-from ms_rope_attention.distributed import group_geometry, load_balanced_chunks
+from ms_rope_attention.distributed import Axis, GroupCollective, ParallelMesh, load_balanced_chunks
 
 from .config import LlamaConfig
 from .model import IGNORE_INDEX, LlamaForCausalLM
@@ -39,18 +45,22 @@ _KV = re.compile(r".*self_attn\.(k|v)_proj\.weight$")
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """Rank ``rank`` of ``size`` in a tensor-parallel group: which part of a Llama it holds."""
+    """Rank ``rank`` of ``size`` in the tensor-parallel group ``group``: which part of a Llama it
+    holds. ``kv_share``: when there are fewer KV heads than ranks, the ranks that hold the same
+    (replicated) KV head, whose k/v weight gradients are summed over them."""
     rank: int
     size: int
+    group: str | None = None
+    kv_share: Axis | None = None
 
     @classmethod
-    def of_world(cls, config: LlamaConfig) -> "TensorParallel":
-        """This process's part of the world group (``mindspore.communication.init()`` first), checked
-        against the model's dimensions."""
-        rank, size = group_geometry()
-        tp = cls(rank, size)
+    def of_mesh(cls, config: LlamaConfig, mesh: ParallelMesh) -> "TensorParallel":
+        """This rank's part along the mesh's tensor axis, checked against the model's dimensions."""
+        axis = mesh.tensor
+        tp = cls(axis.rank, axis.size, axis.group)
         tp.check(config)
-        return tp
+        kv = config.num_key_value_heads
+        return replace(tp, kv_share=axis.block(axis.size // kv)) if kv < axis.size else tp
 
     def check(self, config: LlamaConfig) -> None:
         size, kv = self.size, config.num_key_value_heads
@@ -60,7 +70,7 @@ class TensorParallel:
         if kv % size and size % kv:
             problems.append(f"num_key_value_heads {kv} (nor does it divide it)")
         if problems:
-            raise ValueError(f"tensor parallel: the world size {size} does not divide " + ", ".join(problems))
+            raise ValueError(f"tensor parallel: the tensor-parallel degree {size} does not divide " + ", ".join(problems))
 
     def heads(self, config: LlamaConfig) -> int:
         return config.num_attention_heads // self.size
@@ -84,6 +94,25 @@ class TensorParallel:
         chosen = slice(self.rank * part, (self.rank + 1) * part)
         return (chosen,) if rows else (slice(None), chosen)
 
+    def copies(self, name: str, config: LlamaConfig) -> int:
+        """How many ranks of the group hold the same values of ``name`` (1: a shard of its own)."""
+        if _KV.match(name) and config.num_key_value_heads < self.size:
+            return self.size // config.num_key_value_heads
+        return self.size if self.index(name, config) is None else 1
+
+    def gather(self, name: str, local, config: LlamaConfig) -> np.ndarray:
+        """The full float32 tensor ``name`` from every rank's part ``local`` (a collective: every
+        rank of the group calls it, for the same names in the same order)."""
+        local = local.astype(ms.float32)
+        index = self.index(name, config)
+        if index is None:
+            return local.asnumpy()
+        axis = len(index) - 1
+        gathered = GroupCollective(self.rank, self.size, self.group).all_gather(ops.moveaxis(local, axis, 0))
+        parts = np.split(gathered.asnumpy(), self.size, 0)
+        copies = self.copies(name, config)
+        return np.moveaxis(np.concatenate(parts[::copies], 0), 0, axis)  # one copy of each replicated head
+
 
 def _full_features(name: str, config: LlamaConfig) -> int:
     """The split axis's length of the full tensor ``name``."""
@@ -98,23 +127,19 @@ def _full_features(name: str, config: LlamaConfig) -> int:
 
 
 def gathered_state(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
-    """The full float32 weights of a tensor-parallel model (every rank calls it; every rank gets
-    them), as ``weights.model_state`` gives them for one process."""
+    """The full float32 weights of a tensor-parallel model (every rank of its tensor-parallel group
+    calls it; every rank gets them), as ``weights.model_state`` gives them for one process."""
     tp, config = model.tensor_parallel, model.config
-    gather = ops.AllGather()
-    state = {}
+    return {name: tp.gather(name, param, config) for name, param in model.parameters_dict().items()}
+
+
+def scatter_state(model: LlamaForCausalLM, state: dict[str, np.ndarray]) -> None:
+    """Fill a tensor-parallel model with its slices of one process's full weights ``state``."""
+    tp, config = model.tensor_parallel, model.config
     for name, param in model.parameters_dict().items():
-        local = param.astype(ms.float32)
         index = tp.index(name, config)
-        if index is None:
-            state[name] = local.asnumpy()
-            continue
-        axis = len(index) - 1
-        parts = np.split(gather(ops.moveaxis(local, axis, 0)).asnumpy(), tp.size, 0)
-        if _KV.match(name) and config.num_key_value_heads < tp.size:
-            parts = parts[::tp.size // config.num_key_value_heads]  # one copy of each replicated head
-        state[name] = np.moveaxis(np.concatenate(parts, 0), 0, axis)
-    return state
+        param.set_data(ms.Tensor(np.ascontiguousarray(state[name] if index is None else state[name][index]),
+                                 param.dtype))
 
 
 def shifted_targets(labels: np.ndarray) -> np.ndarray:

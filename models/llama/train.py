@@ -11,12 +11,17 @@ with a vocabulary of 256..512 and no tokenizer, UTF-8 bytes), and packed whole:
 - ``varlen``: up to ``--batch-size * --seq-len`` tokens of whole documents per batch (TND, no
   padding, attention never crosses documents); one graph for every batch size (dynamic shapes).
 Training: AdamW, linear warm-up then cosine decay, global-norm gradient clipping, gradient
-accumulation, a tqdm bar with loss and tokens/s. ``--data-parallel`` under msrun
-(``python -m ms_rope_attention.distributed.launch --workers 2 -m models.llama.train --data-parallel
-...``, docs/distributed.md): every rank trains on its share of each batch, the gradients are
-summed with MindSpore's ``DistributedGradReducer`` (each rank's weighted by its share of the
-batch's scored tokens, so the step equals one process's on the whole batch), and rank 0 writes the
-checkpoints, which every rank resumes from. Checkpoints (``--save-every`` and at the end, and
+accumulation, a tqdm bar with loss and tokens/s.
+
+Under msrun (``python -m ms_rope_attention.distributed.launch --workers 4 -m models.llama.train
+--tensor-parallel 2 ...``, docs/distributed.md) the ranks form a data x context x tensor grid:
+``--tensor-parallel T`` splits the model's heads, MLP and vocabulary over T ranks,
+``--context-parallel C`` every sequence over C ranks (fixed packing), and the ranks left over
+(``--data-parallel`` alone: all of them) each train on their share of every batch. Gradients are
+summed over the ranks holding the same weights with MindSpore's ``DistributedGradReducer`` (each
+rank's weighted by its share of the batch's scored tokens, so the step equals one process's on the
+whole batch); gradient clipping takes the norm of the whole model. Rank 0 writes the checkpoints
+(weights and optimizer state gathered whole, so a run resumes under any split). Checkpoints (``--save-every`` and at the end, and
 on Ctrl-C, so no finished step is lost) are Hugging Face safetensors directories that
 ``models.llama.generate --checkpoint`` loads, plus the optimizer state for ``--resume``.
 """
@@ -36,8 +41,9 @@ from mindspore import Tensor, nn, ops
 from .config import LlamaConfig, preset
 from .model import IGNORE_INDEX, LlamaForCausalLM, LlamaForTraining
 from .tokenizer import Tokenizer
-from .weights import load_weights, model_state, read_config, save_hf_checkpoint
+from .weights import load_weights, read_config, save_hf_checkpoint
 
+_MOMENTS = ("adam_m.", "adam_v.")  # AdamWeightDecay's moment parameters: prefix + the weight's name
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -162,23 +168,48 @@ def data_parallel_share(batch, rank: int, size: int):
 
 
 class LossAndGrads(nn.Cell):
-    """One micro-batch: the loss and the gradients of the trainable weights (one compiled graph)."""
+    """One micro-batch: the loss and the gradients of the trainable weights (one compiled graph).
+    ``extra``: a packed batch's ``actual_seq_qlen``, or a context-parallel part's scored-token count."""
 
     def __init__(self, net: nn.Cell, weights):
         super().__init__()
         self.value_and_grad = ms.value_and_grad(net, None, weights)
 
-    def construct(self, input_ids, labels, actual_seq_qlen=None):
-        return self.value_and_grad(input_ids, labels, actual_seq_qlen)
+    def construct(self, input_ids, labels, extra=None):
+        return self.value_and_grad(input_ids, labels, extra)
+
+
+def clip_by_global_norm(grads, clip: float, copies, tensor_parallel_sum=None):
+    """``grads`` scaled by clip / max(norm, clip), the norm over the *whole* model: with tensor
+    parallelism each rank holds a part of it, so the squares are summed over the group, a tensor
+    that ``copies[i]`` ranks hold alike counted once."""
+    squares = sum((g.astype(ms.float32) ** 2).sum() / n for g, n in zip(grads, copies))
+    if tensor_parallel_sum is not None:
+        squares = tensor_parallel_sum.all_reduce(squares)
+    norm = ops.sqrt(squares)
+    scale = clip / ops.maximum(norm, clip)
+    return tuple(g * scale.astype(g.dtype) for g in grads)
 
 
 class Trainer:
-    """Model, optimizer and the compiled step; ``save``/``restore`` a checkpoint directory. With
-    ``size`` > 1 (data parallel) the gradients are summed over the ranks before the optimizer."""
+    """Model, optimizer and the compiled step; ``save``/``restore`` a checkpoint directory. On a
+    ``ParallelMesh`` (``lm.parallel``) each data-parallel rank takes its share of a batch, each
+    context-parallel rank its part of every sequence, and the gradients are summed over the ranks
+    that hold the same weights before the optimizer."""
 
-    def __init__(self, lm: LlamaForCausalLM, args, rank: int = 0, size: int = 1):
-        self.lm, self.args, self.rank, self.size = lm, args, rank, size
-        self.net = LlamaForTraining(lm)
+    def __init__(self, lm: LlamaForCausalLM, args):
+        from ms_rope_attention.distributed import GroupCollective, ParallelMesh
+
+        self.lm, self.args = lm, args
+        self.mesh = lm.parallel or ParallelMesh.single()
+        self.context_parallel = self.mesh.context.size > 1
+        if self.context_parallel:
+            from .parallel import ContextParallelTraining
+            if args.packing != "fixed":
+                raise ValueError("--context-parallel: needs --packing fixed (each rank holds two chunks of every row)")
+            self.net = ContextParallelTraining(lm)
+        else:
+            self.net = LlamaForTraining(lm)
         if args.amp != "O0":
             from mindspore import amp
             amp.auto_mixed_precision(self.net, args.amp)
@@ -186,44 +217,72 @@ class Trainer:
         lrs = learning_rates(args.steps, args.lr, args.warmup, args.min_lr_ratio)
         self.optimizer = nn.AdamWeightDecay(weights, learning_rate=Tensor(lrs), weight_decay=args.weight_decay)
         self.step_fn = LossAndGrads(self.net, self.optimizer.parameters)
-        if size > 1:
-            self.reducer = nn.DistributedGradReducer(self.optimizer.parameters, mean=False, degree=size)
-            self.sum_over_ranks = ops.AllReduce()
+        tp = lm.tensor_parallel
+        self.copies = [tp.copies(p.name, lm.config) if tp else 1 for p in self.optimizer.parameters]
+        self.tensor_parallel_sum = GroupCollective(tp.rank, tp.size, tp.group) if tp else None
+        replicas = self.mesh.replicas
+        if replicas.size > 1:
+            group = {} if replicas.group is None else {"group": replicas.group}
+            self.reducer = nn.DistributedGradReducer(self.optimizer.parameters, mean=False, degree=replicas.size,
+                                                     **group)
+            self.sum_over_replicas = GroupCollective(replicas.rank, replicas.size, replicas.group)
         if args.packing == "varlen":
             self.step_fn.set_inputs(Tensor(shape=[None], dtype=ms.int32), Tensor(shape=[None], dtype=ms.int32),
                                     Tensor(shape=[None], dtype=ms.int64))
         self.step = 0
 
+    def _inputs(self, ids, labels, ends):
+        """The step's inputs for this rank's share of a batch."""
+        if not self.context_parallel:
+            return Tensor(ids), Tensor(labels), None if ends is None else Tensor(ends)
+        from .parallel import context_parallel_batch
+        context = self.mesh.context
+        part_ids, part_targets, scored = context_parallel_batch(ids, labels, context.rank, context.size)
+        return Tensor(part_ids), Tensor(part_targets), Tensor(max(1, scored), ms.int32)
+
     def train_step(self, micro_batches) -> float:
         """One optimizer step over ``micro_batches`` (gradient accumulation): mean loss. Each
         micro-batch is (ids, labels, ends) of the whole batch; a data-parallel rank takes its share."""
         total, grads = 0.0, None
+        data = self.mesh.data
         for batch in micro_batches:
-            ids, labels, ends, share = data_parallel_share(batch, self.rank, self.size)
-            loss, g = self.step_fn(Tensor(ids), Tensor(labels), None if ends is None else Tensor(ends))
-            if self.size > 1:  # this rank's share of the batch's mean
+            ids, labels, ends, share = data_parallel_share(batch, data.rank, data.size)
+            loss, g = self.step_fn(*self._inputs(ids, labels, ends))
+            if data.size > 1:  # this rank's share of the batch's mean
                 loss, g = loss * share, tuple(x * share for x in g)
             total += float(loss.asnumpy())
             grads = g if grads is None else tuple(a + b for a, b in zip(grads, g))
-        if self.size > 1:
+        if self.mesh.replicas.size > 1:
             grads = self.reducer(grads)
-            total = float(self.sum_over_ranks(Tensor(np.float32(total))).asnumpy())
+            total = float(self.sum_over_replicas.all_reduce(Tensor(np.float32(total))).asnumpy())
         if len(micro_batches) > 1:
             grads = tuple(g / len(micro_batches) for g in grads)
         if self.args.clip > 0:
-            grads = ops.clip_by_global_norm(grads, self.args.clip)
+            grads = clip_by_global_norm(grads, self.args.clip, self.copies, self.tensor_parallel_sum)
         self.optimizer(grads)
         self.step += 1
         return total / len(micro_batches)
 
+    def _whole(self, name: str, tensor) -> np.ndarray:
+        """A weight, or its AdamW moment (``adam_m.<weight>``), whole (gathered over tensor parallelism)."""
+        tp = self.lm.tensor_parallel
+        if tp is None:
+            return tensor.astype(ms.float32).asnumpy()
+        return tp.gather(name.split(".", 1)[1] if name.startswith(_MOMENTS) else name, tensor, self.lm.config)
+
     def save(self, out: Path, config: LlamaConfig, checkpoint: str | None) -> Path:
         """out/step-N: HF safetensors + config (for generate) + optimizer state; out/latest names it.
-        Rank 0 writes (every rank holds the same weights)."""
+        Every rank gathers the weights and moments of its tensor-parallel group; rank 0 writes."""
         target = out / f"step-{self.step}"
-        if self.rank != 0:
+        weights = {name: self._whole(name, p) for name, p in self.lm.parameters_dict().items()}
+        moments = {name: self._whole(name, p) for name, p in self.optimizer.parameters_dict().items()
+                   if name.startswith(_MOMENTS)}
+        if self.mesh.world_rank != 0:
             return target
-        save_hf_checkpoint(model_state(self.lm), config, target)
-        ms.save_checkpoint(self.optimizer, str(target / "optimizer.ckpt"))
+        save_hf_checkpoint(weights, config, target)
+        state = [{"name": "global_step", "data": self.optimizer.global_step}]
+        state += [{"name": name, "data": Tensor(value)} for name, value in moments.items()]
+        ms.save_checkpoint(state, str(target / "optimizer.ckpt"))
         (target / "trainer.json").write_text(json.dumps({"step": self.step, "args": vars(self.args)}, indent=2))
         for name in TOKENIZER_FILES if checkpoint else ():
             if (Path(checkpoint) / name).exists():
@@ -232,11 +291,43 @@ class Trainer:
         return target
 
     def restore(self, directory: Path) -> None:
+        """Weights and optimizer state from a checkpoint written under any split (each rank its part)."""
         load_weights(self.lm, directory, "hf", progress=False)
-        state = ms.load_checkpoint(str(directory / "optimizer.ckpt"))
-        state.pop("learning_rate", None)  # the schedule follows this run's --steps; global_step carries on
-        ms.load_param_into_net(self.optimizer, state)
+        state = {name: value for name, value in ms.load_checkpoint(str(directory / "optimizer.ckpt")).items()
+                 if name == "global_step" or name.startswith(_MOMENTS)}
+        tp = self.lm.tensor_parallel
+        if tp is not None:
+            for name, value in state.items():
+                index = tp.index(name.split(".", 1)[1], self.lm.config) if name.startswith(_MOMENTS) else None
+                if index is not None:
+                    state[name] = ms.Parameter(Tensor(value.asnumpy()[index]), name=name)
+        # The learning rate is not in the file: the schedule follows this run's --steps; global_step carries on.
+        ms.load_param_into_net(self.optimizer, state, strict_load=True)
         self.step = json.loads((directory / "trainer.json").read_text())["step"]
+
+
+def build_model(config: LlamaConfig, args, mesh) -> LlamaForCausalLM:
+    """The model to train: the checkpoint's weights, or a random initialisation that is the same
+    whatever the split (a tensor-parallel rank takes its slices of one process's; for a large model
+    start from a checkpoint, as this holds the whole model once per rank while it starts)."""
+    kwargs = dict(layout="TND" if args.packing == "varlen" else "BSH", backend=args.backend,
+                  max_positions=max(args.seq_len, config.max_position_embeddings))
+    tensor_parallel = mesh is not None and mesh.tensor.size > 1
+    if args.checkpoint or not tensor_parallel:
+        lm = LlamaForCausalLM(config, **kwargs, parallel=mesh)
+        if args.checkpoint:
+            load_weights(lm, args.checkpoint, read_config(args.checkpoint)[1], progress=False)
+        return lm
+    from mindspore.nn.utils import no_init_parameters
+
+    from .parallel import scatter_state
+    from .weights import model_state
+
+    whole = model_state(LlamaForCausalLM(config, **kwargs))
+    with no_init_parameters():
+        lm = LlamaForCausalLM(config, **kwargs, parallel=mesh)
+    scatter_state(lm, whole)
+    return lm
 
 
 def main(argv=None) -> None:
@@ -266,16 +357,20 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="CPU")
     parser.add_argument("--data-parallel", action="store_true",
                         help="under msrun: each rank trains on its share of every batch (see docs/distributed.md)")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
+                        help="under msrun: split heads, MLP and vocabulary over T ranks")
+    parser.add_argument("--context-parallel", type=int, default=1, metavar="C",
+                        help="under msrun: split every sequence over C ranks (--packing fixed)")
     args = parser.parse_args(argv)
     ms.set_device(args.device)
-    rank, size = 0, 1
-    if args.data_parallel:  # first: msrun's scheduler runs the script up to init()
+    mesh = None
+    if args.data_parallel or args.tensor_parallel > 1 or args.context_parallel > 1:
         from mindspore.communication import init
 
-        from ms_rope_attention.distributed import group_geometry
+        from ms_rope_attention.distributed import ParallelMesh
 
-        init()
-        rank, size = group_geometry()
+        init()  # first: msrun's scheduler runs the script up to init()
+        mesh = ParallelMesh.create(tensor=args.tensor_parallel, context=args.context_parallel)
     ms.set_context(mode=ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE)
     ms.set_seed(args.seed)
 
@@ -285,11 +380,8 @@ def main(argv=None) -> None:
     tokenizer = make_tokenizer(config, args.checkpoint)
     eos = None if isinstance(tokenizer, ByteTokenizer) else config.eos_token_ids[0]
     docs = read_documents(args.data, tokenizer, args.seq_len, eos)
-    lm = LlamaForCausalLM(config, layout="TND" if args.packing == "varlen" else "BSH", backend=args.backend,
-                          max_positions=max(args.seq_len, config.max_position_embeddings))
-    if args.checkpoint:
-        load_weights(lm, args.checkpoint, read_config(args.checkpoint)[1], progress=False)
-    trainer = Trainer(lm, args, rank, size)
+    lm = build_model(config, args, mesh)
+    trainer = Trainer(lm, args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.resume:

@@ -223,7 +223,7 @@ def load_weights(model: LlamaForCausalLM, directory: str | Path, source: str = "
 
 def load_checkpoint(directory: str | Path, *, dtype: str = "float32", layout: str = "BSH", backend: str = "auto",
                     logits: str = "all", max_positions: int | None = None, num_layers: int | None = None,
-                    progress: bool = True, projections: str = "auto", tensor_parallel: bool = False) -> LlamaForCausalLM:
+                    progress: bool = True, projections: str = "auto", parallel=None) -> LlamaForCausalLM:
     """A ``LlamaForCausalLM`` built from a checkpoint's config and filled with its weights
     (only the first ``num_layers`` decoder layers when given)."""
     config, source = read_config(directory)
@@ -235,7 +235,7 @@ def load_checkpoint(directory: str | Path, *, dtype: str = "float32", layout: st
     # it took 25 of the 30 s of a load, and held a second copy of the weights until they were replaced).
     with no_init_parameters():
         model = LlamaForCausalLM(config, dtype=dtype, layout=layout, backend=backend, logits=logits,
-                                 max_positions=max_positions, projections=projections, tensor_parallel=tensor_parallel)
+                                 max_positions=max_positions, projections=projections, parallel=parallel)
     load_weights(model, directory, source, progress, first_layers_only=num_layers is not None)
     return model
 

@@ -5,18 +5,22 @@ CPU, HCCL on Ascend).
   layout), gathers K/V across the group and runs the fused op once on its own queries.
 - ``load_balanced_chunks`` / ``load_balanced_merge``: the layout, to split a sequence and put the
   ranks' parts back together.
-- ``GatherChunks``: AllGather whose gradient is correct where the backend has no ReduceScatter.
+- ``ParallelMesh`` / ``Axis``: the job's data x context x tensor grid and its process groups.
+- ``GroupCollective``: a group's AllReduce/AllGather in dtypes the backend carries (on a CPU, a
+  sub-group's gather as a padded AllReduce); ``GatherChunks``: its AllGather with a gradient that is
+  correct where the backend has no ReduceScatter.
 - ``ring_attention_blocks`` / ``merge_by_lse``: the per-block numerics of a ring (send/recv) schedule,
   for Ascend; checked against the one-call op on a single process.
 - ``CopyToTensorParallel`` / ``ReduceFromTensorParallel`` / ``GatherFromTensorParallel``: Megatron's
   f and g, and the vocab-parallel logits' gather, for tensor-parallel blocks around the op.
 - ``launch``: ``python -m ms_rope_attention.distributed.launch --workers N script.py``, msrun set up.
 """
-from .collectives import GatherChunks, group_geometry
+from .collectives import GatherChunks, GroupCollective, group_geometry
 from .context_parallel import ContextParallelRotaryAttention, load_balanced_chunks, load_balanced_merge
+from .mesh import Axis, ParallelMesh
 from .ring import merge_by_lse, ring_attention_blocks
 from .tensor_parallel import CopyToTensorParallel, GatherFromTensorParallel, ReduceFromTensorParallel
 
-__all__ = ["ContextParallelRotaryAttention", "CopyToTensorParallel", "GatherChunks", "GatherFromTensorParallel",
-           "ReduceFromTensorParallel",
+__all__ = ["Axis", "ContextParallelRotaryAttention", "CopyToTensorParallel", "GatherChunks", "GatherFromTensorParallel",
+           "GroupCollective", "ParallelMesh", "ReduceFromTensorParallel",
            "group_geometry", "load_balanced_chunks", "load_balanced_merge", "merge_by_lse", "ring_attention_blocks"]

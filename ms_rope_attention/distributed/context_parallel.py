@@ -24,7 +24,7 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from ..functional import rotary_flash_attention
-from .collectives import GatherChunks, group_geometry
+from .collectives import GatherChunks
 
 
 def _chunk_order(size: int) -> tuple[list[int], list[int]]:
@@ -70,15 +70,11 @@ class ContextParallelRotaryAttention(nn.Cell):
                  group: str | None = None, rank: int | None = None, size: int | None = None,
                  native_backward: bool | None = None, strict=False):
         super().__init__()
-        if rank is None or size is None:
-            rank, size = group_geometry(group)
-        if not (isinstance(size, int) and size >= 1 and isinstance(rank, int) and 0 <= rank < size):
-            raise ValueError(f"rank, size: expected 0 <= rank < size, got rank {rank!r}, size {size!r}")
-        self.rank, self.size = rank, size
+        self.gather = GatherChunks(rank, size, group, native_backward)
+        self.rank, self.size = self.gather.rank, self.gather.size
         self.head_num, self.rotary_mode, self.rotary_dim, self.scale = head_num, rotary_mode, rotary_dim, scale
         self.with_softmax_lse, self.strict = with_softmax_lse, strict
-        self.gather = GatherChunks(rank, size, group, native_backward)
-        self.order = Tensor(np.array(_chunk_order(size)[1], np.int32))
+        self.order = Tensor(np.array(_chunk_order(self.size)[1], np.int32))
 
     def _whole_sequence(self, x):
         """Every rank's (B, 2c, N, D) part gathered and put in sequence order: (B, 2W c, N, D)."""

@@ -17,24 +17,12 @@ gradients off by about 1e1).
 """
 from __future__ import annotations
 
-import mindspore as ms
-from mindspore import nn, ops
+from mindspore import ops
 
-from .collectives import carried_dtype
-
-
-class _Collective(nn.Cell):
-    def __init__(self, group: str | None = None):
-        super().__init__()
-        self.reduce = ops.AllReduce(**({} if group is None else {"group": group}))
-        self.device = ms.get_context("device_target")
-
-    def all_reduce(self, x):
-        """Sum over the ranks, in a dtype the backend's collectives carry."""
-        return self.reduce(carried_dtype(x, self.device)).astype(x.dtype)
+from .collectives import GroupCollective
 
 
-class CopyToTensorParallel(_Collective):
+class CopyToTensorParallel(GroupCollective):
     """Megatron's "f": identity forward, gradient summed over the ranks."""
 
     def construct(self, x):
@@ -44,7 +32,7 @@ class CopyToTensorParallel(_Collective):
         return (self.all_reduce(dout),)
 
 
-class ReduceFromTensorParallel(_Collective):
+class ReduceFromTensorParallel(GroupCollective):
     """Megatron's "g": partial sums added over the ranks, gradient passed through."""
 
     def construct(self, x):
@@ -54,19 +42,12 @@ class ReduceFromTensorParallel(_Collective):
         return (dout,)
 
 
-class GatherFromTensorParallel(nn.Cell):
+class GatherFromTensorParallel(GroupCollective):
     """The ranks' slices of the last axis, concatenated in rank order; gradient: the rank's slice."""
 
-    def __init__(self, rank: int, size: int, group: str | None = None):
-        super().__init__()
-        self.gather = ops.AllGather(**({} if group is None else {"group": group}))
-        self.rank, self.size = rank, size
-        self.device = ms.get_context("device_target")
-
     def construct(self, x):
-        # AllGather concatenates dim 0: the last axis goes first and comes back.
-        moved = ops.moveaxis(carried_dtype(x, self.device), -1, 0)
-        return ops.moveaxis(self.gather(moved), 0, -1).astype(x.dtype)
+        # The gather concatenates dim 0: the last axis goes first and comes back.
+        return ops.moveaxis(self.all_gather(ops.moveaxis(x, -1, 0)), 0, -1)
 
     def bprop(self, x, out, dout):
         width = x.shape[-1]

@@ -24,7 +24,8 @@ init()  # before anything else: msrun's scheduler runs this script up to here
 
 from ms_rope_attention import rope_tables, rotary_flash_attention  # noqa: E402
 from ms_rope_attention.distributed import (ContextParallelRotaryAttention, CopyToTensorParallel,  # noqa: E402
-                                           ReduceFromTensorParallel, group_geometry, load_balanced_chunks)
+                                           ParallelMesh, ReduceFromTensorParallel, group_geometry,
+                                           load_balanced_chunks)
 
 RANK, SIZE = group_geometry()
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
@@ -150,7 +151,7 @@ def check_llama_context_parallel(name, mode):
     ms.set_seed(5)  # the same weights on every rank
     config = preset("tiny")
     whole = LlamaForCausalLM(config)
-    parted = LlamaForCausalLM(config, context_parallel=True)
+    parted = LlamaForCausalLM(config, parallel=ParallelMesh.create(context=SIZE))
     ms.load_param_into_net(parted, whole.parameters_dict(), strict_load=True)
     rng = np.random.default_rng(3)
     ids = rng.integers(0, config.vocab_size, (2, 32)).astype(np.int32)
@@ -169,7 +170,7 @@ def check_llama_context_parallel(name, mode):
     report(name, errors, 1e-5)
 
 
-def check_llama_tensor_parallel(name, mode, kv_heads=2, train=True):
+def check_llama_tensor_parallel(name, mode, kv_heads=2):
     """TP=2 tiny Llama (4 heads; 2 KV heads split, or 1 replicated) from a one-process checkpoint."""
     import tempfile
 
@@ -188,7 +189,7 @@ def check_llama_tensor_parallel(name, mode, kv_heads=2, train=True):
     with tempfile.TemporaryDirectory() as scratch:
         save_hf_checkpoint(model_state(whole), config, scratch)
         with no_init_parameters():
-            tp = LlamaForCausalLM(config, tensor_parallel=True)
+            tp = LlamaForCausalLM(config, parallel=ParallelMesh.create(tensor=SIZE))
         load_weights(tp, scratch, progress=False)
     rng = np.random.default_rng(4)
     ids = ms.Tensor(rng.integers(0, config.vocab_size, (2, 24)).astype(np.int32))
@@ -198,19 +199,18 @@ def check_llama_tensor_parallel(name, mode, kv_heads=2, train=True):
     same_tokens = (Generator(whole, slots=2).generate(prompts, 6, eos_ids=()).tokens
                    == Generator(tp, slots=2).generate(prompts, 6, eos_ids=()).tokens)
     errors["tokens differ"] = 0.0 if same_tokens else 1.0
-    if train:
-        labels = ids
-        nets = LlamaForTraining(whole), LlamaForTraining(tp)
-        (want_loss, want_grads), (loss, grads) = (ms.value_and_grad(n, None, n.trainable_params())(ids, labels)
-                                                  for n in nets)
-        errors["loss"] = abs(float(loss.asnumpy()) - float(want_loss.asnumpy()))
-        full = dict(zip((p.name for p in nets[0].trainable_params()), want_grads))
-        worst = 0.0
-        for param, grad in zip(nets[1].trainable_params(), grads):
-            index = tp.tensor_parallel.index(param.name, config)
-            expected = full[param.name].asnumpy()
-            worst = max(worst, relative(grad.asnumpy(), expected if index is None else expected[index]))
-        errors["grads"] = worst
+    labels = ids
+    nets = LlamaForTraining(whole), LlamaForTraining(tp)
+    (want_loss, want_grads), (loss, grads) = (ms.value_and_grad(n, None, n.trainable_params())(ids, labels)
+                                              for n in nets)
+    errors["loss"] = abs(float(loss.asnumpy()) - float(want_loss.asnumpy()))
+    full = dict(zip((p.name for p in nets[0].trainable_params()), want_grads))
+    worst = 0.0
+    for param, grad in zip(nets[1].trainable_params(), grads):
+        index = tp.tensor_parallel.index(param.name, config)
+        expected = full[param.name].asnumpy()
+        worst = max(worst, relative(grad.asnumpy(), expected if index is None else expected[index]))
+    errors["grads"] = worst
     back = gathered_state(tp)
     errors["gathered weights"] = max(float(np.abs(back[k] - v).max()) for k, v in model_state(whole).items())
     with tempfile.TemporaryDirectory() as scratch:
@@ -250,7 +250,7 @@ CHECKS = [
     ("cp-llama-training-step-pynative", check_llama_context_parallel, ("pynative",), {}),
     ("tp-llama-graph", check_llama_tensor_parallel, ("graph",), {}),
     ("tp-llama-pynative", check_llama_tensor_parallel, ("pynative",), {}),
-    ("tp-llama-replicated-kv-graph", check_llama_tensor_parallel, ("graph",), dict(kv_heads=1, train=False)),
+    ("tp-llama-replicated-kv-graph", check_llama_tensor_parallel, ("graph",), dict(kv_heads=1)),
 ]
 
 if __name__ == "__main__":
