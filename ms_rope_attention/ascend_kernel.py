@@ -38,18 +38,24 @@ def package_status() -> str | None:
             "build it with ms_rope_attention/aclnn/build.sh")
 
 
-def make_ascend_op(attrs: dict, grads_used: tuple[bool, bool], unfused_forward, strict: bool) -> ops.Custom:
+def make_ascend_op(attrs: dict, grads_used: tuple[bool, bool], unfused_forward, strict: bool,
+                   parallel: tuple[int, int] | None = None) -> ops.Custom:
     """The aot ``Custom`` primitive bound to the installed aclnn op, for one attribute set. There is
     no Ascend backward kernel yet: gradients are the unfused path's autodiff, announced once
-    (``strict`` raises instead)."""
+    (``strict`` raises instead). ``parallel=(dp, tp)``: with the semi-auto layouts of
+    ``distributed.sharding`` (the forward only: the backward has no primitive of its own)."""
     layout, head_num = attrs.get("input_layout", "BNSD"), attrs.get("head_num") or None
     with_lse, with_rk = attrs.get("with_softmax_lse", False), attrs.get("with_rotated_key", False)
 
     def out_shape(q, k, *rest):
         return expected_shapes(q, k, layout, head_num, with_lse, with_rk)
 
-    return ops.Custom(load_contract().op_name, out_shape=out_shape,
-                      out_dtype=lambda q, k, *rest: (q, ms.float32, k), func_type="aot",
-                      bprop=unfused_autodiff_bprop(unfused_forward, grads_used[0], "no fused backward kernel on Ascend",
-                                                   strict),
-                      reg_info=build_reg_info("Ascend", attrs))
+    op = ops.Custom(load_contract().op_name, out_shape=out_shape,
+                    out_dtype=lambda q, k, *rest: (q, ms.float32, k), func_type="aot",
+                    bprop=unfused_autodiff_bprop(unfused_forward, grads_used[0], "no fused backward kernel on Ascend",
+                                                 strict),
+                    reg_info=build_reg_info("Ascend", attrs))
+    if parallel is not None:
+        from .distributed.sharding import shard_fused  # the distributed package only when asked for
+        shard_fused(op, None, attrs, grads_used, *parallel)
+    return op

@@ -71,24 +71,32 @@ def backend_for(head_num, input_layout, rotary_mode, rotary_dim, scale, causal, 
                        strict=strict)
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
-    fused, reason = None, None
-    if backend != "unfused":
-        factory, reason = _fused_factory(_device())
-        if factory is None:
-            announce_fallback(reason, strict or backend == "fused")
-        else:
-            # The fused forward always emits softmax_lse: the backward needs it (a float per row);
-            # the op returns an empty lse when it was not asked for.
-            fused = factory({
-                "head_num": head_num or 0, "input_layout": input_layout, "rotary_mode": rotary_mode,
-                "rotary_dim": rotary_dim or 0, "scale": float(scale or 0.0), "causal": causal,
-                "with_softmax_lse": True, "with_rotated_key": with_rotated_key, "key_rotated": key_rotated},
-                (with_softmax_lse, with_rotated_key),
-                _unfused_forward(head_num, input_layout, rotary_mode, rotary_dim, scale, causal, with_softmax_lse,
-                                 with_rotated_key, key_rotated),
-                strict or backend == "fused")
+    fused, reason = _make_fused(*attrs)
+    if reason is not None:
+        announce_fallback(reason, strict or backend == "fused")
     found = _backends[key] = Backend(fused, f"fused:{_device()}" if fused is not None else "unfused", reason)
     return found
+
+
+def _make_fused(head_num, input_layout, rotary_mode, rotary_dim, scale, causal, with_softmax_lse, with_rotated_key,
+                key_rotated, backend, strict, parallel=None):
+    """(a new fused primitive, None) for checked attributes, or (None, why the fused kernel is
+    unavailable); (None, None) for backend='unfused'. ``parallel=(dp, tp)``: with semi-auto layouts."""
+    if backend == "unfused":
+        return None, None
+    factory, reason = _fused_factory(_device())
+    if factory is None:
+        return None, reason
+    # The fused forward always emits softmax_lse: the backward needs it (a float per row); the op
+    # returns an empty lse when it was not asked for.
+    return factory({
+        "head_num": head_num or 0, "input_layout": input_layout, "rotary_mode": rotary_mode,
+        "rotary_dim": rotary_dim or 0, "scale": float(scale or 0.0), "causal": causal,
+        "with_softmax_lse": True, "with_rotated_key": with_rotated_key, "key_rotated": key_rotated},
+        (with_softmax_lse, with_rotated_key),
+        _unfused_forward(head_num, input_layout, rotary_mode, rotary_dim, scale, causal, with_softmax_lse,
+                         with_rotated_key, key_rotated),
+        strict or backend == "fused", parallel), None
 
 
 @ops.constexpr(reuse_result=False)
@@ -193,10 +201,24 @@ def _attention(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, g
     if fused is None:
         return _unfused(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry, input_layout,
                         rotary_mode, causal, with_softmax_lse, with_rotated_key, key_rotated)
+    return _call_fused(fused, query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, with_softmax_lse)
+
+
+def _call_fused(fused, query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, with_softmax_lse):
     out, lse, rotated_key = fused(query, key, value, _table(cos), _table(sin), actual_seq_qlen, actual_seq_kvlen)
     if not with_softmax_lse:
         lse = _EMPTY_LSE
     return out, lse, rotated_key
+
+
+@ops.constexpr(check=False)
+def _check_shard_shapes(input_layout, parallel, query_shape, key_shape, head_num):
+    """The (dp, tp) split's divisibility on the global shapes: a graph's are global when it compiles
+    (dynamic dimensions, unknown then, are skipped as in ``_check_call``)."""
+    from .distributed.sharding import check_shard_shapes
+
+    check_shard_shapes(input_layout, *parallel, query_shape, key_shape, head_num)
+    return True
 
 
 class RotaryFlashAttentionOp(nn.Cell):
@@ -211,10 +233,27 @@ class RotaryFlashAttentionOp(nn.Cell):
                       with_rotated_key, key_rotated, backend, strict)
         chosen = backend_for(*self.attrs)
         self.backend_name, self.fallback_reason = chosen.name, chosen.fallback_reason
+        self.parallel, self.sharded = None, None
+
+    def semi_auto_shard(self, dp: int = 1, tp: int = 1) -> "RotaryFlashAttentionOp":
+        """Splits the op by batch (``dp``) and heads (``tp``) on a (dp, tp) device matrix when it runs
+        in a semi-auto parallel graph (Ascend): the Cell gets primitives of its own, forward and
+        backward, carrying ``self_define_shard`` layouts (docs/semi_auto_parallel.md); elsewhere they
+        run as the unsharded op. Global shapes must divide: dp the batch, tp the query and KV heads
+        (checked at the call). Refused for BSH with tp > 1, TND with dp > 1, and the unfused path."""
+        if self.backend_name == "unfused":
+            raise ValueError(f"semi_auto_shard: the unfused path runs ({self.fallback_reason or 'backend=unfused'}); "
+                             "only the fused op's primitives take layouts")
+        self.sharded, _ = _make_fused(*self.attrs, parallel=(dp, tp))
+        self.parallel = (dp, tp)
+        return self
 
     def construct(self, query, key, value, cos, sin, actual_seq_qlen=None, actual_seq_kvlen=None):
         geometry = _geometry(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, *self.attrs[:6])
-        return _attention(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry, *self.attrs)
+        if self.sharded is None:
+            return _attention(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry, *self.attrs)
+        _check_shard_shapes(self.attrs[1], self.parallel, query.shape, key.shape, self.attrs[0])
+        return _call_fused(self.sharded, query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, self.attrs[6])
 
 
 @ops.constexpr(reuse_result=False)

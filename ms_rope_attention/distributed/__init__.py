@@ -13,14 +13,19 @@ CPU, HCCL on Ascend).
   for Ascend; checked against the one-call op on a single process.
 - ``CopyToTensorParallel`` / ``ReduceFromTensorParallel`` / ``GatherFromTensorParallel``: Megatron's
   f and g, and the vocab-parallel logits' gather, for tensor-parallel blocks around the op.
+- ``primitive_layouts`` / ``shard_primitive`` / ``check_shard_shapes`` / ``optional_inputs``: the
+  semi-auto (Ascend) batch and head layouts of the fused op's primitives, read off the contract
+  (``RotaryFlashAttentionOp.semi_auto_shard`` applies them).
 - ``launch``: ``python -m ms_rope_attention.distributed.launch --workers N script.py``, msrun set up.
 """
 from .collectives import GatherChunks, GroupCollective, group_geometry
 from .context_parallel import ContextParallelRotaryAttention, load_balanced_chunks, load_balanced_merge
 from .mesh import Axis, ParallelMesh
 from .ring import merge_by_lse, ring_attention_blocks
+from .sharding import check_shard_shapes, optional_inputs, primitive_layouts, shard_primitive
 from .tensor_parallel import CopyToTensorParallel, GatherFromTensorParallel, ReduceFromTensorParallel
 
 __all__ = ["Axis", "ContextParallelRotaryAttention", "CopyToTensorParallel", "GatherChunks", "GatherFromTensorParallel",
            "GroupCollective", "ParallelMesh", "ReduceFromTensorParallel",
-           "group_geometry", "load_balanced_chunks", "load_balanced_merge", "merge_by_lse", "ring_attention_blocks"]
+           "group_geometry", "load_balanced_chunks", "load_balanced_merge", "merge_by_lse", "ring_attention_blocks",
+           "check_shard_shapes", "optional_inputs", "primitive_layouts", "shard_primitive"]
