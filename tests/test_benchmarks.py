@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
+import context_parallel  # noqa: E402
 import decode  # noqa: E402
 import fuse  # noqa: E402
 import harness  # noqa: E402
@@ -190,6 +191,18 @@ def test_training_benchmark_end_to_end(tmp_path):
     assert row["ratios"]["fused_vs_unfused"] > 0
     llama = results["llama_step"][0]
     assert llama["fused"]["tokens_per_s"] > 0 and llama["unfused"]["tokens_per_s"] > 0
+
+
+def test_context_parallel_benchmark_end_to_end(tmp_path):
+    """One short length, one process against CP=2 under msrun: both finish, the ranks' losses sum to
+    the one process's, and a point over the memory limit is reported as out of memory."""
+    results = context_parallel.main(["--lengths", "256", "--out", str(tmp_path)])
+    row = json.loads((tmp_path / "context_parallel.json").read_text())["rows"][0]
+    assert row == results["rows"][0] and (tmp_path / "context_parallel.png").stat().st_size > 0
+    one, cp = row["one_process"], row["context_parallel"]
+    assert one["status"] == cp["status"] == "ok", (one, cp)
+    assert abs(one["loss"] - cp["loss"]) < 1e-4 and len(cp["rank_peaks_mb"]) == 2
+    assert context_parallel.context_parallel(256, 2**20)["status"] == "oom"  # 1 MiB: over at once
 
 
 def test_projection_shapes_merge_equal_shapes_and_count_every_gemm():
