@@ -10,7 +10,7 @@ MINDFORMERS_VENV := .venv-mindformers
 MINDFORMERS := $(MINDFORMERS_VENV)/.installed
 MINDNLP_VENV := .venv-mindnlp
 MINDNLP := $(MINDNLP_VENV)/.installed
-KERNEL_SOURCES := $(wildcard ms_rope_attention/csrc/*) $(wildcard ms_rope_attention/aclnn/*/*.h) \
+KERNEL_SOURCES := $(wildcard ms_rope_attention/csrc/*) $(wildcard ms_rope_attention/aclnn/*/*.h) $(wildcard ms_rope_attention/aclnn/*/*/*.h) \
 	$(wildcard ms_rope_attention/aclnn/*/*.cpp) $(wildcard ms_rope_attention/aclnn/*/*.cc)
 # An extra's requirements as pyproject.toml lists them (its one place), for installing them alone.
 EXTRA = $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['$(1)']))")

@@ -14,6 +14,7 @@ import mindspore as ms
 from mindspore import ops
 
 from .cpu_direct import expected_shapes
+from .flash_backward import SWITCH, chosen_backward, flash_attention_bprop
 from .gradients import unfused_autodiff_bprop
 from .op_info import build_reg_info, load_contract
 
@@ -38,11 +39,13 @@ def package_status() -> str | None:
             "build it with ms_rope_attention/aclnn/build.sh")
 
 
-def make_ascend_op(attrs: dict, grads_used: tuple[bool, bool], unfused_forward, strict: bool,
+def make_ascend_op(attrs: dict, grads_used: tuple[bool, bool], forwards, strict: bool,
                    parallel: tuple[int, int] | None = None) -> ops.Custom:
     """The aot ``Custom`` primitive bound to the installed aclnn op, for one attribute set. There is
-    no Ascend backward kernel yet: gradients are the unfused path's autodiff, announced once
-    (``strict`` raises instead). ``parallel=(dp, tp)``: with the semi-auto layouts of
+    no Ascend backward kernel that has run on hardware yet: the backward is the autodiff of one of
+    ``forwards`` (``gradients.AutodiffForwards``), as ``flash_backward.RFA_ASCEND_BACKWARD`` chooses
+    (default: MindSpore's FlashAttention, no S x S matrix), announced once (``strict`` raises
+    instead); ``op.backward_name`` says which. ``parallel=(dp, tp)``: with the semi-auto layouts of
     ``distributed.sharding`` (the forward only: the backward has no primitive of its own)."""
     layout, head_num = attrs.get("input_layout", "BNSD"), attrs.get("head_num") or None
     with_lse, with_rk = attrs.get("with_softmax_lse", False), attrs.get("with_rotated_key", False)
@@ -50,11 +53,16 @@ def make_ascend_op(attrs: dict, grads_used: tuple[bool, bool], unfused_forward, 
     def out_shape(q, k, *rest):
         return expected_shapes(q, k, layout, head_num, with_lse, with_rk)
 
+    backward = chosen_backward()
+    if backward == "flash_attention_score":
+        bprop = flash_attention_bprop(forwards.flash_attention, forwards.unfused, grads_used, layout, head_num, strict)
+    else:
+        bprop = unfused_autodiff_bprop(forwards.unfused, grads_used[0],
+                                       f"no fused backward kernel on Ascend ({SWITCH}=unfused)", strict)
     op = ops.Custom(load_contract().op_name, out_shape=out_shape,
-                    out_dtype=lambda q, k, *rest: (q, ms.float32, k), func_type="aot",
-                    bprop=unfused_autodiff_bprop(unfused_forward, grads_used[0], "no fused backward kernel on Ascend",
-                                                 strict),
+                    out_dtype=lambda q, k, *rest: (q, ms.float32, k), func_type="aot", bprop=bprop,
                     reg_info=build_reg_info("Ascend", attrs))
+    op.backward_name = backward
     if parallel is not None:
         from .distributed.sharding import shard_fused  # the distributed package only when asked for
         shard_fused(op, None, attrs, grads_used, *parallel)

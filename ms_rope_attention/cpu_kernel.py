@@ -172,13 +172,13 @@ class GraphLaunchedCustom(ops.Custom):
         return outputs
 
 
-def make_cpu_op(attrs: dict, grads_used: tuple[bool, bool], unfused_forward, strict: bool,
+def make_cpu_op(attrs: dict, grads_used: tuple[bool, bool], forwards, strict: bool,
                 parallel: tuple[int, int] | None = None) -> ops.Custom:
     """The aot ``Custom`` primitive for one attribute set (attribute names as in the contract),
     differentiable through the fused backward kernel (the same library, its ``Grad`` entry).
     ``grads_used``: whether the caller uses the softmax_lse / rotated_key outputs, i.e. whether
-    their gradients reach the backward. ``unfused_forward``/``strict``: the announced fallback
-    gradient, used only without a fused backward. ``parallel=(dp, tp)``: both primitives with the
+    their gradients reach the backward. ``forwards`` (``gradients.AutodiffForwards``)/``strict``: the
+    announced fallback gradient, the unfused autodiff, used only without a fused backward. ``parallel=(dp, tp)``: both primitives with the
     semi-auto layouts of ``distributed.sharding`` (which a CPU, refusing semi-auto, ignores)."""
     _, path = select_library()
     _open(str(path))  # fail here, not inside MindSpore, if the library cannot be loaded
@@ -188,7 +188,7 @@ def make_cpu_op(attrs: dict, grads_used: tuple[bool, bool], unfused_forward, str
                              reg_info=build_reg_info("CPU", attrs, any_dtype=True, backward=True))
         bprop = fused_bprop(grad_op, *grads_used)
     else:
-        bprop = unfused_autodiff_bprop(unfused_forward, grads_used[0], "no fused backward kernel on CPU", strict)
+        bprop = unfused_autodiff_bprop(forwards.unfused, grads_used[0], "no fused backward kernel on CPU", strict)
     # Shapes and dtypes come from the library's C++ InferShape/InferType (out_shape/out_dtype None): a
     # Python callable would make GRAPH_MODE with dynamic shapes and MindIR export fail.
     op = GraphLaunchedCustom(f"{path}:{KERNEL_SYMBOL}", out_shape=None, out_dtype=None, func_type="aot",

@@ -16,7 +16,8 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from . import checks
-from .gradients import RotaryFusionFallbackError, announce_fallback  # noqa: F401 (re-exported)
+from .flash_backward import rotary_flash_attention_score
+from .gradients import AutodiffForwards, RotaryFusionFallbackError, announce_fallback  # noqa: F401 (re-exported)
 from .unfused import unfused_rotary_flash_attention
 
 logger = logging.getLogger("ms_rope_attention")
@@ -94,8 +95,10 @@ def _make_fused(head_num, input_layout, rotary_mode, rotary_dim, scale, causal, 
         "rotary_dim": rotary_dim or 0, "scale": float(scale or 0.0), "causal": causal,
         "with_softmax_lse": True, "with_rotated_key": with_rotated_key, "key_rotated": key_rotated},
         (with_softmax_lse, with_rotated_key),
-        _unfused_forward(head_num, input_layout, rotary_mode, rotary_dim, scale, causal, with_softmax_lse,
-                         with_rotated_key, key_rotated),
+        AutodiffForwards(_unfused_forward(head_num, input_layout, rotary_mode, rotary_dim, scale, causal,
+                                          with_softmax_lse, with_rotated_key, key_rotated),
+                         _flash_attention_forward(head_num, input_layout, rotary_mode, rotary_dim, scale, causal,
+                                                  key_rotated)),
         strict or backend == "fused", parallel), None
 
 
@@ -188,6 +191,22 @@ def _unfused_forward(head_num, input_layout, rotary_mode, rotary_dim, scale, cau
                              rotary_mode, rotary_dim, scale, causal)
         return _unfused(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry, input_layout,
                         rotary_mode, causal, with_softmax_lse, with_rotated_key, key_rotated)
+
+    return forward
+
+
+def _flash_attention_forward(head_num, input_layout, rotary_mode, rotary_dim, scale, causal, key_rotated):
+    """(attention_out, rotated_key) from RoPE + MindSpore's FlashAttention with fixed attributes:
+    the Ascend backward until the fused one has run on hardware is its autodiff (``flash_backward``)."""
+
+    def forward(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen):
+        q_heads, kv_heads, head_dim, rotary, softmax_scale = _geometry(
+            query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, head_num, input_layout, rotary_mode,
+            rotary_dim, scale, causal)
+        return rotary_flash_attention_score(
+            query, key, value, _table(cos), _table(sin), actual_seq_qlen, actual_seq_kvlen, head_num=q_heads,
+            kv_head_num=kv_heads, head_dim=head_dim, input_layout=input_layout, rotary_mode=rotary_mode,
+            rotary_dim=rotary, scale=softmax_scale, causal=causal, key_rotated=key_rotated)
 
     return forward
 

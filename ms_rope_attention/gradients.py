@@ -3,13 +3,17 @@
 - ``fused_bprop``: the backward kernel (``RotaryFlashAttentionGrad``, a second aot ``Custom`` op),
   FlashAttention-2 style from the forward's output and log-sum-exp, which the fused forward therefore
   always emits. cos/sin and the TND offsets get no gradient (zeros): they are tables and indices.
-- ``unfused_autodiff_bprop``: for a device whose fused forward has no fused backward (Ascend today):
-  MindSpore's autodiff of the unfused path on the same inputs. Never silent: the first backward logs
-  one ``rotary_fusion_fallback`` warning naming the backward, and ``strict=True`` raises instead.
+- ``unfused_autodiff_bprop``: for a device whose fused forward has no fused backward: MindSpore's
+  autodiff of the unfused path on the same inputs (it holds S x S scores per head). On Ascend the
+  default is ``flash_backward.flash_attention_bprop`` instead (MindSpore's FlashAttention gradient),
+  which falls back to this one only where FlashAttention cannot take the call.
+Never silent: the first backward logs one ``rotary_fusion_fallback`` warning naming the backward
+that runs, and ``strict=True`` raises instead.
 """
 from __future__ import annotations
 
 import logging
+from typing import Callable, NamedTuple
 
 from mindspore import ops
 
@@ -40,34 +44,47 @@ def fused_bprop(grad_op, lse_used: bool, rotated_key_used: bool):
     return bprop
 
 
+class AutodiffForwards(NamedTuple):
+    """The op's forward rebuilt from MindSpore ops, for a fused forward whose backward is an
+    autodiff: ``unfused`` (the unfused path: (out, lse, rotated_key)) and ``flash_attention``
+    (RoPE + ``ops.flash_attention_score``: (out, rotated_key); Ascend only)."""
+    unfused: Callable
+    flash_attention: Callable
+
+
 class RotaryFusionFallbackError(RuntimeError):
     """Raised under ``strict=True`` instead of falling back to the unfused path."""
 
 
-def announce_fallback(reason: str, strict: bool) -> None:
-    """One warning per reason per process (``rotary_fusion_fallback: ...``), or the strict error."""
+UNFUSED = "the unfused RoPE + attention path"
+
+
+def announce_fallback(reason: str, strict: bool, instead: str = UNFUSED) -> None:
+    """One warning per reason per process (``rotary_fusion_fallback: ...; running <instead>``), or
+    the strict error."""
     if strict:
         raise RotaryFusionFallbackError(f"rotary_fusion_fallback refused: {reason}")
     if reason not in _announced:
         _announced.add(reason)
-        logger.warning("rotary_fusion_fallback: %s; running the unfused RoPE + attention path", reason)
+        logger.warning("rotary_fusion_fallback: %s; running %s", reason, instead)
 
 
 @ops.constexpr
-def _announce_backward_fallback(reason: str, strict: bool) -> bool:
+def announce_backward_fallback(reason: str, strict: bool, instead: str = UNFUSED) -> bool:
     """Runs when the gradient is built: at compile time in GRAPH_MODE, at each backward in PyNative."""
-    announce_fallback(f"backward: {reason}", strict)
+    announce_fallback(f"backward: {reason}", strict, instead)
     return True
 
 
-def unfused_autodiff_bprop(unfused_forward, lse_used: bool, reason: str, strict: bool):
+def unfused_autodiff_bprop(unfused_forward, lse_used: bool, reason: str | None, strict: bool):
     """The bprop of a fused forward without a fused backward: the vector-Jacobian product of
     ``unfused_forward`` (same inputs, same outputs as the fused op, with softmax_lse only when
-    ``lse_used``) at the fused op's upstream gradients."""
+    ``lse_used``) at the fused op's upstream gradients. ``reason`` None: the caller announces."""
     vjp = ops.GradOperation(get_all=True, sens_param=True)(unfused_forward)
 
     def bprop(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, out, dout):
-        _announce_backward_fallback(reason, strict)
+        if reason is not None:
+            announce_backward_fallback(reason, strict)
         d_lse = dout[1] if lse_used else ops.zeros((0,), out[1].dtype)
         d_query, d_key, d_value = vjp(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen,
                                       (dout[0], d_lse, dout[2]))[:3]

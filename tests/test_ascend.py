@@ -169,6 +169,7 @@ EMULATION_RULES = {
     22: "REGIST_MATMUL_OBJ",                                # InitBuffer before the registration
     23: "did not declare KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIC_1_2)",
     24: "has not called End()",
+    25: "write after write: LocalTensor::SetValue on pipe S",  # a scalar mask on IterateAll's C, unfenced
 }
 
 

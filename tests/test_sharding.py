@@ -80,8 +80,10 @@ def test_ascend_forward_primitive_layouts(key):
     from ms_rope_attention.ascend_kernel import make_ascend_op
 
     layout, dp, tp, with_rotated_key = key
-    unfused = mra.functional._unfused_forward(4, layout, 0, None, None, True, False, with_rotated_key, False)
-    primitive = make_ascend_op(_attrs(layout, with_rotated_key), (False, with_rotated_key), unfused, False,
+    forwards = mra.gradients.AutodiffForwards(
+        mra.functional._unfused_forward(4, layout, 0, None, None, True, False, with_rotated_key, False),
+        mra.functional._flash_attention_forward(4, layout, 0, None, None, True, False))
+    primitive = make_ascend_op(_attrs(layout, with_rotated_key), (False, with_rotated_key), forwards, False,
                                parallel=(dp, tp))
     assert primitive.name == "Custom" and primitive.attrs["func_type"] == "aot"
     assert primitive.attrs["self_define_shard"] is True

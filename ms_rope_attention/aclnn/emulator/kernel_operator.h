@@ -426,13 +426,16 @@ class TBuf;
 class TPipe {
  public:
   TPipe() { Core().ub_used = 0; }
+  // The real signatures (kernel_tpipe.h): a queue's depth is a uint8_t, lengths are uint32_t.
   template <TPosition pos, int32_t depth>
-  void InitBuffer(TQue<pos, depth> &que, int32_t num, int32_t len) {
+  bool InitBuffer(TQue<pos, depth> &que, uint8_t num, uint32_t len) {
     que.Init(Reserve(static_cast<int64_t>(num) * RoundUp(len)), num, RoundUp(len));
+    return true;
   }
   template <TPosition pos>
-  void InitBuffer(TBuf<pos> &buf, uint32_t len) {
+  bool InitBuffer(TBuf<pos> &buf, uint32_t len) {
     buf.Init(Reserve(RoundUp(len)), RoundUp(len));
+    return true;
   }
   TEventID FetchEventID(HardEvent) {
     VectorCore("TPipe::FetchEventID");

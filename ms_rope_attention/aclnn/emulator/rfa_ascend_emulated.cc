@@ -295,11 +295,18 @@ void Mix(int which) {
       op.Multiply(op.mm);
       op.Multiply(op.mm2);
       break;
-    case -2:  // control: registered in the entry, End() between objects
+    case -2:  // control: registered in the entry, End() between objects, C fenced before the scalar
       op.Multiply(op.mm);
       op.mm.End();
       op.Multiply(op.mm2);
       op.mm2.End();
+      PipeBarrier<PIPE_ALL>();
+      op.c_buf.Get<float>().SetValue(0, 0.0f);
+      break;
+    case 25:  // the scalar unit writes C (a mask) right after IterateAll, unfenced
+      op.Multiply(op.mm);
+      op.mm.End();
+      op.c_buf.Get<float>().SetValue(0, 0.0f);
       break;
     default: break;
   }

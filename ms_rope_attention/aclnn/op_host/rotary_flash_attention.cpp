@@ -119,6 +119,10 @@ static ge::graphStatus TilingFunc(gert::TilingContext *context) {
     ndims[i] = static_cast<int>(dims[i].size());
     shapes[i] = dims[i].data();
     const auto *desc = input ? context->GetOptionalInputDesc(i) : context->GetOutputDesc(i - rfa::kInputs);
+    if (desc == nullptr) {  // a shape without a description: refuse rather than guess the dtype
+      if (error.empty()) error = std::string("tiling: tensor ") + std::to_string(i) + " has a shape but no description";
+      continue;
+    }
     dtypes[i] = DTypeName(desc->GetDataType());
   }
   for (int i = 5; i < rfa::kInputs; ++i) {  // actual_seq_qlen / kvlen are value-dependent: data on the host
@@ -128,6 +132,13 @@ static ge::graphStatus TilingFunc(gert::TilingContext *context) {
   rfa::Problem problem;
   if (error.empty()) error = rfa::ValidateCall(a, ndims.data(), shapes.data(), dtypes.data(), params.data(), &problem);
   auto platform = platform_ascendc::PlatformAscendC(context->GetPlatformInfo());
+  // The kernel's user workspace starts kSysWorkspaceBytes past the system one (GetUserWorkspace on
+  // dav_c220: RESERVED_WORKSPACE, 16 MiB), so that is the system part asked for; a Matmul API that
+  // needs more would overrun the user part: refused.
+  if (error.empty() && platform.GetLibApiWorkSpaceSize() > static_cast<uint32_t>(rfa::ascend::kSysWorkspaceBytes))
+    error = "tiling: the Matmul API asks for " + std::to_string(platform.GetLibApiWorkSpaceSize()) +
+            " bytes of system workspace, more than the " + std::to_string(rfa::ascend::kSysWorkspaceBytes) +
+            " the kernel reserves before its own";
   uint64_t ub = 0;
   platform.GetCoreMemSize(platform_ascendc::CoreMemType::UB, ub);
   const rfa::ascend::Platform pf(static_cast<int64_t>(platform.GetCoreNumAiv()), static_cast<int64_t>(ub));
@@ -151,8 +162,11 @@ static ge::graphStatus TilingFunc(gert::TilingContext *context) {
                                                   platform.GetCoreNumAiv()));
   context->SetScheduleMode(1);
   size_t *workspace = context->GetWorkspaceSizes(1);
-  workspace[0] = platform.GetLibApiWorkSpaceSize() + rfa::ascend::WorkspaceBytes(data->rfa, rfa::ascend::ElemBytes(
-                                                        problem.qkv_dtype)) - rfa::ascend::kSysWorkspaceBytes;
+  if (workspace == nullptr) {
+    std::fprintf(stderr, "[RotaryFlashAttention] tiling: the context has no workspace size slot\n");
+    return ge::GRAPH_FAILED;
+  }
+  workspace[0] = static_cast<size_t>(rfa::ascend::WorkspaceBytes(data->rfa, rfa::ascend::ElemBytes(problem.qkv_dtype)));
   return ge::GRAPH_SUCCESS;
 }
 

@@ -327,6 +327,7 @@ class RotaryFlashAttentionKernel {
       mm_qk.SetTail(static_cast<int>(m), static_cast<int>(nb), static_cast<int>(d));
       mm_qk.IterateAll(s);
       mm_qk.End();
+      AscendC::PipeBarrier<PIPE_ALL>();  // S in the UB before the scalar masks it (IterateAll promises no visibility)
       OnlineSoftmax(task, q_off, j0, n, m, first_bad);
       AscendC::PipeBarrier<PIPE_ALL>();  // P in the workspace before the cube reads it
       // O = O * alpha + P V.
@@ -336,6 +337,7 @@ class RotaryFlashAttentionKernel {
       mm_pv.SetTail(static_cast<int>(m), static_cast<int>(t_.head_pad), static_cast<int>(nb));
       mm_pv.IterateAll(pv);
       mm_pv.End();
+      AscendC::PipeBarrier<PIPE_ALL>();  // PV in the UB before the vector pipe adds it
       for (int64_t r = 0; r < m; ++r) {
         LocalTensor<float> orow = o[r * t_.head_pad];
         AscendC::Muls(orow, orow, alpha.GetValue(r), static_cast<int32_t>(d));

@@ -124,8 +124,12 @@ class Matmul : public AscendC::MatmulBase {
     if (!c.Aligned()) AscendC::EmuFail("Matmul::IterateAll: C not 32-byte aligned in the UB");
     TC *out = c.At(0, static_cast<int64_t>(m_) * org_n_);  // resolved on the vector core: the cube writes its UB
     OnCube([&] { Compute([&](int64_t i, int64_t j, float v) { out[i * org_n_ + j] = static_cast<TC>(v); }); });
-    // IterateAll<true> returns once C is in place: the result is visible to every pipe of this core.
-    AscendC::RecordWrite(AscendC::kNoPipe, 0, c.Byte(0), static_cast<int64_t>(m_) * org_n_ * sizeof(TC), "");
+    // IterateAll<true> returns once the cube has answered, but no document says C is then visible
+    // to this core's scalar unit or vector pipe: the client's copy of C into the UB is modelled as
+    // an asynchronous MTE2 write, so touching C needs a fence (PipeBarrier<PIPE_ALL>, or
+    // SetFlag/WaitFlag MTE2 -> S / MTE2 -> V).
+    AscendC::RecordWrite(AscendC::kMTE2, AscendC::Issue(AscendC::kMTE2), c.Byte(0),
+                         static_cast<int64_t>(m_) * org_n_ * sizeof(TC), "Matmul::IterateAll (C into the UB)");
     (void)core;
   }
   void End() {

@@ -1,0 +1,206 @@
+"""The Ascend backward without an NPU: which backward the op builds when the dispatch is forced to
+Ascend (MindSpore's FlashAttention by default, never the S x S path unless asked or unavoidable,
+always announced), and its numerics, with ``ops.flash_attention_score`` (no CPU kernel) replaced by
+an independent float32 model of its documented semantics, against the fused CPU backward."""
+import logging
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Tensor, ops
+
+import ms_rope_attention as mra
+from ms_rope_attention import ascend_kernel, flash_backward, functional, gradients
+
+
+def model_flash_attention_score(query, key, value, head_num, real_shift=None, drop_mask=None, padding_mask=None,
+                                attn_mask=None, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None,
+                                keep_prob=1.0, scalar_value=1.0, pre_tokens=2147483647, next_tokens=2147483647,
+                                inner_precise=0, input_layout="BSH", sparse_mode=0):
+    """``ops.flash_attention_score`` as its documentation states it, for what the backward passes:
+    float16/bfloat16 only, layouts BSH/BNSD/BSND/TND, GQA (N1 a multiple of N2, a query head's KV
+    head = head // (N1 / N2)), sparse_mode 0 (no mask) or 3 (rightDownCausal, per sequence in TND,
+    with the compressed 2048 x 2048 mask)."""
+    if query.dtype not in (ms.float16, ms.bfloat16):
+        raise TypeError(f"flash_attention_score: query dtype {query.dtype} is not float16 or bfloat16")
+    assert sparse_mode in (0, 3) and (sparse_mode == 0) == (attn_mask is None)
+    assert sparse_mode == 0 or tuple(attn_mask.shape) == (2048, 2048)
+    assert real_shift is None and drop_mask is None and padding_mask is None and keep_prob == 1.0
+
+    def bnsd(x, heads):
+        x = x.astype(ms.float32)
+        if input_layout == "BNSD":
+            return x
+        if input_layout == "BSND":
+            return x.transpose(0, 2, 1, 3)
+        if input_layout == "BSH":
+            return x.reshape(x.shape[0], x.shape[1], heads, -1).transpose(0, 2, 1, 3)
+        return x.transpose(1, 0, 2).expand_dims(0)
+
+    q = bnsd(query, head_num)
+    kv_heads = key.shape[1] if input_layout in ("BNSD", "TND") else (
+        key.shape[2] if input_layout == "BSND" else key.shape[2] // (query.shape[2] // head_num))
+    k, v = bnsd(key, kv_heads), bnsd(value, kv_heads)
+    group = head_num // kv_heads
+    k, v = ops.repeat_interleave(k, group, 1), ops.repeat_interleave(v, group, 1)
+    s1, s2 = q.shape[2], k.shape[2]
+    qi = ops.arange(0, s1, dtype=ms.int64).expand_dims(1)
+    ki = ops.arange(0, s2, dtype=ms.int64).expand_dims(0)
+    if input_layout == "TND":
+        q_ends, k_ends = actual_seq_qlen.astype(ms.int64), actual_seq_kvlen.astype(ms.int64)
+        q_seq = (qi >= q_ends.expand_dims(0)).sum(1, keepdims=True)
+        k_seq = (ki.expand_dims(-1) >= k_ends.reshape(1, 1, -1)).sum(-1)
+        q_start = ops.concat([ops.zeros((1,), ms.int64), q_ends[:-1]])
+        k_start = ops.concat([ops.zeros((1,), ms.int64), k_ends[:-1]])
+        q_len, k_len = q_ends - q_start, k_ends - k_start
+        q_local = qi - q_start[q_seq]
+        k_local = ki - k_start[k_seq]
+        hidden = q_seq != k_seq
+        if sparse_mode == 3:
+            hidden = hidden | (k_local > q_local + (k_len - q_len)[q_seq])
+    else:
+        hidden = ki > qi + (s2 - s1) if sparse_mode == 3 else ops.zeros((s1, s2), ms.bool_)
+    scores = ops.matmul(q, k.swapaxes(-1, -2)) * scalar_value
+    scores = ops.masked_fill(scores, hidden.broadcast_to(scores.shape), -1e30)
+    out = ops.matmul(ops.softmax(scores, -1), v)
+    if input_layout == "BSND":
+        out = out.transpose(0, 2, 1, 3)
+    elif input_layout == "BSH":
+        out = out.transpose(0, 2, 1, 3).reshape(query.shape)
+    elif input_layout == "TND":
+        out = out.squeeze(0).transpose(1, 0, 2)
+    return out.astype(query.dtype)
+
+
+@pytest.fixture
+def ascend_dispatch(monkeypatch):
+    """The dispatch as on an Ascend machine with the op package installed."""
+    monkeypatch.setattr(functional, "_device", lambda: "Ascend")
+    monkeypatch.setattr(ascend_kernel, "package_status", lambda: None)
+    monkeypatch.setattr(functional, "_backends", {})
+    monkeypatch.setattr(gradients, "_announced", set())
+    monkeypatch.setattr(ops, "flash_attention_score", model_flash_attention_score)
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+def _ascend_op(**attrs):
+    attrs = {"head_num": 4, "input_layout": "BNSD", "rotary_mode": 0, "rotary_dim": None, "scale": None,
+             "causal": True, "with_softmax_lse": False, "with_rotated_key": False, "key_rotated": False,
+             "backend": "auto", "strict": False, **attrs}
+    return functional.backend_for(*attrs.values()).fused
+
+
+def test_ascend_builds_the_flash_attention_backward_by_default(ascend_dispatch, monkeypatch):
+    assert _ascend_op().backward_name == "flash_attention_score"
+    monkeypatch.setenv(flash_backward.SWITCH, "unfused")
+    monkeypatch.setattr(functional, "_backends", {})
+    assert _ascend_op().backward_name == "unfused"
+    monkeypatch.setenv(flash_backward.SWITCH, "s_by_s")
+    monkeypatch.setattr(functional, "_backends", {})
+    with pytest.raises(ValueError, match="RFA_ASCEND_BACKWARD: expected one of .*'flash_attention_score'.*s_by_s"):
+        _ascend_op()
+
+
+def test_llama_shaped_calls_never_take_the_s_by_s_path():
+    """What Llama training passes (float16/bfloat16, D = 128, 32 heads, every layout, GQA): no refusal."""
+    for dtype in (ms.float16, ms.bfloat16):
+        for layout, q, k in (("BSH", (1, 4096, 4096), (1, 4096, 1024)), ("BNSD", (1, 32, 4096, 128), (1, 8, 4096, 128)),
+                             ("BSND", (1, 4096, 32, 128), (1, 4096, 8, 128)), ("TND", (4096, 32, 128), (4096, 8, 128))):
+            assert flash_backward.flash_attention_refusal(dtype, q, layout, 32, False) == ""
+
+
+CASES = {  # layout, heads, kv_heads, q_len, kv_len, rotary_dim, rotary_mode, causal, key_rotated, rotated_key grad
+    "bnsd-gqa-causal": ("BNSD", 4, 2, 24, 24, None, 0, True, False, False),
+    "bsnd-partial-interleaved-q<kv": ("BSND", 4, 4, 9, 21, 16, 1, True, False, False),
+    "bsh-noncausal-mqa": ("BSH", 4, 1, 17, 17, None, 0, False, False, False),
+    "tnd-varlen-causal": ("TND", 4, 2, None, None, None, 0, True, False, False),
+    "bnsd-rotated-key-gradient": ("BNSD", 4, 2, 16, 16, None, 0, True, False, True),
+    "bnsd-key-rotated": ("BNSD", 4, 2, 8, 8, None, 0, True, True, False),
+}
+
+
+def _inputs(layout, heads, kv_heads, q_len, kv_len, rng, dim=32):
+    if layout == "TND":
+        q_lens, kv_lens = [5, 12, 1], [9, 12, 3]
+        q_shape, k_shape = (sum(q_lens), heads, dim), (sum(kv_lens), kv_heads, dim)
+        offsets = (Tensor(np.cumsum(q_lens), ms.int64), Tensor(np.cumsum(kv_lens), ms.int64))
+    else:
+        shapes = {"BNSD": lambda n, s: (2, n, s, dim), "BSND": lambda n, s: (2, s, n, dim),
+                  "BSH": lambda n, s: (2, s, n * dim)}[layout]
+        q_shape, k_shape, offsets = shapes(heads, q_len), shapes(kv_heads, kv_len), (None, None)
+    q, k, v = (Tensor(rng.standard_normal(s).astype(np.float16)) for s in (q_shape, k_shape, k_shape))
+    return q, k, v, offsets
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_flash_attention_backward_equals_the_fused_cpu_backward(name, ascend_dispatch, monkeypatch, rng, caplog):
+    """dq/dk/dv of the Ascend default backward (float16) within 5e-3 (relative to the largest
+    gradient) of the fused CPU kernel's on the same inputs and upstream gradients, announced once."""
+    layout, heads, kv_heads, q_len, kv_len, rotary_dim, mode, causal, key_rotated, rk_grad = CASES[name]
+    q, k, v, (aq, akv) = _inputs(layout, heads, kv_heads, q_len, kv_len, rng)
+    cos, sin = map(Tensor, mra.rope_tables(rotary_dim or 32, 64, rotary_mode=mode))
+    attrs = dict(head_num=heads, input_layout=layout, rotary_mode=mode, rotary_dim=rotary_dim, causal=causal,
+                 with_rotated_key=rk_grad, key_rotated=key_rotated)
+    op = _ascend_op(**attrs)
+    d_out = Tensor(rng.standard_normal(q.shape).astype(np.float16))
+    d_rk = Tensor(rng.standard_normal(k.shape).astype(np.float16)) if rk_grad else ops.zeros((0,), k.dtype)
+    out = (ops.zeros_like(q), ops.zeros((0,), ms.float32), ops.zeros_like(k) if rk_grad else ops.zeros((0,), k.dtype))
+    with caplog.at_level(logging.WARNING, logger="ms_rope_attention"):
+        got = op.bprop(q, k, v, cos, sin, aq, akv, out, (d_out, ops.zeros((0,), ms.float32), d_rk))[:3]
+    said = [r.getMessage() for r in caplog.records if "rotary_fusion_fallback" in r.getMessage()]
+    assert len(said) == 1 and "MindSpore's FlashAttention backward on the rotated q/k" in said[0], said
+
+    monkeypatch.setattr(functional, "_device", lambda: "CPU")
+    monkeypatch.setattr(functional, "_backends", {})
+
+    def loss(q, k, v):
+        result = mra.rotary_flash_attention(q, k, v, cos, sin, heads, input_layout=layout, rotary_mode=mode,
+                                            rotary_dim=rotary_dim, causal=causal, actual_seq_qlen=aq,
+                                            actual_seq_kvlen=akv, return_rotated_key=rk_grad, key_rotated=key_rotated,
+                                            strict=True)
+        if not rk_grad:
+            return (result.astype(ms.float32) * d_out.astype(ms.float32)).sum()
+        out, rotated = result
+        return (out.astype(ms.float32) * d_out.astype(ms.float32)).sum() + (
+            rotated.astype(ms.float32) * d_rk.astype(ms.float32)).sum()
+
+    want = ms.grad(loss, grad_position=(0, 1, 2))(q, k, v)
+    for label, g, w in zip(("dq", "dk", "dv"), got, want):
+        g, w = g.asnumpy().astype(np.float64), w.asnumpy().astype(np.float64)
+        assert np.abs(g - w).max() <= 5e-3 * max(1.0, np.abs(w).max()), (label, np.abs(g - w).max())
+
+
+@pytest.mark.parametrize("why,attrs,dtype,dim,heads,lse", [
+    ("float32 inputs", {}, np.float32, 32, 2, False),
+    ("head size 8", {}, np.float16, 8, 2, False),
+    ("258 query heads", {}, np.float16, 16, 258, False),
+    ("softmax_lse output is used", {"with_softmax_lse": True}, np.float16, 32, 2, True),
+])
+def test_where_flash_attention_cannot_the_unfused_autodiff_runs_and_says_why(why, attrs, dtype, dim, heads, lse,
+                                                                            ascend_dispatch, rng, caplog):
+    q_len = 8
+    op = _ascend_op(head_num=heads, **attrs)
+    q = Tensor(rng.standard_normal((1, heads, q_len, dim)).astype(dtype))
+    k = v = Tensor(rng.standard_normal((1, 2, 8, dim)).astype(dtype))
+    cos, sin = map(Tensor, mra.rope_tables(dim, 16))
+    d_out = Tensor(rng.standard_normal(q.shape).astype(dtype))
+    d_lse = Tensor(rng.standard_normal((1, heads, q_len)).astype(np.float32)) if lse else ops.zeros((0,), ms.float32)
+    out = (ops.zeros_like(q), ops.zeros((1, heads, q_len), ms.float32), ops.zeros((0,), q.dtype))
+    with caplog.at_level(logging.WARNING, logger="ms_rope_attention"):
+        got = op.bprop(q, k, v, cos, sin, None, None, out, (d_out, d_lse, ops.zeros((0,), q.dtype)))[:3]
+    said = [r.getMessage() for r in caplog.records if "rotary_fusion_fallback" in r.getMessage()]
+    assert len(said) == 1 and why in said[0] and "the unfused autodiff (S x S scores per head)" in said[0], said
+    unfused = functional._unfused_forward(heads, "BNSD", 0, None, None, True, lse, False, False)
+    sens = (d_out, d_lse, ops.zeros((0,), q.dtype))
+    want = ops.GradOperation(get_all=True, sens_param=True)(unfused)(q, k, v, cos, sin, None, None, sens)[:3]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.asnumpy(), w.asnumpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_strict_refuses_both_stand_in_backwards(ascend_dispatch, rng):
+    op = _ascend_op(strict=True)
+    q = k = v = Tensor(rng.standard_normal((1, 4, 8, 32)).astype(np.float16))
+    cos, sin = map(Tensor, mra.rope_tables(32, 16))
+    empty = ops.zeros((0,), ms.float32)
+    with pytest.raises(mra.RotaryFusionFallbackError, match="no fused backward kernel on Ascend"):
+        op.bprop(q, k, v, cos, sin, None, None, (q, empty, empty.astype(q.dtype)), (q, empty, empty.astype(q.dtype)))
