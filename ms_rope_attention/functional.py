@@ -10,6 +10,7 @@ preferred; a fallback to the unfused path is never silent: it logs a one-time wa
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import mindspore as ms
 import numpy as np
@@ -45,6 +46,31 @@ def _fused_factory(device: str):
     return None, f"no fused kernel registered for device {device!r}"
 
 
+class OpAttrs(NamedTuple):
+    """The op's attributes, one value from the Cell or the call down to the kernel factories.
+    Inside a graph it is a plain tuple where it reaches an ``ops.constexpr`` helper: those rebuild
+    it (``OpAttrs(*attrs)``); graph code itself reads the fields by name."""
+    head_num: int | None = None
+    input_layout: str = "BNSD"
+    rotary_mode: int = 0
+    rotary_dim: int | None = None
+    scale: float | None = None
+    causal: bool = True
+    with_softmax_lse: bool = False
+    with_rotated_key: bool = False
+    key_rotated: bool = False
+    backend: str = "auto"
+    strict: bool = False
+
+    def kernel_attrs(self) -> dict:
+        """The primitives' attributes (the contract's names; 0 for "from the inputs"). The fused
+        forward always emits softmax_lse: the backward needs it (a float per row); the op returns an
+        empty lse when it was not asked for."""
+        return {"head_num": self.head_num or 0, "input_layout": self.input_layout, "rotary_mode": self.rotary_mode,
+                "rotary_dim": self.rotary_dim or 0, "scale": float(self.scale or 0.0), "causal": self.causal,
+                "with_softmax_lse": True, "with_rotated_key": self.with_rotated_key, "key_rotated": self.key_rotated}
+
+
 class Backend:
     """The kernels of one attribute set: ``fused`` (the primitive, or None when the unfused path runs),
     ``name`` ('fused:CPU', 'fused:Ascend' or 'unfused') and ``fallback_reason``."""
@@ -56,73 +82,61 @@ class Backend:
 _backends: dict = {}
 
 
-def backend_for(head_num, input_layout, rotary_mode, rotary_dim, scale, causal, with_softmax_lse, with_rotated_key,
-                key_rotated, backend, strict) -> Backend:
+def backend_for(attrs: OpAttrs) -> Backend:
     """The dispatch: one ``Backend`` per attribute set and device, built (attributes validated,
     a fallback announced) the first time it is asked for. Keyed by type and value: 1 == True == 1.0,
     but they are not the same argument."""
-    attrs = (head_num, input_layout, rotary_mode, rotary_dim, scale, causal, with_softmax_lse, with_rotated_key,
-             key_rotated, backend, strict)
+    attrs = OpAttrs(*attrs)
     key = tuple((type(a).__name__, a) for a in attrs) + (_device(),)
     found = _backends.get(key)
     if found is not None:
         return found
-    checks.check_attrs(head_num, input_layout, rotary_mode, rotary_dim, scale, causal)
-    checks.check_flags(with_softmax_lse=with_softmax_lse, with_rotated_key=with_rotated_key, key_rotated=key_rotated,
-                       strict=strict)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
-    fused, reason = _make_fused(*attrs)
+    checks.check_attrs(attrs.head_num, attrs.input_layout, attrs.rotary_mode, attrs.rotary_dim, attrs.scale,
+                       attrs.causal)
+    checks.check_flags(with_softmax_lse=attrs.with_softmax_lse, with_rotated_key=attrs.with_rotated_key,
+                       key_rotated=attrs.key_rotated, strict=attrs.strict)
+    if attrs.backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {attrs.backend!r}")
+    fused, reason = _make_fused(attrs)
     if reason is not None:
-        announce_fallback(reason, strict or backend == "fused")
+        announce_fallback(reason, attrs.strict or attrs.backend == "fused")
     found = _backends[key] = Backend(fused, f"fused:{_device()}" if fused is not None else "unfused", reason)
     return found
 
 
-def _make_fused(head_num, input_layout, rotary_mode, rotary_dim, scale, causal, with_softmax_lse, with_rotated_key,
-                key_rotated, backend, strict, parallel=None):
+def _make_fused(attrs: OpAttrs, parallel=None):
     """(a new fused primitive, None) for checked attributes, or (None, why the fused kernel is
     unavailable); (None, None) for backend='unfused'. ``parallel=(dp, tp)``: with semi-auto layouts."""
-    if backend == "unfused":
+    if attrs.backend == "unfused":
         return None, None
     factory, reason = _fused_factory(_device())
     if factory is None:
         return None, reason
-    # The fused forward always emits softmax_lse: the backward needs it (a float per row); the op
-    # returns an empty lse when it was not asked for.
-    return factory({
-        "head_num": head_num or 0, "input_layout": input_layout, "rotary_mode": rotary_mode,
-        "rotary_dim": rotary_dim or 0, "scale": float(scale or 0.0), "causal": causal,
-        "with_softmax_lse": True, "with_rotated_key": with_rotated_key, "key_rotated": key_rotated},
-        (with_softmax_lse, with_rotated_key),
-        AutodiffForwards(_unfused_forward(head_num, input_layout, rotary_mode, rotary_dim, scale, causal,
-                                          with_softmax_lse, with_rotated_key, key_rotated),
-                         _flash_attention_forward(head_num, input_layout, rotary_mode, rotary_dim, scale, causal,
-                                                  key_rotated)),
-        strict or backend == "fused", parallel), None
+    return factory(attrs.kernel_attrs(), (attrs.with_softmax_lse, attrs.with_rotated_key),
+                   AutodiffForwards(_unfused_forward(attrs), _flash_attention_forward(attrs)),
+                   attrs.strict or attrs.backend == "fused", parallel), None
 
 
 @ops.constexpr(reuse_result=False)
-def _fused_primitive(head_num, input_layout, rotary_mode, rotary_dim, scale, causal, with_softmax_lse,
-                     with_rotated_key, key_rotated, backend, strict):
-    """``backend_for(...).fused`` as a graph constant (None: the unfused path). Not reused by value:
+def _fused_primitive(attrs):
+    """``backend_for(attrs).fused`` as a graph constant (None: the unfused path). Not reused by value:
     constexpr's own result cache would take causal=1 for causal=True."""
-    return backend_for(head_num, input_layout, rotary_mode, rotary_dim, scale, causal, with_softmax_lse,
-                       with_rotated_key, key_rotated, backend, strict).fused
+    return backend_for(OpAttrs(*attrs)).fused
 
 
 @ops.constexpr(check=False)
 def _check_call(q_shape, k_shape, v_shape, cos_shape, sin_shape, q_dtype, k_dtype, v_dtype, cos_dtype, sin_dtype,
-                head_num, input_layout, rotary_mode, rotary_dim, scale, causal, aq_meta, akv_meta):
+                attrs, aq_meta, akv_meta):
     """Compile-time (GRAPH_MODE) or eager (PyNative) argument check; returns the static geometry.
 
     With dynamic shapes a graph's ``x.shape`` holds ``None`` for each dynamic dimension: a value not
     known when the graph compiles, which makes constexpr's own check warn that its arguments are not
     all constant. That is expected here (``check=False``): every known dimension is checked now, and the
     dynamic ones by the kernel when it launches, before it reads any memory."""
+    a = OpAttrs(*attrs)
     geo = checks.check_inputs(q_shape, k_shape, v_shape, cos_shape, sin_shape, q_dtype, k_dtype, v_dtype, cos_dtype,
-                              sin_dtype, head_num, input_layout, rotary_mode, rotary_dim, scale, causal, aq_meta,
-                              akv_meta)
+                              sin_dtype, a.head_num, a.input_layout, a.rotary_mode, a.rotary_dim, a.scale, a.causal,
+                              aq_meta, akv_meta)
     return geo.q_heads, geo.kv_heads, geo.head_dim, geo.rotary_dim, geo.scale
 
 
@@ -144,12 +158,11 @@ def _require_static(q_heads, kv_heads, head_dim):
     return True
 
 
-def _geometry(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, head_num, input_layout, rotary_mode,
-              rotary_dim, scale, causal):
+def _geometry(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, attrs):
     """The static check of one call: (q_heads, kv_heads, head_dim, rotary_dim, scale)."""
     _check_tensors(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen)
     return _check_call(query.shape, key.shape, value.shape, cos.shape, sin.shape, query.dtype, key.dtype, value.dtype,
-                       cos.dtype, sin.dtype, head_num, input_layout, rotary_mode, rotary_dim, scale, causal,
+                       cos.dtype, sin.dtype, attrs,
                        None if actual_seq_qlen is None else (actual_seq_qlen.dtype, actual_seq_qlen.ndim),
                        None if actual_seq_kvlen is None else (actual_seq_kvlen.dtype, actual_seq_kvlen.ndim))
 
@@ -170,57 +183,48 @@ def _table(table):
     return table.astype(ms.float32) if _table_needs_cast(table.dtype) else table
 
 
-def _unfused(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry, input_layout, rotary_mode,
-             causal, with_softmax_lse, with_rotated_key, key_rotated):
+def _unfused(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry, attrs):
     q_heads, kv_heads, head_dim, rotary_dim, scale = geometry
     _require_static(q_heads, kv_heads, head_dim)
     return unfused_rotary_flash_attention(
         query, key, value, _table(cos), _table(sin), actual_seq_qlen, actual_seq_kvlen, head_num=q_heads,
-        kv_head_num=kv_heads, head_dim=head_dim, input_layout=input_layout, rotary_mode=rotary_mode,
-        rotary_dim=rotary_dim, scale=scale, causal=causal, with_softmax_lse=with_softmax_lse,
-        with_rotated_key=with_rotated_key, key_rotated=key_rotated)
+        kv_head_num=kv_heads, head_dim=head_dim, input_layout=attrs.input_layout, rotary_mode=attrs.rotary_mode,
+        rotary_dim=rotary_dim, scale=scale, causal=attrs.causal, with_softmax_lse=attrs.with_softmax_lse,
+        with_rotated_key=attrs.with_rotated_key, key_rotated=attrs.key_rotated)
 
 
-def _unfused_forward(head_num, input_layout, rotary_mode, rotary_dim, scale, causal, with_softmax_lse,
-                     with_rotated_key, key_rotated):
+def _unfused_forward(attrs: OpAttrs):
     """The unfused path with fixed attributes: the gradient of a fused forward on a device without a
     fused backward is its autodiff."""
 
     def forward(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen):
-        geometry = _geometry(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, head_num, input_layout,
-                             rotary_mode, rotary_dim, scale, causal)
-        return _unfused(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry, input_layout,
-                        rotary_mode, causal, with_softmax_lse, with_rotated_key, key_rotated)
+        geometry = _geometry(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, attrs)
+        return _unfused(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry, attrs)
 
     return forward
 
 
-def _flash_attention_forward(head_num, input_layout, rotary_mode, rotary_dim, scale, causal, key_rotated):
+def _flash_attention_forward(attrs: OpAttrs):
     """(attention_out, rotated_key) from RoPE + MindSpore's FlashAttention with fixed attributes:
     the Ascend backward until the fused one has run on hardware is its autodiff (``flash_backward``)."""
 
     def forward(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen):
         q_heads, kv_heads, head_dim, rotary, softmax_scale = _geometry(
-            query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, head_num, input_layout, rotary_mode,
-            rotary_dim, scale, causal)
+            query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, attrs)
         return rotary_flash_attention_score(
             query, key, value, _table(cos), _table(sin), actual_seq_qlen, actual_seq_kvlen, head_num=q_heads,
-            kv_head_num=kv_heads, head_dim=head_dim, input_layout=input_layout, rotary_mode=rotary_mode,
-            rotary_dim=rotary, scale=softmax_scale, causal=causal, key_rotated=key_rotated)
+            kv_head_num=kv_heads, head_dim=head_dim, input_layout=attrs.input_layout, rotary_mode=attrs.rotary_mode,
+            rotary_dim=rotary, scale=softmax_scale, causal=attrs.causal, key_rotated=attrs.key_rotated)
 
     return forward
 
 
-def _attention(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry, head_num, input_layout,
-               rotary_mode, rotary_dim, scale, causal, with_softmax_lse, with_rotated_key, key_rotated, backend,
-               strict):
+def _attention(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry, attrs):
     """(attention_out, softmax_lse, rotated_key), disabled outputs empty, on checked arguments."""
-    fused = _fused_primitive(head_num, input_layout, rotary_mode, rotary_dim, scale, causal, with_softmax_lse,
-                             with_rotated_key, key_rotated, backend, strict)
+    fused = _fused_primitive(attrs)
     if fused is None:
-        return _unfused(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry, input_layout,
-                        rotary_mode, causal, with_softmax_lse, with_rotated_key, key_rotated)
-    return _call_fused(fused, query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, with_softmax_lse)
+        return _unfused(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry, attrs)
+    return _call_fused(fused, query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, attrs.with_softmax_lse)
 
 
 def _call_fused(fused, query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, with_softmax_lse):
@@ -248,9 +252,9 @@ class RotaryFlashAttentionOp(nn.Cell):
     def __init__(self, head_num=None, input_layout="BNSD", rotary_mode=0, rotary_dim=None, scale=None, causal=True,
                  with_softmax_lse=False, with_rotated_key=False, backend="auto", strict=False, key_rotated=False):
         super().__init__()
-        self.attrs = (head_num, input_layout, rotary_mode, rotary_dim, scale, causal, with_softmax_lse,
-                      with_rotated_key, key_rotated, backend, strict)
-        chosen = backend_for(*self.attrs)
+        self.attrs = OpAttrs(head_num, input_layout, rotary_mode, rotary_dim, scale, causal, with_softmax_lse,
+                             with_rotated_key, key_rotated, backend, strict)
+        chosen = backend_for(self.attrs)
         self.backend_name, self.fallback_reason = chosen.name, chosen.fallback_reason
         self.parallel, self.sharded = None, None
 
@@ -263,16 +267,18 @@ class RotaryFlashAttentionOp(nn.Cell):
         if self.backend_name == "unfused":
             raise ValueError(f"semi_auto_shard: the unfused path runs ({self.fallback_reason or 'backend=unfused'}); "
                              "only the fused op's primitives take layouts")
-        self.sharded, _ = _make_fused(*self.attrs, parallel=(dp, tp))
+        self.sharded, _ = _make_fused(self.attrs, parallel=(dp, tp))
         self.parallel = (dp, tp)
         return self
 
     def construct(self, query, key, value, cos, sin, actual_seq_qlen=None, actual_seq_kvlen=None):
-        geometry = _geometry(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, *self.attrs[:6])
+        attrs = self.attrs
+        geometry = _geometry(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, attrs)
         if self.sharded is None:
-            return _attention(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry, *self.attrs)
-        _check_shard_shapes(self.attrs[1], self.parallel, query.shape, key.shape, self.attrs[0])
-        return _call_fused(self.sharded, query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, self.attrs[6])
+            return _attention(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry, attrs)
+        _check_shard_shapes(attrs.input_layout, self.parallel, query.shape, key.shape, attrs.head_num)
+        return _call_fused(self.sharded, query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen,
+                           attrs.with_softmax_lse)
 
 
 @ops.constexpr(reuse_result=False)
@@ -326,14 +332,14 @@ def rotary_flash_attention(query, key, value, cos, sin, head_num=None, *, input_
         actual_seq_qlen = _offsets_constant("actual_seq_qlen", actual_seq_qlen)
     if actual_seq_kvlen is not None and not isinstance(actual_seq_kvlen, Tensor):
         actual_seq_kvlen = _offsets_constant("actual_seq_kvlen", actual_seq_kvlen)
-    geometry = _geometry(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, head_num, input_layout,
-                         rotary_mode, rotary_dim, scale, causal)
+    attrs = OpAttrs(head_num, input_layout, rotary_mode, rotary_dim, scale, causal, return_softmax_lse,
+                    return_rotated_key, key_rotated, backend, strict)
+    geometry = _geometry(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, attrs)
     if input_layout == "TND":
         _check_offsets_when_eager(_eager_marker, actual_seq_qlen, actual_seq_kvlen, query.shape[0], key.shape[0],
                                   cos.shape[0])
     out, lse, rotated_key = _attention(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, geometry,
-                                       head_num, input_layout, rotary_mode, rotary_dim, scale, causal,
-                                       return_softmax_lse, return_rotated_key, key_rotated, backend, strict)
+                                       attrs)
     if return_softmax_lse and return_rotated_key:
         return out, lse, rotated_key
     if return_softmax_lse:

@@ -84,10 +84,7 @@ def ascend_dispatch(monkeypatch):
 
 
 def _ascend_op(**attrs):
-    attrs = {"head_num": 4, "input_layout": "BNSD", "rotary_mode": 0, "rotary_dim": None, "scale": None,
-             "causal": True, "with_softmax_lse": False, "with_rotated_key": False, "key_rotated": False,
-             "backend": "auto", "strict": False, **attrs}
-    return functional.backend_for(*attrs.values()).fused
+    return functional.backend_for(functional.OpAttrs(**{"head_num": 4, **attrs})).fused
 
 
 def test_ascend_builds_the_flash_attention_backward_by_default(ascend_dispatch, monkeypatch):
@@ -190,7 +187,7 @@ def test_where_flash_attention_cannot_the_unfused_autodiff_runs_and_says_why(why
         got = op.bprop(q, k, v, cos, sin, None, None, out, (d_out, d_lse, ops.zeros((0,), q.dtype)))[:3]
     said = [r.getMessage() for r in caplog.records if "rotary_fusion_fallback" in r.getMessage()]
     assert len(said) == 1 and why in said[0] and "the unfused autodiff (S x S scores per head)" in said[0], said
-    unfused = functional._unfused_forward(heads, "BNSD", 0, None, None, True, lse, False, False)
+    unfused = functional._unfused_forward(functional.OpAttrs(heads, with_softmax_lse=lse))
     sens = (d_out, d_lse, ops.zeros((0,), q.dtype))
     want = ops.GradOperation(get_all=True, sens_param=True)(unfused)(q, k, v, cos, sin, None, None, sens)[:3]
     for g, w in zip(got, want):

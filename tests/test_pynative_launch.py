@@ -7,7 +7,7 @@ import pytest
 from mindspore import Tensor, nn
 
 from ms_rope_attention import rope_tables, rotary_flash_attention
-from ms_rope_attention.functional import backend_for
+from ms_rope_attention.functional import OpAttrs, backend_for
 
 pytestmark = pytest.mark.usefixtures("pynative")
 
@@ -49,7 +49,7 @@ def _graph(*inputs):
 
 
 def test_eager_calls_launch_through_a_graph_compiled_a_bounded_number_of_times():
-    prim = backend_for(None, "BNSD", 0, None, 0.3, True, False, False, False, "auto", False).fused
+    prim = backend_for(OpAttrs(scale=0.3)).fused
     assert prim.compiles == 0
     counts = []
     for length in (3, 5, 8, 13, 21, 34, 1):

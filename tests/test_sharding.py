@@ -80,9 +80,9 @@ def test_ascend_forward_primitive_layouts(key):
     from ms_rope_attention.ascend_kernel import make_ascend_op
 
     layout, dp, tp, with_rotated_key = key
-    forwards = mra.gradients.AutodiffForwards(
-        mra.functional._unfused_forward(4, layout, 0, None, None, True, False, with_rotated_key, False),
-        mra.functional._flash_attention_forward(4, layout, 0, None, None, True, False))
+    attrs = mra.functional.OpAttrs(4, layout, with_rotated_key=with_rotated_key)
+    forwards = mra.gradients.AutodiffForwards(mra.functional._unfused_forward(attrs),
+                                              mra.functional._flash_attention_forward(attrs))
     primitive = make_ascend_op(_attrs(layout, with_rotated_key), (False, with_rotated_key), forwards, False,
                                parallel=(dp, tp))
     assert primitive.name == "Custom" and primitive.attrs["func_type"] == "aot"
@@ -215,7 +215,7 @@ def test_sharded_op_runs_as_the_unsharded_one_outside_a_parallel_context(layout,
         assert np.abs(a.asnumpy()).max() > 0
         np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())
     # The layouts live on the Cell's own primitives: the dispatch's shared primitive has none.
-    shared = mra.functional.backend_for(*plain.attrs).fused
+    shared = mra.functional.backend_for(plain.attrs).fused
     assert "in_layout" not in shared.attrs and "self_define_shard" not in shared.attrs
 
 

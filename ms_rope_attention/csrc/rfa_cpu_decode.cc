@@ -32,7 +32,6 @@ namespace {
 
 using simd::kLanes;
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kBlock = 128;  // keys per online-softmax block
 
 struct DecodeTask {
@@ -237,19 +236,8 @@ class DecodeWorker {
     const int64_t G = plan_.group_size, D = p_.head_dim, Dp = plan_.head_pad, lq = p_.q_lens[t.seq];
     const int64_t qseq = t.seq * p_.q.batch + p_.q_start[t.seq] * p_.q.row;
     for (int64_t r = 0; r < (t.g1 - t.g0) * G * lq; ++r) {
-      float m = kNegInf;
-      for (int64_t s = 0; s < plan_.nsplit; ++s) m = std::max(m, partials_->M(t.item, s)[r]);
-      float l = 0.f;
-      std::fill(tmp_, tmp_ + Dp, 0.f);
-      if (m != kNegInf)
-        for (int64_t s = 0; s < plan_.nsplit; ++s) {
-          const float ms = partials_->M(t.item, s)[r];
-          if (ms == kNegInf) continue;
-          const float w = std::exp2(ms - m);
-          l += partials_->L(t.item, s)[r] * w;
-          const float *po = partials_->O(t.item, s) + r * Dp;
-          for (int64_t d = 0; d < Dp; ++d) tmp_[d] += po[d] * w;
-        }
+      float m, l;
+      MergeSplitRow(*partials_, t.item, plan_.nsplit, r, Dp, tmp_, &m, &l);
       const float inv = l > 0.f ? 1.0f / l : 0.f;  // a row that saw no key is 0, not NaN
       for (int64_t d = 0; d < D; ++d) tmp_[d] *= inv;
       const int64_t head = t.g0 * G + r / lq, i = r % lq;

@@ -42,7 +42,6 @@ using simd::kLanes;
 using simd::kRows;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kRescaleSlack = 8.0f;  // log2 units: softmax numerators stay <= 256
 
 struct Task {
@@ -308,25 +307,7 @@ class Worker {
   // Merge the splits of one item by log-sum-exp, then write it.
   void MergeItem(const Task &t) {
     const int64_t M = plan_.group_size * t.nq, Dp = plan_.head_pad;
-    for (int64_t r = 0; r < M; ++r) {
-      float m = kNegInf;
-      for (int64_t s = 0; s < plan_.nsplit; ++s) m = std::max(m, partials_->M(t.item, s)[r]);
-      float l = 0.f;
-      float *orow = o_ + r * Dp;
-      std::memset(orow, 0, Dp * sizeof(float));
-      if (m != kNegInf) {
-        for (int64_t s = 0; s < plan_.nsplit; ++s) {
-          const float ms = partials_->M(t.item, s)[r];
-          if (ms == kNegInf) continue;
-          const float w = std::exp2(ms - m);
-          l += partials_->L(t.item, s)[r] * w;
-          const float *po = partials_->O(t.item, s) + r * Dp;
-          for (int64_t d = 0; d < Dp; ++d) orow[d] += po[d] * w;
-        }
-      }
-      m_[r] = m;
-      l_[r] = l;
-    }
+    for (int64_t r = 0; r < M; ++r) MergeSplitRow(*partials_, t.item, plan_.nsplit, r, Dp, o_ + r * Dp, &m_[r], &l_[r]);
     Finish(t, o_, m_, l_);
   }
 

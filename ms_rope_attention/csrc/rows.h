@@ -1,13 +1,17 @@
 // Row-level helpers shared by the forward and backward CPU kernels: dtype conversion of one row,
-// the rotation (and its transpose, for gradients) in the kernel's feature order, and scratch memory.
+// the rotation (and its transpose, for gradients) in the kernel's feature order, the log-sum-exp
+// merge of a row split over KV ranges (forward and decode), and scratch memory.
 //
 // Kernel feature order: rotated features first, mode 1 (interleaved) de-interleaved to [even | odd]
 // pairs, so both rotary modes share the rotate-half arithmetic; then the pass-through features.
 // Q K^T (and every gradient GEMM) is invariant under that common permutation.
 #pragma once
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <memory>
 
 #include "rfa_problem.h"
@@ -17,6 +21,31 @@ namespace rfa {
 namespace cpu {
 
 inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Row r of an item whose KV range was split over `nsplit` tasks, merged by log-sum-exp (base 2):
+// `o` (Dp floats) gets the splits' unnormalised O rows, each weighted by 2^(m_s - m), and (*m, *l)
+// the merged running max and sum. A split that saw no key (max -inf) takes no part; a row no split
+// saw comes out as zeros with (-inf, 0). `partials` has O/M/L(item, split) as the forward's and
+// decode's partial results do.
+template <class Partials>
+inline void MergeSplitRow(Partials &partials, int64_t item, int64_t nsplit, int64_t r, int64_t Dp, float *o,
+                          float *m, float *l) {
+  *m = kNegInf;
+  for (int64_t s = 0; s < nsplit; ++s) *m = std::max(*m, partials.M(item, s)[r]);
+  *l = 0.f;
+  std::memset(o, 0, Dp * sizeof(float));
+  if (*m == kNegInf) return;
+  for (int64_t s = 0; s < nsplit; ++s) {
+    const float ms = partials.M(item, s)[r];
+    if (ms == kNegInf) continue;
+    const float w = std::exp2(ms - *m);
+    *l += partials.L(item, s)[r] * w;
+    const float *po = partials.O(item, s) + r * Dp;
+    for (int64_t d = 0; d < Dp; ++d) o[d] += po[d] * w;
+  }
+}
 
 // n elements of dtype t at element offset `off` of `base`, as float32.
 inline void LoadRow(DType t, const void *base, int64_t off, int64_t n, float *dst) {
