@@ -47,3 +47,63 @@ def test_fused_on_npu_matches_unfused_and_reference(mode_name, layout, dtype, rn
         outs[backend] = to_numpy(out)
     assert np.abs(outs["fused"] - ro).max() <= 2 * tolerance(dtype, ro)
     assert np.abs(outs["fused"] - outs["unfused"]).max() <= 4 * tolerance(dtype, ro)
+
+
+@pytest.mark.parametrize("mode_name", ["pynative", "graph"])
+@pytest.mark.parametrize("layout", ["BNSD", "BSND", "BSH", "TND"])
+@pytest.mark.parametrize("backward", ["flash_attention_score", "unfused"])
+def test_backward_on_npu_matches_the_cpu_kernel(mode_name, layout, backward, rng, monkeypatch):
+    """dq/dk/dv of each Ascend backward (``RFA_ASCEND_BACKWARD``; float16, GQA 8/2, D = 128, TND
+    with a 1-token sequence) against the CPU kernel's fused backward on the same inputs and upstream
+    gradient, within 4x the float16 tolerance."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    import ms_rope_attention as mra
+    from ms_rope_attention import functional
+    from cases import Case
+    from conftest import round_to, to_numpy, to_tensor, tolerance
+
+    monkeypatch.setenv("RFA_ASCEND_BACKWARD", backward)
+    monkeypatch.setattr(functional, "_backends", {})
+    ms.set_context(mode=ms.GRAPH_MODE if mode_name == "graph" else ms.PYNATIVE_MODE)
+    dtype = "float16"
+    case = Case(layout=layout, heads=8, kv_heads=2, head_dim=128, q_len=300, kv_len=300, q_lens=[1, 300, 77],
+                kv_lens=[1, 300, 500])
+    q, k, v, cos, sin, aq, ak = case.make(rng)
+    q, k, v = (round_to(t, dtype) for t in (q, k, v))
+    d_out = round_to(rng.standard_normal(q.shape), dtype)
+    want = cpu_kernel_gradients(q, k, v, cos, sin, aq, ak, d_out, case.heads, layout, dtype)
+
+    op = mra.RotaryFlashAttentionOp(case.heads, layout)
+    assert op.backend_name == "fused:Ascend", op.fallback_reason
+
+    class Loss(ms.nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.op = op
+
+        def construct(self, q, k, v, cos, sin, d_out, *offsets):
+            out, _, _ = self.op(q, k, v, cos, sin, *offsets)
+            return (out.astype(ms.float32) * d_out).sum()
+
+    offsets = (Tensor(np.array(aq, np.int64)), Tensor(np.array(ak, np.int64))) if aq is not None else ()
+    got = ms.grad(Loss(), grad_position=(0, 1, 2))(*(to_tensor(t, dtype) for t in (q, k, v)),
+                                                   Tensor(cos.astype(np.float32)), Tensor(sin.astype(np.float32)),
+                                                   Tensor(d_out.astype(np.float32)), *offsets)
+    for label, g, w in zip(("d_query", "d_key", "d_value"), got, want):
+        assert np.abs(to_numpy(g) - w).max() <= 4 * tolerance(dtype, w), label
+
+
+def cpu_kernel_gradients(q, k, v, cos, sin, aq, ak, d_out, heads, layout, dtype):
+    """(d_query, d_key, d_value) of the CPU kernel's forward then fused backward, through ctypes
+    (no MindSpore device involved), on the same values the NPU gets."""
+    from ms_rope_attention import cpu_direct
+
+    offsets = (None, None) if aq is None else (np.array(aq, np.int64), np.array(ak, np.int64))
+    code, out, lse, _ = cpu_direct.run(q, k, v, cos, sin, *offsets, head_num=heads, input_layout=layout, dtype=dtype)
+    assert code == 0, "CPU forward failed"
+    code, *grads = cpu_direct.run_grad(q, k, v, cos, sin, *offsets, out, lse, d_out, head_num=heads,
+                                       input_layout=layout, dtype=dtype)
+    assert code == 0, "CPU backward failed"
+    return grads

@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
+import ascend_backward  # noqa: E402
 import context_parallel  # noqa: E402
 import decode  # noqa: E402
 import fuse  # noqa: E402
@@ -203,6 +204,25 @@ def test_context_parallel_benchmark_end_to_end(tmp_path):
     assert one["status"] == cp["status"] == "ok", (one, cp)
     assert abs(one["loss"] - cp["loss"]) < 1e-4 and len(cp["rank_peaks_mb"]) == 2
     assert context_parallel.context_parallel(256, 2**20)["status"] == "oom"  # 1 MiB: over at once
+
+
+def test_ascend_backward_report_shows_every_system_and_out_of_memory(tmp_path):
+    """The Ascend backward benchmark needs an NPU (verify_on_ascend.sh runs it); its report and plot
+    are checked here on results of its shape."""
+    ok = {"status": "ok", "min_s": 0.0123, "median_s": 0.0125, "peak_device_mb": 2048.0}
+    results = {"attention": [{"length": 2048, **{name: ok for name in ascend_backward.SYSTEMS}},
+                             {"length": 16384, **{name: dict(ok, peak_device_mb=30000.0) for name in
+                                                  ascend_backward.SYSTEMS},
+                              "fused forward, unfused backward": {"status": "oom"}}],
+               "llama": {"flash_attention_score": {"losses": [5.5 - 0.1 * i for i in range(20)]},
+                         "unfused": {"status": "error"}}}
+    text = ascend_backward.table(results)
+    assert "| 2048 | 12.3 ms (median 12.5), 2048 MB | 12.3 ms (median 12.5), 2048 MB |" in text
+    assert "| 16384 | 12.3 ms (median 12.5), 30000 MB | oom |" in text
+    assert "flash_attention_score backward, losses at steps 1, 6, 11, 16: 5.5000, 5.0000, 4.5000, 4.0000" in text
+    assert "unfused backward, losses at steps 1, 6, 11, 16: error" in text
+    ascend_backward.plot(results, tmp_path / "ascend_backward.png")
+    assert (tmp_path / "ascend_backward.png").stat().st_size > 0
 
 
 def test_projection_shapes_merge_equal_shapes_and_count_every_gemm():
