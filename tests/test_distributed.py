@@ -188,13 +188,16 @@ def test_data_parallel_packed_training_tracks_one_process_and_resumes(corpus, tm
 
 
 def test_data_parallel_composes_with_tensor_and_context_parallel(corpus, tmp_path):
-    """4 ranks: 3 steps as data 2 x tensor 2, then resumed to 5 as data 2 x context 2 from the whole
-    weights and AdamW moments rank 0 gathered and wrote; the weights after steps 3 and 5 equal one
-    process's (the clipping norm taken over the whole tensor-parallel model)."""
+    """4 ranks: 2 steps as data 2 x tensor 2, resumed to 4 as data 2 x context 2, then to 5 as
+    context 2 x tensor 2, each from the whole weights and AdamW moments rank 0 gathered and wrote;
+    the weights after steps 2, 4 and 5 equal one process's (the clipping norm taken over the whole
+    tensor-parallel model)."""
     one = _train(tmp_path, corpus, "fixed", "one", 5)
-    _train(tmp_path, corpus, "fixed", "mesh", 3, ["--tensor-parallel", "2"], workers=4)
-    mesh = _train(tmp_path, corpus, "fixed", "mesh", 5, ["--context-parallel", "2", "--resume"], workers=4)
-    _assert_same_weights(one, mesh, (3, 5))
+    _train(tmp_path, corpus, "fixed", "mesh", 2, ["--tensor-parallel", "2"], workers=4)
+    _train(tmp_path, corpus, "fixed", "mesh", 4, ["--context-parallel", "2", "--resume"], workers=4)
+    mesh = _train(tmp_path, corpus, "fixed", "mesh", 5, ["--context-parallel", "2", "--tensor-parallel", "2",
+                                                         "--resume"], workers=4)
+    _assert_same_weights(one, mesh, (2, 4, 5))
     assert (mesh / "latest").read_text() == "step-5"
 
 
