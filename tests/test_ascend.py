@@ -170,6 +170,7 @@ EMULATION_RULES = {
     23: "did not declare KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIC_1_2)",
     24: "has not called End()",
     25: "write after write: LocalTensor::SetValue on pipe S",  # a scalar mask on IterateAll's C, unfenced
+    26: "SetTensorA: transpose differs from the MatmulType",   # A's flag contradicting its declared type
 }
 
 
@@ -179,7 +180,7 @@ def test_emulation_refuses_what_hardware_would_not_do(which, rule):
     assert rule in emu.last_error()
 
 
-@pytest.mark.parametrize("which", [-1, -2])
+@pytest.mark.parametrize("which", [-1, -2, -3])  # -3: C = A B from a transposed A, values checked
 def test_emulation_accepts_the_same_patterns_synchronised(which):
     assert emu.library().RfaEmulatorViolation(which) == 0, emu.last_error()
 

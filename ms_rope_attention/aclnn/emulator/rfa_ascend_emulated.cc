@@ -165,6 +165,10 @@ using Mm = matmul::Matmul<matmul::MatmulType<TPosition::GM, CubeFormat::ND, floa
                           matmul::MatmulType<TPosition::GM, CubeFormat::ND, float>,
                           matmul::MatmulType<TPosition::VECIN, CubeFormat::ND, float>,
                           matmul::MatmulType<TPosition::GM, CubeFormat::ND, float>>;
+using MmTransposedA = matmul::Matmul<matmul::MatmulType<TPosition::GM, CubeFormat::ND, float, true>,
+                                     matmul::MatmulType<TPosition::GM, CubeFormat::ND, float>,
+                                     matmul::MatmulType<TPosition::VECIN, CubeFormat::ND, float>,
+                                     matmul::MatmulType<TPosition::GM, CubeFormat::ND, float>>;
 
 int g_case = 0;
 std::vector<float> g_gm(4096);
@@ -271,6 +275,28 @@ void Mix(int which) {
     op.Multiply(op.mm);
     return;
   }
+  if (which == -3 || which == 26) {  // C = A B with A given transposed, as (K, M) rows
+    MmTransposedA mm;
+    REGIST_MATMUL_OBJ(&pipe, GetSysWorkSpacePtr(), mm, &g_tiling);
+    TBuf<TPosition::VECIN> c_buf;
+    pipe.InitBuffer(c_buf, 256);
+    for (int i = 0; i < 6; ++i) g_gm[i] = static_cast<float>(i + 1);       // A^T = [[1, 2, 3], [4, 5, 6]]
+    for (int i = 0; i < 4; ++i) g_gm[64 + i] = static_cast<float>(i + 1);  // B = [[1, 2], [3, 4]]
+    GlobalTensor<float> a, b;
+    a.SetGlobalBuffer(g_gm.data(), 6);
+    b.SetGlobalBuffer(g_gm.data() + 64, 4);
+    mm.SetOrgShape(3, 2, 2);
+    mm.SetTensorA(a, which == -3);  // 26: the flag contradicts the MatmulType
+    mm.SetTensorB(b);
+    LocalTensor<float> c = c_buf.Get<float>();
+    mm.IterateAll(c);
+    mm.End();
+    PipeBarrier<PIPE_ALL>();
+    // A = [[1, 4], [2, 5], [3, 6]]: C = [[13, 18], [17, 24], [21, 30]].
+    if (c.GetValue(0) != 13.0f || c.GetValue(1) != 18.0f || c.GetValue(2) != 17.0f || c.GetValue(5) != 30.0f)
+      EmuFail("control case computed the wrong value");
+    return;
+  }
   if (which == 22) {  // InitBuffer before the registration
     op.Init(&pipe);
     REGIST_MATMUL_OBJ(&pipe, GetSysWorkSpacePtr(), op.mm, &g_tiling, op.mm2, &g_tiling);
@@ -314,7 +340,7 @@ void Mix(int which) {
 
 void Kernel(GM_ADDR) {
   const int which = g_case;
-  if (which >= 20 || which == -2) return Mix(which);
+  if (which >= 20 || which == -2 || which == -3) return Mix(which);
   if (which == 9) {  // neighbouring floats of one 64-byte line, scalar-written by two cores
     if (Core().aic) return;
     GlobalTensor<float> gm;

@@ -12,8 +12,9 @@
 //     vector core's UB (C at VECIN) or GM.
 //   - A2 positions: C at GM, VECIN or CO1; bias (type defaults to C's) at GM or VECOUT (compile-time).
 //   - End(): an object's IterateAll must be ended before another object of the core iterates.
-// Semantics, for ND row-major matrices: C[m, n] = sum_k A[m, k] * B[k, n] (B given as (N, K) rows
-// when transposed), in float32 from half / bfloat16_t / float inputs (the cube accumulates in fp32).
+// Semantics, for ND row-major matrices: C[m, n] = sum_k A[m, k] * B[k, n] (A given as (K, M) rows,
+// B as (N, K) rows when transposed: SetTensorA/SetTensorB's flag must match the MatmulType), in
+// float32 from half / bfloat16_t / float inputs (the cube accumulates in fp32).
 // SetOrgShape(M, N, K) gives the full matrices (row strides K, N or K, and N); SetTail(m, n, k)
 // shrinks the computed block to the top-left m x n over the first k.
 #pragma once
@@ -103,7 +104,7 @@ class Matmul : public AscendC::MatmulBase {
     SetTail(m, n, k);
   }
   void SetTensorA(const AscendC::GlobalTensor<TA> &a, bool transpose = false) {
-    if (transpose) AscendC::EmuFail("Matmul: transposed A is not used by this kernel");
+    if (transpose != A::kTranspose) AscendC::EmuFail("Matmul::SetTensorA: transpose differs from the MatmulType");
     a_ = a;
   }
   void SetTensorB(const AscendC::GlobalTensor<TB> &b, bool transpose = false) {
@@ -145,7 +146,7 @@ class Matmul : public AscendC::MatmulBase {
       AscendC::EmuFail("Matmul::IterateAll while another Matmul object of this core has not called End() (End.md)");
     core.active_matmul = this;
     const uintptr_t a_lo = reinterpret_cast<uintptr_t>(a_.At(0, 0));
-    const uintptr_t a_hi = a_lo + static_cast<uintptr_t>(m_) * org_k_ * sizeof(TA);
+    const uintptr_t a_hi = a_lo + static_cast<uintptr_t>(A::kTranspose ? k_ * org_m_ : m_ * org_k_) * sizeof(TA);
     const uintptr_t b_lo = reinterpret_cast<uintptr_t>(b_.At(0, 0));
     const uintptr_t b_hi = b_lo + static_cast<uintptr_t>(org_n_) * org_k_ * sizeof(TB);
     for (const AscendC::GmWrite &w : core.gm_unsynced)
@@ -161,7 +162,7 @@ class Matmul : public AscendC::MatmulBase {
       for (int64_t j = 0; j < n_; ++j) {
         float acc = 0.f;
         for (int64_t k = 0; k < k_; ++k) {
-          const float a = AscendC::ToFloat(a_.GetValue(i * org_k_ + k));
+          const float a = AscendC::ToFloat(A::kTranspose ? a_.GetValue(k * org_m_ + i) : a_.GetValue(i * org_k_ + k));
           const float b = AscendC::ToFloat(B::kTranspose ? b_.GetValue(j * org_k_ + k) : b_.GetValue(k * org_n_ + j));
           acc += a * b;
         }
