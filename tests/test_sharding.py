@@ -75,6 +75,14 @@ def _cell_op(layout, dp, tp, with_rotated_key=False, **kwargs):
     return mra.RotaryFlashAttentionOp(4, layout, with_rotated_key=with_rotated_key, **kwargs).semi_auto_shard(dp, tp)
 
 
+def _assert_layouts(primitive, expected, dp, tp):
+    """``primitive`` marked self-defined-shard, with the expected (in, out) tensor maps stored."""
+    assert primitive.attrs["self_define_shard"] is True
+    expected_in, expected_out = expected
+    assert _stored(primitive, "in_layout", dp, tp) == expected_in
+    assert _stored(primitive, "out_layout", dp, tp) == expected_out
+
+
 @pytest.mark.parametrize("key", list(FORWARD), ids=str)
 def test_ascend_forward_primitive_layouts(key):
     from ms_rope_attention.ascend_kernel import make_ascend_op
@@ -86,20 +94,14 @@ def test_ascend_forward_primitive_layouts(key):
     primitive = make_ascend_op(_attrs(layout, with_rotated_key), (False, with_rotated_key), forwards, False,
                                parallel=(dp, tp))
     assert primitive.name == "Custom" and primitive.attrs["func_type"] == "aot"
-    assert primitive.attrs["self_define_shard"] is True
-    expected_in, expected_out = FORWARD[key]
-    assert _stored(primitive, "in_layout", dp, tp) == expected_in
-    assert _stored(primitive, "out_layout", dp, tp) == expected_out
+    _assert_layouts(primitive, FORWARD[key], dp, tp)
 
 
 @pytest.mark.parametrize("key", list(FORWARD), ids=str)
 def test_cpu_forward_primitive_layouts(key):
     layout, dp, tp, with_rotated_key = key
     primitive = _cell_op(layout, dp, tp, with_rotated_key).sharded
-    assert primitive.attrs["self_define_shard"] is True
-    expected_in, expected_out = FORWARD[key]
-    assert _stored(primitive, "in_layout", dp, tp) == expected_in
-    assert _stored(primitive, "out_layout", dp, tp) == expected_out
+    _assert_layouts(primitive, FORWARD[key], dp, tp)
 
 
 @pytest.mark.parametrize("key", list(BACKWARD), ids=str)
@@ -107,10 +109,7 @@ def test_gradient_primitive_layouts(key):
     layout, dp, tp, lse_used, rotated_key_used = key
     op = _cell_op(layout, dp, tp, with_rotated_key=rotated_key_used, with_softmax_lse=lse_used)
     grad = _grad_primitive(op.sharded)
-    assert grad.attrs["self_define_shard"] is True
-    expected_in, expected_out = BACKWARD[key]
-    assert _stored(grad, "in_layout", dp, tp) == expected_in
-    assert _stored(grad, "out_layout", dp, tp) == expected_out
+    _assert_layouts(grad, BACKWARD[key], dp, tp)
 
 
 def test_layout_counts_follow_the_contract():

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import mindspore as ms
 import numpy as np
@@ -61,6 +62,11 @@ class TensorParallel:
         tp.check(config)
         kv = config.num_key_value_heads
         return replace(tp, kv_share=axis.block(axis.size // kv)) if kv < axis.size else tp
+
+    @cached_property
+    def collective(self) -> GroupCollective:
+        """The group's AllReduce/AllGather (one per process, for the gathers and sums outside a graph)."""
+        return GroupCollective(self.rank, self.size, self.group)
 
     def check(self, config: LlamaConfig) -> None:
         size, kv = self.size, config.num_key_value_heads
@@ -108,7 +114,7 @@ class TensorParallel:
         if index is None:
             return local.asnumpy()
         axis = len(index) - 1
-        gathered = GroupCollective(self.rank, self.size, self.group).all_gather(ops.moveaxis(local, axis, 0))
+        gathered = self.collective.all_gather(ops.moveaxis(local, axis, 0))
         parts = np.split(gathered.asnumpy(), self.size, 0)
         copies = self.copies(name, config)
         return np.moveaxis(np.concatenate(parts[::copies], 0), 0, axis)  # one copy of each replicated head

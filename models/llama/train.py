@@ -219,7 +219,7 @@ class Trainer:
         self.step_fn = LossAndGrads(self.net, self.optimizer.parameters)
         tp = lm.tensor_parallel
         self.copies = [tp.copies(p.name, lm.config) if tp else 1 for p in self.optimizer.parameters]
-        self.tensor_parallel_sum = GroupCollective(tp.rank, tp.size, tp.group) if tp else None
+        self.tensor_parallel_sum = tp.collective if tp else None
         replicas = self.mesh.replicas
         if replicas.size > 1:
             group = {} if replicas.group is None else {"group": replicas.group}
