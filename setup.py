@@ -80,10 +80,11 @@ extensions.append(Extension(
     "ms_rope_attention._rfa_ascend_emulated", sources=[f"{ACLNN}/emulator/rfa_ascend_emulated.cc"],
     include_dirs=[f"{ACLNN}/emulator", f"{ACLNN}/op_kernel", f"{ACLNN}/op_host", CSRC],
     depends=[f"{ACLNN}/emulator/kernel_operator.h", f"{ACLNN}/emulator/lib/matmul_intf.h",
-             f"{ACLNN}/emulator/kernel_tiling/kernel_tiling.h",
-             f"{ACLNN}/op_kernel/rotary_flash_attention.h", f"{ACLNN}/op_kernel/rotary_flash_attention.cpp",
-             f"{ACLNN}/op_kernel/rotary_flash_attention_tiling.h", f"{ACLNN}/op_host/rotary_flash_attention_plan.h",
-             f"{CSRC}/rfa_problem.h"],
+             f"{ACLNN}/emulator/kernel_tiling/kernel_tiling.h", f"{ACLNN}/op_host/rotary_flash_attention_plan.h",
+             f"{CSRC}/rfa_problem.h"] + [f"{ACLNN}/op_kernel/{name}" for name in (
+                 "rfa_kernel_common.h", "rotary_flash_attention.h", "rotary_flash_attention.cpp",
+                 "rotary_flash_attention_tiling.h", "rotary_flash_attention_grad.h", "rotary_flash_attention_grad.cpp",
+                 "rotary_flash_attention_grad_tiling.h")],
     extra_compile_args=["-std=c++17", "-O2", "-pthread", "-fvisibility=hidden", "-Wall", "-Wextra",
                         "-D_GLIBCXX_USE_CXX11_ABI=0"] + SANITIZE,
     extra_link_args=["-pthread"] + SANITIZE[:1], language="c++"))

@@ -1,8 +1,9 @@
 """The Ascend C kernel (``aclnn/op_kernel``) compiled for the CPU against the AscendC emulation
 (``aclnn/emulator``), and its tiling: what the tests use to verify the Ascend op without an NPU.
 
-``run`` is ``cpu_direct.run`` on this library (same C entry, same checks); ``plan`` returns the
-tiling for a problem plus the work each core receives.
+``run`` and ``run_grad`` are ``cpu_direct.run`` / ``cpu_direct.run_grad`` on this library (same C
+entries, same checks); ``plan`` and ``grad_plan`` return the forward's / backward's tiling for a
+problem plus the work each core receives.
 """
 from __future__ import annotations
 
@@ -28,6 +29,13 @@ class Tiling(ctypes.Structure):  # mirrors rfa::ascend::RfaTiling in aclnn/op_ke
         return {name: getattr(self, name) for name, _ in self._fields_}
 
 
+class GradPlan(ctypes.Structure):  # mirrors rfa::ascend::RfaGradPlan in aclnn/op_kernel/rotary_flash_attention_grad_tiling.h
+    _fields_ = [(name, ctypes.c_int64) for name in (
+        "block_q", "block_kv", "core_num", "ub_bytes", "has_dlse", "has_drk", "q_rows", "kv_rows", "ws_qs", "ws_do",
+        "ws_kr", "ws_v", "ws_lse", "ws_delta", "ws_cores", "ws_p", "ws_ds", "ws_per_core")]
+    as_dict = Tiling.as_dict
+
+
 @functools.lru_cache(maxsize=None)
 def library() -> ctypes.CDLL:
     matches = sorted(kernel_dir().glob("_rfa_ascend_emulated*.so"))
@@ -47,6 +55,11 @@ def run(*args, **kwargs):
     return cpu_direct.run(*args, kernel=library(), **kwargs)
 
 
+def run_grad(*args, **kwargs):
+    """``cpu_direct.run_grad`` on the emulated Ascend backward kernel: (code, d_query, d_key, d_value)."""
+    return cpu_direct.run_grad(*args, kernel=library(), **kwargs)
+
+
 def plan(q, k, v, cos, sin, aq=None, ak=None, *, cores=48, ub_bytes=192 * 1024 - 256, block_q=0, block_kv=0, **kwargs):
     """(code, tiling dict, work per core (query rows x keys), workspace bytes) for one problem."""
     args, _, keep = cpu_direct.prepare(q, k, v, cos, sin, aq, ak, **kwargs)
@@ -57,3 +70,18 @@ def plan(q, k, v, cos, sin, aq=None, ak=None, *, cores=48, ub_bytes=192 * 1024 -
                                    ctypes.c_int64(block_kv), ctypes.byref(tiling), work, ctypes.byref(workspace))
     del keep
     return code, tiling.as_dict(), np.array(work[:], np.int64), workspace.value
+
+
+def grad_plan(q, k, v, cos, sin, aq=None, ak=None, *, cores=48, ub_bytes=192 * 1024 - 256, block_q=0, block_kv=0,
+              **kwargs):
+    """(code, problem tiling dict, backward plan dict, score entries recomputed per core, workspace
+    bytes) of the backward for one problem."""
+    args, _, keep = cpu_direct.prepare(q, k, v, cos, sin, aq, ak, **kwargs)
+    tiling, grad = Tiling(), GradPlan()
+    work = (ctypes.c_int64 * cores)()
+    workspace = ctypes.c_int64()
+    code = library().RfaAscendGradPlan(*args, ctypes.c_int64(cores), ctypes.c_int64(ub_bytes),
+                                       ctypes.c_int64(block_q), ctypes.c_int64(block_kv), ctypes.byref(tiling),
+                                       ctypes.byref(grad), work, ctypes.byref(workspace))
+    del keep
+    return code, tiling.as_dict(), grad.as_dict(), np.array(work[:], np.int64), workspace.value

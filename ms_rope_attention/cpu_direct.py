@@ -138,12 +138,13 @@ def prepare_grad(q, k, v, cos, sin, aq, ak, out, lse, d_out, d_lse=None, d_rotat
     return (ctypes.byref(attrs),) + call, outputs, (attrs, arrays, shape_bufs)
 
 
-def run_grad(*args, dtype="float32", block_q=0, block_k=0, splits=0, **kwargs):
+def run_grad(*args, dtype="float32", block_q=0, block_k=0, splits=0, kernel=None, **kwargs):
     """(return code, d_query, d_key, d_value) of the backward entry ``RotaryFlashAttentionGradRun``,
     decoded to float64. Arguments are those of ``prepare_grad``; ``block_q``/``block_k``/``splits``
-    <= 0 keep the default tiling."""
+    <= 0 keep the default tiling. ``kernel``: another library with the same entry (the emulated
+    Ascend kernel, which takes no ``splits``); by default the CPU kernel."""
     call, outputs, keep = prepare_grad(*args, dtype=dtype, **kwargs)
-    code = library().RotaryFlashAttentionGradRun(*call, ctypes.c_int64(block_q), ctypes.c_int64(block_k),
+    code = (kernel or library()).RotaryFlashAttentionGradRun(*call, ctypes.c_int64(block_q), ctypes.c_int64(block_k),
                                                  ctypes.c_int64(splits))
     del keep
     return (code,) + tuple(decode(o, dtype) for o in outputs)

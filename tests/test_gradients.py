@@ -16,7 +16,7 @@ from ms_rope_attention import cpu_kernel, functional, gradients
 from cases import Case
 from conftest import round_to, to_tensor
 from reference import reference, reference_grad
-from test_kernel_backward import grad_tolerance
+from kernel_check import grad_tolerance
 
 
 class Loss(nn.Cell):

@@ -12,38 +12,8 @@ import pytest
 from ms_rope_attention import cpu_direct as kh
 from ms_rope_attention.cpu_kernel import last_error
 from cases import Case
-from conftest import EPS
-from kernel_check import rounded
-from reference import reference, reference_grad
-
-GRAD_ULPS = 8
-
-
-def grad_tolerance(dtype, reference_grad_):
-    magnitude = max(float(np.abs(reference_grad_).max(initial=0)), 1.0)
-    return (2e-5 if dtype == "float32" else GRAD_ULPS * EPS[dtype]) * magnitude
-
-
-def check_grad(case, rng, dtype="float32", key_rotated=False, with_dlse=True, with_drk=True, scale=None, **tiling):
-    q, k, v, cos, sin, aq, ak = case.make(rng)
-    q, k, v = (rounded(t, dtype) for t in (q, k, v))
-    code, out, lse, _ = kh.run(q, k, v, cos, sin, aq, ak, dtype=dtype, key_rotated=key_rotated, scale=scale,
-                               with_rotated_key=False, **case.kwargs)
-    assert code == 0, last_error()
-    d_out = rounded(rng.standard_normal(out.shape), dtype)
-    d_lse = np.where(np.isfinite(lse), rng.standard_normal(lse.shape), 0.0) if with_dlse else None
-    d_rk = rounded(rng.standard_normal(k.shape), dtype) if with_drk else None
-    expected = reference_grad(q, k, v, cos, sin, d_out, d_lse, d_rk, key_rotated=key_rotated, scale=scale,
-                              actual_seq_qlen=aq, actual_seq_kvlen=ak, **case.kwargs)
-    code, *grads = kh.run_grad(q, k, v, cos, sin, aq, ak, out, lse, d_out, d_lse, d_rk, dtype=dtype,
-                               key_rotated=key_rotated, scale=scale, **tiling, **case.kwargs)
-    assert code == 0, last_error()
-    for name, got, want in zip(("d_query", "d_key", "d_value"), grads, expected):
-        assert got.shape == want.shape
-        err = np.abs(got - want).max(initial=0)
-        assert err <= grad_tolerance(dtype, want), f"{name}: max error {err}"
-    return grads
-
+from kernel_check import check_grad
+from reference import reference
 
 TILINGS = [{}, {"block_q": 8, "block_k": 5}, {"block_q": 16, "block_k": 7, "splits": 3}]
 

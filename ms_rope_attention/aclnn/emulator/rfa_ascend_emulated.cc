@@ -1,6 +1,7 @@
-// Runs op_kernel/ on the CPU through the AscendC emulation, behind the same C entry as the CPU
-// kernel (RotaryFlashAttentionRun), so ms_rope_attention.cpu_direct and the float64 reference can
-// drive it; and exposes the tiling (RfaAscendPlan) to the tiling unit tests.
+// Runs op_kernel/ on the CPU through the AscendC emulation, behind the same C entries as the CPU
+// kernel (RotaryFlashAttentionRun, RotaryFlashAttentionGradRun), so ms_rope_attention.cpu_direct and
+// the float64 reference can drive them; and exposes the tilings (RfaAscendPlan, RfaAscendGradPlan) to
+// the tiling unit tests.
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -9,56 +10,96 @@
 #include "kernel_operator.h"
 #include "rotary_flash_attention_plan.h"
 
-// The real entry file compiles here once per dtype combination, renamed, as the CANN build compiles
-// it with its DTYPE_* macros: every emulated launch runs the entry itself (registration included).
+// The real entry files (forward and backward) compile here once per dtype combination, renamed, as
+// the CANN build compiles them with their DTYPE_* macros: every emulated launch runs the entry itself
+// (registration included).
 #define DTYPE_QUERY float
 #define DTYPE_COS float
 #define rotary_flash_attention rfa_entry_f32_f32
+#define rotary_flash_attention_grad rfa_grad_entry_f32_f32
 #include "rotary_flash_attention.cpp"
+#include "rotary_flash_attention_grad.cpp"
+#undef rotary_flash_attention_grad
 #undef rotary_flash_attention
 #undef DTYPE_COS
+#undef DTYPE_QUERY
+#define DTYPE_QUERY float
 #define DTYPE_COS half
 #define rotary_flash_attention rfa_entry_f32_f16
+#define rotary_flash_attention_grad rfa_grad_entry_f32_f16
 #include "rotary_flash_attention.cpp"
+#include "rotary_flash_attention_grad.cpp"
+#undef rotary_flash_attention_grad
 #undef rotary_flash_attention
 #undef DTYPE_COS
+#undef DTYPE_QUERY
+#define DTYPE_QUERY float
 #define DTYPE_COS bfloat16_t
 #define rotary_flash_attention rfa_entry_f32_bf16
+#define rotary_flash_attention_grad rfa_grad_entry_f32_bf16
 #include "rotary_flash_attention.cpp"
+#include "rotary_flash_attention_grad.cpp"
+#undef rotary_flash_attention_grad
 #undef rotary_flash_attention
 #undef DTYPE_COS
 #undef DTYPE_QUERY
 #define DTYPE_QUERY half
 #define DTYPE_COS float
 #define rotary_flash_attention rfa_entry_f16_f32
+#define rotary_flash_attention_grad rfa_grad_entry_f16_f32
 #include "rotary_flash_attention.cpp"
+#include "rotary_flash_attention_grad.cpp"
+#undef rotary_flash_attention_grad
 #undef rotary_flash_attention
 #undef DTYPE_COS
+#undef DTYPE_QUERY
+#define DTYPE_QUERY half
 #define DTYPE_COS half
 #define rotary_flash_attention rfa_entry_f16_f16
+#define rotary_flash_attention_grad rfa_grad_entry_f16_f16
 #include "rotary_flash_attention.cpp"
+#include "rotary_flash_attention_grad.cpp"
+#undef rotary_flash_attention_grad
 #undef rotary_flash_attention
 #undef DTYPE_COS
+#undef DTYPE_QUERY
+#define DTYPE_QUERY half
 #define DTYPE_COS bfloat16_t
 #define rotary_flash_attention rfa_entry_f16_bf16
+#define rotary_flash_attention_grad rfa_grad_entry_f16_bf16
 #include "rotary_flash_attention.cpp"
+#include "rotary_flash_attention_grad.cpp"
+#undef rotary_flash_attention_grad
 #undef rotary_flash_attention
 #undef DTYPE_COS
 #undef DTYPE_QUERY
 #define DTYPE_QUERY bfloat16_t
 #define DTYPE_COS float
 #define rotary_flash_attention rfa_entry_bf16_f32
+#define rotary_flash_attention_grad rfa_grad_entry_bf16_f32
 #include "rotary_flash_attention.cpp"
+#include "rotary_flash_attention_grad.cpp"
+#undef rotary_flash_attention_grad
 #undef rotary_flash_attention
 #undef DTYPE_COS
+#undef DTYPE_QUERY
+#define DTYPE_QUERY bfloat16_t
 #define DTYPE_COS half
 #define rotary_flash_attention rfa_entry_bf16_f16
+#define rotary_flash_attention_grad rfa_grad_entry_bf16_f16
 #include "rotary_flash_attention.cpp"
+#include "rotary_flash_attention_grad.cpp"
+#undef rotary_flash_attention_grad
 #undef rotary_flash_attention
 #undef DTYPE_COS
+#undef DTYPE_QUERY
+#define DTYPE_QUERY bfloat16_t
 #define DTYPE_COS bfloat16_t
 #define rotary_flash_attention rfa_entry_bf16_bf16
+#define rotary_flash_attention_grad rfa_grad_entry_bf16_bf16
 #include "rotary_flash_attention.cpp"
+#include "rotary_flash_attention_grad.cpp"
+#undef rotary_flash_attention_grad
 #undef rotary_flash_attention
 #undef DTYPE_COS
 #undef DTYPE_QUERY
@@ -88,6 +129,19 @@ Kernel Select(rfa::DType qkv, rfa::DType table) {
   return kEntries[static_cast<int>(qkv)][static_cast<int>(table)];
 }
 
+using GradKernel = void (*)(GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR,
+                            GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR);
+
+const GradKernel kGradEntries[3][3] = {
+    {rfa_grad_entry_f32_f32, rfa_grad_entry_f32_f16, rfa_grad_entry_f32_bf16},
+    {rfa_grad_entry_f16_f32, rfa_grad_entry_f16_f16, rfa_grad_entry_f16_bf16},
+    {rfa_grad_entry_bf16_f32, rfa_grad_entry_bf16_f16, rfa_grad_entry_bf16_bf16}};
+
+// An absent optional tensor (or an empty output) arrives as a valid pointer to nothing, as a launch
+// would pass it; the kernels read only what the tiling says is there.
+uint8_t g_empty[64];
+GM_ADDR OrEmpty(void *p) { return p ? static_cast<GM_ADDR>(p) : g_empty; }
+
 int64_t Cores() {
   const char *env = std::getenv("RFA_EMULATED_CORES");
   return env ? std::atoll(env) : 8;  // a few cores: every core-split path runs, in test time
@@ -116,13 +170,76 @@ RFA_EXPORT int RotaryFlashAttentionRun(const rfa::Attrs *attrs, int *ndims, int6
     if (!err.empty()) return Fail(err);
     std::vector<uint8_t> workspace(rfa::ascend::WorkspaceBytes(tiling.rfa, rfa::ascend::ElemBytes(problem.qkv_dtype)));
     auto gm = [&](int i) { return static_cast<GM_ADDR>(params[i]); };
-    static uint8_t empty[64];
-    auto out_or_empty = [&](int i, bool on) { return on ? gm(i) : empty; };
+    auto out_or_empty = [&](int i, bool on) { return on ? gm(i) : g_empty; };
     // MIX 1:2: blockDim AI cores carry 2 x blockDim vector cores for the tiling's core_num workers.
     const int64_t block_dim = (tiling.rfa.core_num + 1) / 2;
     EmuRunKernel(Select(problem.qkv_dtype, problem.cos_dtype), block_dim, workspace.data(), gm(0), gm(1), gm(2), gm(3), gm(4),
-                 params[5] ? gm(5) : empty, params[6] ? gm(6) : empty, gm(7), out_or_empty(8, attrs->with_lse),
+                 OrEmpty(params[5]), OrEmpty(params[6]), gm(7), out_or_empty(8, attrs->with_lse),
                  out_or_empty(9, attrs->with_rotated_key), workspace.data(), reinterpret_cast<GM_ADDR>(&tiling));
+    return 0;
+  } catch (const std::exception &e) {
+    return Fail(e.what());
+  }
+}
+
+// The backward, same signature as the CPU kernel's: block_q/block_k override the planned block sizes
+// (> 0); splits is the CPU kernel's KV split and must be <= 0.
+RFA_EXPORT int RotaryFlashAttentionGradRun(const rfa::Attrs *attrs, int *ndims, int64_t **shapes, const char **dtypes,
+                                           void **params, int64_t block_q, int64_t block_k, int64_t splits) {
+  try {
+    if (splits > 0) return Fail("splits: a CPU kernel tiling knob, not the Ascend kernel's");
+    rfa::Problem problem;
+    bool has_dlse = false, has_drk = false;
+    std::string err = rfa::ValidateGradCall(*attrs, ndims, shapes, dtypes, params, &problem, &has_dlse, &has_drk);
+    if (!err.empty()) return Fail(err);
+    rfa::ascend::Platform platform;
+    platform.vector_cores = Cores();
+    RotaryFlashAttentionGradTilingData tiling{};
+    err = rfa::ascend::PlanGradTiling(problem, platform, has_dlse, has_drk, &tiling.rfa, &tiling.grad, block_q, block_k);
+    if (!err.empty()) return Fail(err);
+    std::vector<uint8_t> workspace(rfa::ascend::GradWorkspaceBytes(tiling.grad));
+    GM_ADDR gm[rfa::kGradInputs + rfa::kGradOutputs];
+    for (int i = 0; i < rfa::kGradInputs + rfa::kGradOutputs; ++i) gm[i] = OrEmpty(params[i]);
+    const int64_t block_dim = (tiling.grad.core_num + 1) / 2;
+    EmuRunKernel(kGradEntries[static_cast<int>(problem.qkv_dtype)][static_cast<int>(problem.cos_dtype)], block_dim,
+                 workspace.data(), gm[0], gm[1], gm[2], gm[3], gm[4], gm[5], gm[6], gm[7], gm[8], gm[9], gm[10], gm[11],
+                 gm[12], gm[13], gm[14], workspace.data(), reinterpret_cast<GM_ADDR>(&tiling));
+    return 0;
+  } catch (const std::exception &e) {
+    return Fail(e.what());
+  }
+}
+
+// The backward's tiling and, per core, the (query row, visible key) pairs of its KV and Q tasks, for
+// the tiling tests.
+RFA_EXPORT int RfaAscendGradPlan(const rfa::Attrs *attrs, int *ndims, int64_t **shapes, const char **dtypes,
+                                 void **params, int64_t cores, int64_t ub_bytes, int64_t block_q, int64_t block_kv,
+                                 rfa::ascend::RfaTiling *out, rfa::ascend::RfaGradPlan *grad, int64_t *core_work,
+                                 int64_t *workspace_bytes) {
+  try {
+    rfa::Problem p;
+    std::string err = rfa::ValidateCall(*attrs, ndims, shapes, dtypes, params, &p);
+    if (!err.empty()) return Fail(err);
+    rfa::ascend::Platform platform{cores, ub_bytes};
+    err = rfa::ascend::PlanGradTiling(p, platform, true, true, out, grad, block_q, block_kv);
+    if (!err.empty()) return Fail(err);
+    for (int64_t c = 0; c < cores; ++c) core_work[c] = 0;
+    const bool causal = out->causal;
+    rfa::ascend::ForEachGradTask(
+        *out, *grad, [&](int64_t b, bool kv) { return kv ? p.kv_lens[b] : p.q_lens[b]; },
+        [&](int64_t index, const rfa::ascend::GradTask &t) {
+          const int64_t lq = p.q_lens[t.seq], lk = p.kv_lens[t.seq], q_off = lk - lq;
+          int64_t pairs = 0;  // (query row, key it sees) pairs of the task's block, every head of it
+          for (int64_t r = t.first; r < t.first + t.count; ++r) {
+            if (t.kind == 0)  // key r: the queries at or past it
+              pairs += out->group * (causal ? lq - std::min(lq, std::max<int64_t>(0, r - q_off)) : lq);
+            else  // query r: the keys up to it
+              pairs += causal ? q_off + r + 1 : lk;
+          }
+          core_work[rfa::ascend::CoreOfTask(index, cores)] += pairs;
+          return true;
+        });
+    *workspace_bytes = rfa::ascend::GradWorkspaceBytes(*grad);
     return 0;
   } catch (const std::exception &e) {
     return Fail(e.what());

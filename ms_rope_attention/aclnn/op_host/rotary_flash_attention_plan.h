@@ -1,12 +1,14 @@
-// The Ascend tiling decision, free of CANN: validates the problem (the same rfa::BuildProblem the
-// CPU kernel uses), picks the query/KV block sizes that fit the vector core's Unified Buffer, and
-// lays out the per-core GM workspace. op_host/rotary_flash_attention_tiling.cpp calls it with the
-// device's core count and UB size; tests/test_ascend_tiling.py calls it here.
+// The Ascend tiling decisions of both ops, free of CANN: validate the problem (the same
+// rfa::BuildProblem the CPU kernel uses), pick the query/KV block sizes that fit the vector core's
+// Unified Buffer, and lay out the GM workspace. op_host/rotary_flash_attention.cpp (forward) and
+// op_host/rotary_flash_attention_grad.cpp (backward) call them with the device's core count and UB
+// size; the emulation (emulator/rfa_ascend_emulated.cc) and tests/test_ascend*.py call them here.
 #pragma once
 #include <algorithm>
 #include <string>
 
 #include "rfa_problem.h"
+#include "rotary_flash_attention_grad_tiling.h"
 #include "rotary_flash_attention_tiling.h"
 
 namespace rfa {
@@ -22,19 +24,19 @@ inline int64_t ElemBytes(DType t) { return t == DType::F32 ? 4 : 2; }
 // Largest M (query rows of one task, all heads of a KV group) the cube handles in one pass.
 constexpr int64_t kMaxTaskRows = 128;
 
-inline std::string PlanTiling(const Problem &p, const Platform &pf, RfaTiling *t, int64_t block_q = 0,
-                              int64_t block_kv = 0) {
+// What the Ascend kernels refuse beyond the contract, or "" with the problem part of `t` filled
+// (the plan fields zero).
+inline std::string FillProblem(const Problem &p, const Platform &pf, RfaTiling *t) {
   if (pf.vector_cores < 1) return "platform: expected at least one vector core";
   if (p.head_dim % 16)
     return "query: head_dim " + std::to_string(p.head_dim) +
            " is not a multiple of 16, which the Ascend kernel needs for 32-byte aligned rows (64/80/96/128/256 are)";
   if (p.cos_dtype != p.sin_dtype) return "sin: expected the same dtype as cos on Ascend";
   *t = RfaTiling{};
-  const int64_t group = p.q_heads / p.kv_heads, elem = ElemBytes(p.qkv_dtype), telem = ElemBytes(p.cos_dtype);
   t->batch = p.batch;
   t->q_heads = p.q_heads;
   t->kv_heads = p.kv_heads;
-  t->group = group;
+  t->group = p.q_heads / p.kv_heads;
   t->head_dim = p.head_dim;
   t->head_pad = p.head_dim;  // multiple of 16: already 32-byte aligned for every dtype
   t->rotary_dim = p.rotary_dim;
@@ -58,6 +60,14 @@ inline std::string PlanTiling(const Problem &p, const Platform &pf, RfaTiling *t
   t->lse_head_stride = p.lse.head;
   t->lse_row_stride = p.lse.row;
   t->scale = p.scale;
+  return "";
+}
+
+inline std::string PlanTiling(const Problem &p, const Platform &pf, RfaTiling *t, int64_t block_q = 0,
+                              int64_t block_kv = 0) {
+  const std::string refused = FillProblem(p, pf, t);
+  if (!refused.empty()) return refused;
+  const int64_t group = t->group, elem = ElemBytes(p.qkv_dtype), telem = ElemBytes(p.cos_dtype);
   t->core_num = pf.vector_cores;
 
   // KV tile 128 (the cube's base block), or 64 if nothing fits. Query rows per head: up to 64 (enough
@@ -102,6 +112,9 @@ inline std::string PlanTiling(const Problem &p, const Platform &pf, RfaTiling *t
   return "";
 }
 
+inline int64_t QueryRows(const RfaTiling &t) { return t.layout == 3 ? t.q_len : t.batch * t.q_len; }
+inline int64_t KeyRows(const RfaTiling &t) { return t.layout == 3 ? t.kv_len : t.batch * t.kv_len; }
+
 inline int64_t KeyElements(const RfaTiling &t) {
   return (t.layout == 3 ? t.kv_len : t.batch * t.kv_len) * t.kv_heads * t.head_dim;
 }
@@ -109,6 +122,64 @@ inline int64_t KeyElements(const RfaTiling &t) {
 inline int64_t WorkspaceBytes(const RfaTiling &t, int64_t elem) {
   const int64_t keys = t.ws_keys >= 0 ? RoundUp(KeyElements(t) * elem, 512) : 0;
   return kSysWorkspaceBytes + t.core_num * t.ws_per_core + keys;
+}
+
+// The backward's plan: block_kv 64 (halved to 32, then 16, if nothing fits), block_q up to 64
+// (halved until the UB plan fits), the head-major shared workspace and the per-core P/dS tiles.
+// has_dlse / has_drk: whether d_softmax_lse / d_rotated_key are present (rfa::ValidateGradCall).
+inline std::string PlanGradTiling(const Problem &p, const Platform &pf, bool has_dlse, bool has_drk, RfaTiling *t,
+                                  RfaGradPlan *g, int64_t block_q = 0, int64_t block_kv = 0) {
+  const std::string refused = FillProblem(p, pf, t);
+  if (!refused.empty()) return refused;
+  *g = RfaGradPlan{};
+  const int64_t elem = ElemBytes(p.qkv_dtype), telem = ElemBytes(p.cos_dtype);
+  int64_t longest_q = 1;
+  for (int64_t lq : p.q_lens) longest_q = std::max(longest_q, lq);
+  const int64_t first_q = block_q > 0 ? block_q : std::min<int64_t>(64, longest_q);
+  const int64_t kv_options[3] = {block_kv > 0 ? block_kv : 64, 32, 16};
+  for (int i = 0; i < (block_kv > 0 ? 1 : 3) && g->block_q == 0; ++i) {
+    for (int64_t bq = first_q; bq >= 1; bq = block_q > 0 ? 0 : bq / 2) {
+      const GradUbPlan u = PlanGradUb(bq, kv_options[i], t->head_pad, elem, telem);
+      if (u.total <= pf.ub_bytes) {
+        g->block_q = bq;
+        g->block_kv = kv_options[i];
+        g->ub_bytes = u.total;
+        break;
+      }
+    }
+  }
+  if (g->block_q == 0)
+    return "tiling: head_dim " + std::to_string(p.head_dim) + " does not fit the backward's " +
+           std::to_string(pf.ub_bytes) + "-byte Unified Buffer";
+  if (g->block_kv % 16) return "tiling: block_kv must be a multiple of 16";
+  g->core_num = pf.vector_cores;
+  g->has_dlse = has_dlse;
+  g->has_drk = has_drk;
+  g->q_rows = QueryRows(*t);
+  g->kv_rows = KeyRows(*t);
+  int64_t offset = 0;
+  auto slice = [&offset](int64_t bytes) {
+    const int64_t at = offset;
+    offset += RoundUp(bytes, 512);
+    return at;
+  };
+  const int64_t q_elems = g->q_rows * t->q_heads * t->head_pad, kv_elems = g->kv_rows * t->kv_heads * t->head_pad;
+  g->ws_qs = slice(q_elems * elem);
+  g->ws_do = slice(q_elems * elem);
+  g->ws_kr = slice(kv_elems * elem);
+  g->ws_v = slice(kv_elems * elem);
+  g->ws_lse = slice(g->q_rows * t->q_heads * 4);
+  g->ws_delta = slice(g->q_rows * t->q_heads * 4);
+  g->ws_cores = offset;
+  offset = 0;
+  g->ws_p = slice(g->block_q * g->block_kv * elem);
+  g->ws_ds = slice(g->block_q * g->block_kv * elem);
+  g->ws_per_core = offset;
+  return "";
+}
+
+inline int64_t GradWorkspaceBytes(const RfaGradPlan &g) {
+  return kSysWorkspaceBytes + g.ws_cores + g.core_num * g.ws_per_core;
 }
 
 }  // namespace ascend

@@ -28,16 +28,12 @@
 #pragma once
 #include "kernel_operator.h"
 #include "lib/matmul_intf.h"
+#include "rfa_kernel_common.h"
 #include "rotary_flash_attention_tiling.h"
 
 namespace rfa {
 namespace ascend {
 
-using AscendC::GlobalTensor;
-using AscendC::LocalTensor;
-using AscendC::TPosition;
-
-constexpr int64_t kLayoutTND = 3;
 constexpr float kMaskValue = -3.0e38f;  // masked score: exp(kMaskValue - m) == 0 for any finite m
 constexpr float kMinInit = -1.0e30f;    // running max before the first key (finite: no inf - inf)
 constexpr float kNegInf = -__builtin_inff();
@@ -68,14 +64,9 @@ class RotaryFlashAttentionKernel {
     key_.SetGlobalBuffer(reinterpret_cast<__gm__ T *>(key), kv_elems);
     value_.SetGlobalBuffer(reinterpret_cast<__gm__ T *>(value), kv_elems);
     out_.SetGlobalBuffer(reinterpret_cast<__gm__ T *>(out), q_elems);
-    cos_.SetGlobalBuffer(reinterpret_cast<__gm__ TT *>(cos), t_.table_rows * t_.rotary_dim);
-    sin_.SetGlobalBuffer(reinterpret_cast<__gm__ TT *>(sin), t_.table_rows * t_.rotary_dim);
     if (t_.with_lse) lse_.SetGlobalBuffer(reinterpret_cast<__gm__ float *>(lse), q_elems / t_.head_dim);
     if (t_.with_rotated_key) rk_.SetGlobalBuffer(reinterpret_cast<__gm__ T *>(rotated_key), kv_elems);
-    if (t_.layout == kLayoutTND) {
-      aq_.SetGlobalBuffer(reinterpret_cast<__gm__ int64_t *>(aq), t_.batch);
-      akv_.SetGlobalBuffer(reinterpret_cast<__gm__ int64_t *>(akv), t_.batch);
-    }
+    seq_.Init(t_, aq, akv);
     GM_ADDR user = AscendC::GetUserWorkspace(workspace);
     GM_ADDR mine = user + AscendC::GetBlockIdx() * t_.ws_per_core;
     // Where attention reads rotated keys from: the key itself (key_rotated), the rotated_key output
@@ -94,16 +85,7 @@ class RotaryFlashAttentionKernel {
     ws_p_.SetGlobalBuffer(reinterpret_cast<__gm__ T *>(mine + t_.ws_p), m * t_.block_kv);
 
     const UbPlan u = PlanUb(m, t_.block_kv, t_.head_pad, sizeof(T), sizeof(TT));
-    pipe_->InitBuffer(row_in_, 2, u.row_in);
-    pipe_->InitBuffer(table_in_, 2, u.table_in);
-    pipe_->InitBuffer(row_out_, 2, u.row_out);
-    pipe_->InitBuffer(x_buf_, u.f32_row);
-    pipe_->InitBuffer(perm_buf_, u.f32_row);
-    pipe_->InitBuffer(y_buf_, u.f32_row);
-    pipe_->InitBuffer(cos_buf_, u.table_f32);
-    pipe_->InitBuffer(sin_buf_, u.table_f32);
-    pipe_->InitBuffer(sign_buf_, u.table_f32);
-    pipe_->InitBuffer(offsets_buf_, u.offsets);
+    rows_.Init(pipe_, t_, cos, sin, u.rows);
     pipe_->InitBuffer(scores_buf_, u.scores);
     pipe_->InitBuffer(probs_buf_, u.probs);
     pipe_->InitBuffer(o_buf_, u.acc);
@@ -119,7 +101,6 @@ class RotaryFlashAttentionKernel {
     pipe_->InitBuffer(lse_stage_buf_, u.lse_stage);
     mm_qk.SetOrgShape(m, t_.block_kv, t_.head_pad);
     mm_pv.SetOrgShape(m, t_.head_pad, t_.block_kv);
-    PrepareRotation();
   }
 
   __aicore__ inline void Process() {
@@ -139,7 +120,7 @@ class RotaryFlashAttentionKernel {
       int64_t index = 0;
       for (int64_t b = 0; b < t_.batch; ++b)
         for (int64_t g = 0; g < t_.kv_heads; ++g)
-          if (QLen(b) == 0 && CoreOfTask(index++, cores) == me) EmitKeysOnly(b, g);
+          if (seq_.QLen(b) == 0 && CoreOfTask(index++, cores) == me) EmitKeysOnly(b, g);
     }
   }
 
@@ -147,7 +128,7 @@ class RotaryFlashAttentionKernel {
   // ForEachTask's callbacks (device code takes __aicore__ functors, not lambdas).
   struct QLenOf {
     RotaryFlashAttentionKernel *k;
-    __aicore__ inline int64_t operator()(int64_t b) const { return k->QLen(b); }
+    __aicore__ inline int64_t operator()(int64_t b) const { return k->seq_.QLen(b); }
   };
   struct RunOwnTasks {
     RotaryFlashAttentionKernel *k;
@@ -158,126 +139,22 @@ class RotaryFlashAttentionKernel {
     }
   };
 
-  // Makes pipe DST wait for what pipe SRC has issued so far (E = SRC_DST).
   template <AscendC::HardEvent E>
   __aicore__ inline void Sync() {
-    const int32_t id = static_cast<int32_t>(pipe_->FetchEventID(E));
-    AscendC::SetFlag<E>(id);
-    AscendC::WaitFlag<E>(id);
-  }
-
-  // ---- sequence geometry (TND offsets are read from GM; batch layouts are uniform) ----
-  __aicore__ inline int64_t QStart(int64_t b) { return t_.layout == kLayoutTND && b > 0 ? aq_.GetValue(b - 1) : 0; }
-  __aicore__ inline int64_t KvStart(int64_t b) { return t_.layout == kLayoutTND && b > 0 ? akv_.GetValue(b - 1) : 0; }
-  __aicore__ inline int64_t QLen(int64_t b) {
-    return t_.layout == kLayoutTND ? aq_.GetValue(b) - QStart(b) : t_.q_len;
-  }
-  __aicore__ inline int64_t KvLen(int64_t b) {
-    return t_.layout == kLayoutTND ? akv_.GetValue(b) - KvStart(b) : t_.kv_len;
-  }
-  __aicore__ inline int64_t QRow(int64_t b, int64_t head, int64_t row) {
-    return b * t_.q_batch_stride + head * t_.q_head_stride + (QStart(b) + row) * t_.q_row_stride;
-  }
-  __aicore__ inline int64_t KvRow(int64_t b, int64_t head, int64_t row) {
-    return b * t_.kv_batch_stride + head * t_.kv_head_stride + (KvStart(b) + row) * t_.kv_row_stride;
-  }
-
-  // perm(x)[i] = x[partner(i)] as Gather byte offsets; sign[i] is the rotation's sign, folded into
-  // sin' per position; features past rotary_dim pass through (cos 1, sin 0).
-  __aicore__ inline void PrepareRotation() {
-    LocalTensor<uint32_t> offsets = offsets_buf_.Get<uint32_t>();
-    LocalTensor<float> cosf = cos_buf_.Get<float>(), sinf = sin_buf_.Get<float>(), sign = sign_buf_.Get<float>();
-    const int64_t rd = t_.rotary_dim, h = rd / 2;
-    for (int64_t i = 0; i < t_.head_pad; ++i) {
-      int64_t partner = i;
-      if (i < rd) partner = t_.rotary_mode == 0 ? (i < h ? i + h : i - h) : (i ^ 1);
-      offsets.SetValue(i, static_cast<uint32_t>(partner * sizeof(float)));
-      cosf.SetValue(i, 1.0f);
-      sinf.SetValue(i, 0.0f);
-      const bool negate = t_.rotary_mode == 0 ? i < h : (i % 2 == 0);  // rotate-half: first half; interleaved: even
-      sign.SetValue(i, negate ? -1.0f : 1.0f);
-    }
-    Sync<AscendC::HardEvent::S_V>();
-  }
-
-  // Loads table row `pos` into cos/sin (float32, first rotary_dim features) with sin's sign folded.
-  __aicore__ inline void LoadTables(int64_t pos) {
-    LocalTensor<float> cosf = cos_buf_.Get<float>(), sinf = sin_buf_.Get<float>();
-    const int64_t rd = t_.rotary_dim;
-    const AscendC::DataCopyExtParams copy{1, static_cast<uint32_t>(rd * sizeof(TT)), 0, 0, 0};
-    for (int which = 0; which < 2; ++which) {
-      LocalTensor<TT> raw = table_in_.AllocTensor<TT>();
-      AscendC::DataCopyPad(raw, (which == 0 ? cos_ : sin_)[pos * rd], copy, AscendC::DataCopyPadExtParams<TT>{});
-      table_in_.EnQue(raw);
-      raw = table_in_.DeQue<TT>();
-      LocalTensor<float> dst = which == 0 ? cosf : sinf;
-      if constexpr (AscendC::IsSameType<TT, float>::value) {
-        AscendC::Muls(dst, raw, 1.0f, static_cast<int32_t>(rd));
-      } else {
-        AscendC::Cast(dst, raw, AscendC::RoundMode::CAST_NONE, static_cast<int32_t>(rd));
-      }
-      table_in_.FreeTensor(raw);
-    }
-    AscendC::Mul(sinf, sinf, sign_buf_.Get<float>(), static_cast<int32_t>(rd));
-  }
-
-  // GM row (head_dim elements of T) -> float32 x.
-  __aicore__ inline void LoadRow(const GlobalTensor<T> &src, LocalTensor<float> x) {
-    LocalTensor<T> raw = row_in_.AllocTensor<T>();
-    AscendC::DataCopy(raw, src, static_cast<uint32_t>(t_.head_dim));
-    row_in_.EnQue(raw);
-    raw = row_in_.DeQue<T>();
-    if constexpr (AscendC::IsSameType<T, float>::value) {
-      AscendC::Muls(x, raw, 1.0f, static_cast<int32_t>(t_.head_dim));
-    } else {
-      AscendC::Cast(x, raw, AscendC::RoundMode::CAST_NONE, static_cast<int32_t>(t_.head_dim));
-    }
-    row_in_.FreeTensor(raw);
-  }
-
-  // y = (x * cos + perm(x) * sin') * mul, at the position whose tables LoadTables fetched.
-  __aicore__ inline void Rotate(LocalTensor<float> x, LocalTensor<float> y, float mul) {
-    LocalTensor<float> perm = perm_buf_.Get<float>();
-    const int32_t d = static_cast<int32_t>(t_.head_dim);
-    AscendC::Gather(perm, x, offsets_buf_.Get<uint32_t>(), 0u, static_cast<uint32_t>(d));
-    AscendC::Mul(y, x, cos_buf_.Get<float>(), d);
-    AscendC::Mul(perm, perm, sin_buf_.Get<float>(), d);
-    AscendC::Add(y, y, perm, d);
-    if (mul != 1.0f) AscendC::Muls(y, y, mul, d);
-  }
-
-  // float32 row -> T row in GM (one or two destinations).
-  __aicore__ inline void StoreRow(LocalTensor<float> y, const GlobalTensor<T> &dst, const GlobalTensor<T> *also) {
-    LocalTensor<T> row = row_out_.AllocTensor<T>();
-    if constexpr (AscendC::IsSameType<T, float>::value) {
-      AscendC::Muls(row, y, 1.0f, static_cast<int32_t>(t_.head_dim));
-    } else {
-      AscendC::Cast(row, y, AscendC::RoundMode::CAST_RINT, static_cast<int32_t>(t_.head_dim));
-    }
-    row_out_.EnQue(row);
-    row = row_out_.DeQue<T>();
-    AscendC::DataCopy(dst, row, static_cast<uint32_t>(t_.head_dim));
-    if (also != nullptr) AscendC::DataCopy(*also, row, static_cast<uint32_t>(t_.head_dim));
-    row_out_.FreeTensor(row);
-  }
-
-  __aicore__ inline void ZeroRow(const GlobalTensor<T> &dst) {
-    LocalTensor<float> y = y_buf_.Get<float>();
-    AscendC::Duplicate(y, 0.0f, static_cast<int32_t>(t_.head_pad));
-    StoreRow(y, dst, nullptr);
+    SyncPipes<E>(pipe_);
   }
 
   __aicore__ inline void RunTask(const Task &task) {
     const int64_t g = t_.group, d = t_.head_dim, nb = t_.block_kv;
-    const int64_t m = g * task.nq, lq = QLen(task.seq), lk = KvLen(task.seq), q_off = lk - lq;
-    LocalTensor<float> x = x_buf_.Get<float>(), y = y_buf_.Get<float>();
+    const int64_t m = g * task.nq, lq = seq_.QLen(task.seq), lk = seq_.KvLen(task.seq), q_off = lk - lq;
+    LocalTensor<float> x = rows_.X(), y = rows_.Y();
     // 1. Rotate the Q block once (scale folded in) into the workspace, rows ordered (head, row).
     for (int64_t i = 0; i < task.nq; ++i) {
-      LoadTables(q_off + task.q0 + i);
+      rows_.LoadTables(q_off + task.q0 + i);
       for (int64_t gi = 0; gi < g; ++gi) {
-        LoadRow(query_[QRow(task.seq, task.group * g + gi, task.q0 + i)], x);
-        Rotate(x, y, t_.scale);
-        StoreRow(y, ws_q_[(gi * task.nq + i) * t_.head_pad], nullptr);
+        rows_.LoadRow(query_[seq_.QRow(task.seq, task.group * g + gi, task.q0 + i)], x);
+        rows_.Rotate(x, y, t_.scale);
+        rows_.StoreRow(y, ws_q_[(gi * task.nq + i) * t_.head_pad], nullptr);
       }
     }
     LocalTensor<float> o = o_buf_.Get<float>(), mrow = m_buf_.Get<float>(), lrow = l_buf_.Get<float>();
@@ -293,20 +170,20 @@ class RotaryFlashAttentionKernel {
       const int64_t n = kv_end - j0 < nb ? kv_end - j0 : nb;
       // 2. K rows rotated into the workspace tile (and the rotated-key output); V rows beside them,
       //    each with a finiteness probe (sum of x - x: 0, or NaN when a value is NaN/Inf).
-      LocalTensor<float> probe = perm_buf_.Get<float>(), probes = reduce_out_buf_.Get<float>();
+      LocalTensor<float> probe = rows_.Perm(), probes = reduce_out_buf_.Get<float>();
       for (int64_t j = 0; j < n; ++j) {
-        const int64_t at = KvRow(task.seq, task.group, j0 + j);
+        const int64_t at = seq_.KvRow(task.seq, task.group, j0 + j);
         RotatedKey(at, j0 + j, keys_ready, x, y);
         const GlobalTensor<T> rk = rk_[at];
-        StoreRow(y, ws_k_[j * t_.head_pad], emit_key ? &rk : nullptr);
-        LoadRow(value_[at], x);
+        rows_.StoreRow(y, ws_k_[j * t_.head_pad], emit_key ? &rk : nullptr);
+        rows_.LoadRow(value_[at], x);
         AscendC::Sub(probe, x, x, static_cast<int32_t>(d));
         AscendC::ReduceSum(probes[j * kSlot], probe, reduce_buf_.Get<float>(), static_cast<int32_t>(d));
-        StoreRow(x, ws_v_[j * t_.head_pad], nullptr);
+        rows_.StoreRow(x, ws_v_[j * t_.head_pad], nullptr);
       }
       for (int64_t j = n; j < nb; ++j) {  // tail tile: zero K and V rows, so full-size matmuls add nothing
-        ZeroRow(ws_k_[j * t_.head_pad]);
-        ZeroRow(ws_v_[j * t_.head_pad]);
+        rows_.ZeroRow(ws_k_[j * t_.head_pad]);
+        rows_.ZeroRow(ws_v_[j * t_.head_pad]);
       }
       // A V row with NaN/Inf is zeroed (after its first store: MTE3 keeps order); the rows that see
       // it are marked in OnlineSoftmax.
@@ -316,7 +193,7 @@ class RotaryFlashAttentionKernel {
         const float p = probes.GetValue(j * kSlot);
         if (p != p) {
           first_bad = j;
-          ZeroRow(ws_v_[j * t_.head_pad]);
+          rows_.ZeroRow(ws_v_[j * t_.head_pad]);
         }
       }
       AscendC::PipeBarrier<PIPE_ALL>();  // workspace writes (MTE3) land before the cube reads them
@@ -418,7 +295,7 @@ class RotaryFlashAttentionKernel {
       const float scale = poison.GetValue(r) != 0.0f ? __builtin_nanf("") : (l > 0.0f ? 1.0f / l : 0.0f);
       LocalTensor<float> orow = o[r * t_.head_pad];
       AscendC::Muls(orow, orow, scale, static_cast<int32_t>(t_.head_dim));
-      StoreRow(orow, out_[QRow(task.seq, head, task.q0 + i)], nullptr);
+      rows_.StoreRow(orow, out_[seq_.QRow(task.seq, head, task.q0 + i)], nullptr);
     }
     if (t_.with_lse) StoreLse(task, lse, lrow);
   }
@@ -438,7 +315,7 @@ class RotaryFlashAttentionKernel {
     }
     Sync<AscendC::HardEvent::S_MTE3>();
     const int64_t first = task.seq * t_.lse_batch_stride + task.group * g * t_.lse_head_stride +
-                          (QStart(task.seq) + task.q0) * t_.lse_row_stride;
+                          (seq_.QStart(task.seq) + task.q0) * t_.lse_row_stride;
     const int64_t gap = (per_head ? t_.lse_head_stride : t_.lse_row_stride) - len;
     const AscendC::DataCopyExtParams copy{static_cast<uint16_t>(count), static_cast<uint32_t>(len * 4), 0,
                                           static_cast<uint32_t>(gap * 4), 0};
@@ -450,31 +327,25 @@ class RotaryFlashAttentionKernel {
     const int64_t tokens = t_.layout == kLayoutTND ? t_.kv_len : t_.batch * t_.kv_len;
     const int64_t rows = tokens * t_.kv_heads, share = CeilDiv(rows, cores);
     const int64_t first = me * share, last = first + share < rows ? first + share : rows;
-    LocalTensor<float> x = x_buf_.Get<float>(), y = y_buf_.Get<float>();
+    LocalTensor<float> x = rows_.X(), y = rows_.Y();
     int64_t b = 0;
     for (int64_t r = first; r < last; ++r) {
       const int64_t token = r / t_.kv_heads, head = r % t_.kv_heads;
-      int64_t j = token;
-      if (t_.layout == kLayoutTND) {
-        while (token >= akv_.GetValue(b)) ++b;  // rows ascend: the sequence index only moves forward
-        j = token - KvStart(b);
-      } else {
-        b = token / t_.kv_len;
-        j = token % t_.kv_len;
-      }
-      const int64_t at = KvRow(b, head, j);
+      b = seq_.SeqOfKey(token, b);
+      const int64_t j = token - (t_.layout == kLayoutTND ? seq_.KvStart(b) : b * t_.kv_len);
+      const int64_t at = seq_.KvRow(b, head, j);
       RotatedKey(at, j, false, x, y);
-      StoreRow(y, keys_[at], nullptr);
+      rows_.StoreRow(y, keys_[at], nullptr);
     }
   }
 
   // Rotated keys of a sequence with no query rows (key_rotated: the keys as given).
   __aicore__ inline void EmitKeysOnly(int64_t b, int64_t group) {
-    LocalTensor<float> x = x_buf_.Get<float>(), y = y_buf_.Get<float>();
-    for (int64_t j = 0; j < KvLen(b); ++j) {
-      const int64_t at = KvRow(b, group, j);
+    LocalTensor<float> x = rows_.X(), y = rows_.Y();
+    for (int64_t j = 0; j < seq_.KvLen(b); ++j) {
+      const int64_t at = seq_.KvRow(b, group, j);
       RotatedKey(at, j, true, x, y);
-      StoreRow(y, rk_[at], nullptr);
+      rows_.StoreRow(y, rk_[at], nullptr);
     }
   }
 
@@ -482,28 +353,25 @@ class RotaryFlashAttentionKernel {
   // already rotated (key_rotated, or after the pre-pass), else loaded and rotated here (x is scratch).
   __aicore__ inline void RotatedKey(int64_t at, int64_t pos, bool ready, LocalTensor<float> x, LocalTensor<float> y) {
     if (ready) {
-      LoadRow(keys_[at], y);
+      rows_.LoadRow(keys_[at], y);
       return;
     }
-    LoadRow(key_[at], x);
-    LoadTables(pos);
-    Rotate(x, y, 1.0f);
+    rows_.LoadRow(key_[at], x);
+    rows_.LoadTables(pos);
+    rows_.Rotate(x, y, 1.0f);
   }
 
   static constexpr int64_t kSlot = kBlockBytes / sizeof(float);  // one reduction result per 32-byte slot
 
   RfaTiling t_;
   AscendC::TPipe *pipe_ = nullptr;
-  AscendC::TQue<TPosition::VECIN, 2> row_in_, table_in_;
-  AscendC::TQue<TPosition::VECOUT, 2> row_out_;
+  RotaryRows<T, TT> rows_;
   AscendC::TBuf<TPosition::VECIN> scores_buf_, pv_buf_;  // the matmuls' C
-  AscendC::TBuf<TPosition::VECCALC> x_buf_, perm_buf_, y_buf_, cos_buf_, sin_buf_, sign_buf_, offsets_buf_,
-      probs_buf_, o_buf_, m_buf_, l_buf_, rowmax_buf_, rowsum_buf_, alpha_buf_, poison_buf_, reduce_buf_,
+  AscendC::TBuf<TPosition::VECCALC> probs_buf_, o_buf_, m_buf_, l_buf_, rowmax_buf_, rowsum_buf_, alpha_buf_, poison_buf_, reduce_buf_,
       reduce_out_buf_, lse_stage_buf_;
   GlobalTensor<T> query_, key_, value_, out_, rk_, keys_, ws_q_, ws_k_, ws_v_, ws_p_;
-  GlobalTensor<TT> cos_, sin_;
   GlobalTensor<float> lse_;
-  GlobalTensor<int64_t> aq_, akv_;
+  Sequences seq_;
 };
 
 }  // namespace ascend

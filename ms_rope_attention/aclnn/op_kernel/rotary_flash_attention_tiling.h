@@ -49,15 +49,30 @@ constexpr int64_t kPrepassMinQueryBlocks = 4;
 __aicore__ inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 __aicore__ inline int64_t RoundUp(int64_t a, int64_t b) { return CeilDiv(a, b) * b; }
 
-// Unified Buffer plan of one vector core, in bytes (every buffer 32-byte aligned). The host checks
-// `total` against the core's capacity; the kernel allocates exactly these sizes.
-struct UbPlan {
+// The rotation's row buffers (RotaryRows in op_kernel/rfa_rotary_rows.h), in bytes, each 32-byte
+// aligned: what both kernels hold to rotate, un-rotate and move one head_dim row at a time.
+struct RowUbPlan {
   int64_t row_in;      // one q/k/v row in the input dtype (queue depth 2: load of row i+1 overlaps row i)
   int64_t table_in;    // one cos or sin row in the table dtype (depth 2)
-  int64_t f32_row;     // x, permuted x, rotated y (float32, one each)
-  int64_t table_f32;   // cos and sin rows in float32, and the rotation's sign per lane
-  int64_t offsets;     // byte offsets of the rotation permutation (uint32, for Gather)
-  int64_t row_out;     // one rotated row in the input dtype (depth 2)
+  int64_t f32_row;     // x, permuted x, rotated y; cos, sin' and the sign per lane; Gather offsets (7 of them)
+  int64_t row_out;     // one row in the input dtype on its way out (depth 2)
+  int64_t total;
+};
+
+__aicore__ inline RowUbPlan PlanRowUb(int64_t head_pad, int64_t elem, int64_t table_elem) {
+  RowUbPlan r;
+  r.row_in = RoundUp(head_pad * elem, kBlockBytes);
+  r.table_in = RoundUp(head_pad * table_elem, kBlockBytes);
+  r.f32_row = RoundUp(head_pad * 4, kBlockBytes);
+  r.row_out = r.row_in;
+  r.total = 2 * r.row_in + 2 * r.table_in + 7 * r.f32_row + 2 * r.row_out;
+  return r;
+}
+
+// Unified Buffer plan of one vector core for the forward, in bytes (every buffer 32-byte aligned).
+// The host checks `total` against the core's capacity; the kernel allocates exactly these sizes.
+struct UbPlan {
+  RowUbPlan rows;      // the rotation's row buffers
   int64_t scores;      // S tile, M x block_kv float32 (the QK^T matmul's C, VECIN)
   int64_t probs;       // P tile in the input dtype (the P V matmul's A)
   int64_t acc;         // O accumulator and the P V result, M x head_dim float32 (one each)
@@ -70,12 +85,7 @@ struct UbPlan {
 
 __aicore__ inline UbPlan PlanUb(int64_t m, int64_t block_kv, int64_t head_pad, int64_t elem, int64_t table_elem) {
   UbPlan u;
-  u.row_in = RoundUp(head_pad * elem, kBlockBytes);
-  u.table_in = RoundUp(head_pad * table_elem, kBlockBytes);
-  u.f32_row = RoundUp(head_pad * 4, kBlockBytes);
-  u.table_f32 = u.f32_row;
-  u.offsets = u.f32_row;
-  u.row_out = u.row_in;
+  u.rows = PlanRowUb(head_pad, elem, table_elem);
   u.scores = RoundUp(m * block_kv * 4, kBlockBytes);
   u.probs = RoundUp(m * block_kv * elem, kBlockBytes);
   u.acc = RoundUp(m * head_pad * 4, kBlockBytes);
@@ -83,8 +93,7 @@ __aicore__ inline UbPlan PlanUb(int64_t m, int64_t block_kv, int64_t head_pad, i
   u.reduce_tmp = RoundUp(block_kv * 4, kBlockBytes);
   u.reduce_out = kBlockBytes * (m > block_kv ? m : block_kv);
   u.lse_stage = kBlockBytes * m;
-  u.total = 2 * u.row_in + 2 * u.table_in + 3 * u.f32_row + 3 * u.table_f32 + u.offsets + 2 * u.row_out + u.scores +
-            u.probs + 2 * u.acc + 6 * u.stats + u.reduce_tmp + u.reduce_out + u.lse_stage;
+  u.total = u.rows.total + u.scores + u.probs + 2 * u.acc + 6 * u.stats + u.reduce_tmp + u.reduce_out + u.lse_stage;
   return u;
 }
 
