@@ -190,7 +190,6 @@ class RotaryFlashAttentionGradKernel {
         lse_stage.SetValue(r, lse == -__builtin_inff() ? kNoKeyLse : lse);
         delta_stage.SetValue(r, slots.GetValue(r * kSlot) - d_lse);
       }
-      Sync<AscendC::HardEvent::S_V>();  // the next chunk's ReduceSums overwrite the slots just read
       Sync<AscendC::HardEvent::S_MTE3>();
       const AscendC::DataCopyExtParams copy{1, static_cast<uint32_t>(n * 4), 0, 0, 0};
       AscendC::DataCopyPad(ws_lse_[c0], lse_stage, copy);
@@ -306,7 +305,7 @@ class RotaryFlashAttentionGradKernel {
     Sync<AscendC::HardEvent::V_MTE3>();  // the tiles are TBufs: no queue orders the vector unit and MTE3
     if (with_p) AscendC::DataCopy(ws_p_, p_out, static_cast<uint32_t>(nq * nb));
     AscendC::DataCopy(ws_ds_, ds_out, static_cast<uint32_t>(nq * nb));
-    Sync<AscendC::HardEvent::MTE3_V>();  // the next tile's casts overwrite what MTE3 copies out
+    // The next tile's casts into p_out / ds_out come after the matmul reading these (Multiply fences).
   }
 
   __aicore__ inline void ToInput(const LocalTensor<T> &dst, const LocalTensor<float> &src, int32_t count) {
