@@ -1,4 +1,5 @@
 """The op contract is the single source: registrations, checks and the docs/semantics.md table agree with it."""
+import itertools
 import re
 from pathlib import Path
 
@@ -11,10 +12,25 @@ from ms_rope_attention.op_info import CONTRACT_PATH, build_reg_info, load_contra
 ROOT = Path(__file__).resolve().parents[1]
 
 
+FORWARD_AND_BACKWARD = pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+
+# Tensors of either op that share one dtype in every combination: query's (3 choices), the tables'
+# (3 choices, independent of query's), the log-sum-exps and the TND offsets.
+SAME_DTYPE = {"query": {"query", "key", "value", "attention_out", "rotated_key", "d_attention_out", "d_rotated_key",
+                        "d_query", "d_key", "d_value"},
+              "cos": {"cos", "sin"}, "float32": {"softmax_lse", "d_softmax_lse"},
+              "int64": {"actual_seq_qlen", "actual_seq_kvlen"}}
+
+
+def contract_of(backward: bool):
+    return load_contract().backward if backward else load_contract()
+
+
+@FORWARD_AND_BACKWARD
 @pytest.mark.parametrize("target,any_dtype", [("CPU", True), ("Ascend", False)])
-def test_reg_info_matches_contract(target, any_dtype):
-    contract = load_contract()
-    info = build_reg_info(target, {"scale": 0.5, "input_layout": "TND"}, any_dtype=any_dtype)
+def test_reg_info_matches_contract(target, any_dtype, backward):
+    contract = contract_of(backward)
+    info = build_reg_info(target, {"scale": 0.5, "input_layout": "TND"}, any_dtype=any_dtype, backward=backward)
     assert info["op_name"] == contract.op_name and info["target"] == target
     assert [i["name"] for i in info["inputs"]] == [i["name"] for i in contract.inputs]
     assert [i["paramType"] for i in info["inputs"]] == ["optional" if i.get("optional") else "required"
@@ -30,11 +46,17 @@ def test_reg_info_matches_contract(target, any_dtype):
     formats = info["dtype_format"]
     if any_dtype:
         assert len(formats) == 1
-    else:  # q/k/v share one of 3 dtypes, the cos/sin pair one of 3: 9 combinations
-        assert len(formats) == 9
-        for row in formats:
-            q, k, v, cos, sin, aq, akv, out, lse, rk = (entry[0] for entry in row)
-            assert q == k == v == out == rk and cos == sin and lse == "float32" and aq == akv == "int64"
+        return
+    names = [i["name"] for i in contract.inputs] + [o["name"] for o in contract.outputs]
+    assert sorted(names) == sorted(n for group in SAME_DTYPE.values() for n in group if n in names)  # each in one group
+    pairs = set()
+    for row in formats:  # query's dtype x the tables' dtype: 9 combinations
+        dtype = dict(zip(names, (entry[0] for entry in row), strict=True))
+        shared = {key: {dtype[n] for n in group if n in dtype} for key, group in SAME_DTYPE.items()}
+        assert all(len(dtypes) == 1 for dtypes in shared.values()), shared
+        assert shared["float32"] == {"float32"} and shared["int64"] == {"int64"}
+        pairs.add((dtype["query"], dtype["cos"]))
+    assert len(formats) == 9 and pairs == set(itertools.product(["float32", "float16", "bfloat16"], repeat=2))
 
 
 def test_unknown_attribute_rejected():
@@ -66,22 +88,32 @@ ACLNN = ROOT / "ms_rope_attention/aclnn"
 GE_TO_REG = {"ge::DT_FLOAT": "float32", "ge::DT_FLOAT16": "float16", "ge::DT_BF16": "bfloat16", "ge::DT_INT64": "int64"}
 
 
-def test_ascend_opdef_is_generated_from_the_contract():
-    assert (ACLNN / "op_host/rotary_flash_attention_opdef.h").read_text() == opdef_source(), \
-        "stale OpDef: run `python -m ms_rope_attention.op_info --opdef > ms_rope_attention/aclnn/op_host/rotary_flash_attention_opdef.h`"
+OPDEF = {False: "op_host/rotary_flash_attention_opdef.h", True: "op_host/rotary_flash_attention_grad_opdef.h"}
 
 
-def test_ascend_opdef_reg_info_and_contract_agree():
-    """Names, optionality and every dtype column of the OpDef equal the MindSpore Ascend reg_info."""
-    contract = load_contract()
-    text = (ACLNN / "op_host/rotary_flash_attention_opdef.h").read_text()
-    tensors = re.findall(r'this->(Input|Output)\("(\w+)"\)\.ParamType\((\w+)\)\.DataType\(\{([^}]*)\}\)', text)
-    info = build_reg_info("Ascend", {})
-    assert [name for kind, name, _, _ in tensors if kind == "Input"] == [i["name"] for i in info["inputs"]]
-    assert [name for kind, name, _, _ in tensors if kind == "Output"] == [o["name"] for o in info["outputs"]]
-    assert [p == "OPTIONAL" for kind, _, p, _ in tensors if kind == "Input"] == [
-        i["paramType"] == "optional" for i in info["inputs"]]
-    columns = [[GE_TO_REG[t.strip()] for t in types.split(",")] for _, _, _, types in tensors]
+@FORWARD_AND_BACKWARD
+def test_ascend_opdef_is_generated_from_the_contract(backward):
+    flag = " --backward" if backward else ""
+    assert (ACLNN / OPDEF[backward]).read_text() == opdef_source(backward), \
+        f"stale OpDef: run `python -m ms_rope_attention.op_info --opdef{flag} > ms_rope_attention/aclnn/{OPDEF[backward]}`"
+
+
+@FORWARD_AND_BACKWARD
+def test_ascend_opdef_reg_info_and_contract_agree(backward):
+    """Names, optionality and every dtype column of the OpDef equal the MindSpore Ascend reg_info and
+    the contract; only the TND offsets, whose data the tiling reads on the host, are value-dependent."""
+    contract = contract_of(backward)
+    text = (ACLNN / OPDEF[backward]).read_text()
+    tensors = re.findall(r'this->(Input|Output)\("(\w+)"\)\.ParamType\((\w+)\)\.DataType\(\{([^}]*)\}\)([^;]*);', text)
+    info = build_reg_info("Ascend", {}, backward=backward)
+    inputs = [(name, param) for kind, name, param, _, _ in tensors if kind == "Input"]
+    assert [name for name, _ in inputs] == [i["name"] for i in info["inputs"]] == [i["name"] for i in contract.inputs]
+    assert [name for kind, name, _, _, _ in tensors if kind == "Output"] == [o["name"] for o in info["outputs"]] == [
+        o["name"] for o in contract.outputs]
+    assert [param == "OPTIONAL" for _, param in inputs] == [i["paramType"] == "optional" for i in info["inputs"]] == [
+        bool(i.get("optional")) for i in contract.inputs]
+    assert [name for _, name, _, _, rest in tensors if "ValueDepend" in rest] == ["actual_seq_qlen", "actual_seq_kvlen"]
+    columns = [[GE_TO_REG[t.strip()] for t in types.split(",")] for _, _, _, types, _ in tensors]
     opdef_rows = sorted(zip(*columns))
     reg_rows = sorted(tuple(entry[0] for entry in row) for row in info["dtype_format"])
     assert opdef_rows == reg_rows
@@ -89,13 +121,25 @@ def test_ascend_opdef_reg_info_and_contract_agree():
     assert attrs == [a["name"] for a in contract.attrs] == [a["name"] for a in info["attr"]]
 
 
-def test_ascend_host_and_kernel_follow_the_contract_order():
+def test_ascend_host_reads_attributes_in_contract_order():
+    """Both ops' host sides read the attributes by index (rfa_host_common.h), in the contract's order."""
     contract = load_contract()
-    host = (ACLNN / "op_host/rotary_flash_attention.cpp").read_text()
+    assert contract.backward.attrs == contract.attrs
+    host = (ACLNN / "op_host/rfa_host_common.h").read_text()
     enum = re.search(r"enum AttrIndex \{([^}]*)\}", host).group(1)
     camel = ["k" + "".join(part.title() for part in a["name"].split("_")) for a in contract.attrs]
     assert [e.strip() for e in enum.split(",")] == camel
-    entry = (ACLNN / "op_kernel/rotary_flash_attention.cpp").read_text()
-    params = re.findall(r"GM_ADDR (\w+)", entry)
-    assert params == [i["name"] for i in contract.inputs] + [o["name"] for o in contract.outputs] + [
-        "workspace", "tiling"]
+
+
+@FORWARD_AND_BACKWARD
+def test_ascend_kernel_entry_follows_the_contract(backward):
+    """The msopgen template compiles op_kernel/<op_file>.cpp and calls its entry <op_file>, op_file
+    being the op type in snake case (opbuild's default opFile.value and opInterface.value); the entry
+    takes the op's inputs, then its outputs, the workspace and the tiling data."""
+    contract = contract_of(backward)
+    snake = re.sub(r"(?<!^)([A-Z])", r"_\1", contract.op_name).lower()
+    entry = (ACLNN / "op_kernel" / f"{snake}.cpp").read_text()
+    name, params = re.search(r'extern "C" __global__ __aicore__ void (\w+)\(([^)]*)\)', entry).groups()
+    assert name == snake
+    assert re.findall(r"GM_ADDR (\w+)", params) == [i["name"] for i in contract.inputs] + [
+        o["name"] for o in contract.outputs] + ["workspace", "tiling"]

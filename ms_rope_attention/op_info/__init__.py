@@ -100,17 +100,22 @@ def _ms_dtype_formats(contract: Contract) -> list[tuple]:
     return [tuple(getattr(DataType, f"{names[d]}_Default") for d in row) for row in dtype_combinations(contract)]
 
 
-def opdef_source() -> str:
-    """The body of the CANN ``OpDef`` (inputs, outputs, attrs, dtype columns) for aclnn/op_host.
+def opdef_source(backward: bool = False) -> str:
+    """The body of a CANN ``OpDef`` (inputs, outputs, attrs, dtype columns) for aclnn/op_host: the forward's
+    (``rotary_flash_attention_opdef.h``), or with ``backward=True`` the gradient op's
+    (``rotary_flash_attention_grad_opdef.h``).
 
     Column i of every DataType list is one supported combination, so the lists are generated, never
     edited by hand (a misaligned column would silently change what the op accepts).
     """
     contract = load_contract()
+    if backward:
+        contract = contract.backward
     ge = {"float32": "ge::DT_FLOAT", "float16": "ge::DT_FLOAT16", "bfloat16": "ge::DT_BF16", "int64": "ge::DT_INT64"}
     rows = dtype_combinations(contract)
     fmt = "{" + ", ".join(["ge::FORMAT_ND"] * len(rows)) + "}"
-    lines = [f"// Generated from op_info/rotary_flash_attention.yaml by `python -m ms_rope_attention.op_info --opdef`;",
+    command = "python -m ms_rope_attention.op_info --opdef" + (" --backward" if backward else "")
+    lines = [f"// Generated from op_info/rotary_flash_attention.yaml by `{command}`;",
              "// do not edit (tests/test_op_info.py checks it is current)."]
     tensors = [("Input", i, item) for i, item in enumerate(contract.inputs)]
     tensors += [("Output", len(contract.inputs) + i, item) for i, item in enumerate(contract.outputs)]
@@ -118,10 +123,10 @@ def opdef_source() -> str:
         types = "{" + ", ".join(ge[row[column]] for row in rows) + "}"
         param = "OPTIONAL" if item.get("optional") else "REQUIRED"
         line = f'this->{kind}("{item["name"]}").ParamType({param}).DataType({types}).Format({fmt})'
-        if item.get("optional"):
-            line += ".ValueDepend(OPTIONAL)"  # TND offsets: the tiling reads them on the host
+        if item.get("value_depend"):
+            line += ".ValueDepend(OPTIONAL)"  # the tiling reads the data on the host
         elif kind == "Input":
-            line += ".AutoContiguous()"
+            line += ".AutoContiguous()"  # the kernel reads its inputs as dense arrays
         lines.append(line + ";")
     setters = {"int": "Int", "str": "String", "float": "Float", "bool": "Bool"}
     for attr in contract.attrs:

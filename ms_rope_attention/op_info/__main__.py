@@ -1,7 +1,13 @@
 """``python -m ms_rope_attention.op_info`` prints the semantics table of docs/semantics.md; with ``--opdef``, the
-CANN OpDef body included by aclnn/op_host/rotary_flash_attention.cpp (written to op_host/rotary_flash_attention_opdef.h)."""
+CANN OpDef body included by aclnn/op_host/rotary_flash_attention.cpp (written to op_host/rotary_flash_attention_opdef.h);
+with ``--opdef --backward``, the gradient op's, included by op_host/rotary_flash_attention_grad.cpp (written to
+op_host/rotary_flash_attention_grad_opdef.h)."""
 import sys
 
 from . import markdown_table, opdef_source
 
-print(opdef_source() if "--opdef" in sys.argv[1:] else markdown_table(), end="" if "--opdef" in sys.argv[1:] else "\n")
+args = sys.argv[1:]
+if "--opdef" in args:
+    print(opdef_source(backward="--backward" in args), end="")
+else:
+    print(markdown_table())
