@@ -3,9 +3,10 @@ ms_rope_attention/aclnn/verify_on_ascend.sh; needs an NPU with the op package in
 
 1. Forward + backward of RoPE + causal attention (B = 1, 32 heads, D = 128, float16, BSND) at
    S = 2048..16384: this op with ``RFA_ASCEND_BACKWARD=flash_attention_score`` (the default:
-   MindSpore's FlashAttention backward on the rotated q/k) and ``=unfused`` (S x S autodiff),
-   against ``ops.rotary_position_embedding`` + ``ops.flash_attention_score``, what a MindSpore
-   user would write instead. Min and median time and peak device memory
+   MindSpore's FlashAttention backward on the rotated q/k), ``=unfused`` (S x S autodiff) and
+   ``=kernel`` (the fused backward kernel RotaryFlashAttentionGrad, verified on the CPU emulation
+   only), against ``ops.rotary_position_embedding`` + ``ops.flash_attention_score``, what a
+   MindSpore user would write instead. Min and median time and peak device memory
    (``mindspore.runtime.max_memory_allocated``), each system in a fresh process; out of memory is
    reported as such.
 2. The tiny Llama (float16) trained 20 AdamW steps on one fixed batch with each backward: the
@@ -29,7 +30,9 @@ from harness import machine_info, run_isolated, save, stats, timed  # noqa: E402
 
 SYSTEMS = {"fused forward, FlashAttention backward": ("op", "flash_attention_score"),
            "fused forward, unfused backward": ("op", "unfused"),
+           "fused forward, fused backward kernel": ("op", "kernel"),
            "rotary_position_embedding + flash_attention_score": ("mindspore", None)}
+BACKWARDS = [backward for kind, backward in SYSTEMS.values() if kind == "op"]  # each trains the tiny Llama
 HEADS, HEAD_DIM = 32, 128
 
 
@@ -150,7 +153,7 @@ def main(argv=None) -> dict:
                                      {"kind": kind, "backward": backward, "length": length, "repeats": args.repeats})
         results["attention"].append(row)
         print(f"S={length}: " + ", ".join(f"{name} {row[name]['status']}" for name in SYSTEMS), flush=True)
-    for backward in ("flash_attention_score", "unfused"):
+    for backward in BACKWARDS:
         results["llama"][backward] = run_isolated("ascend_backward", "llama_losses",
                                                   {"backward": backward, "steps": args.steps})
     save(results, args.out, "ascend_backward.json", "ascend_backward.png", plot, table)

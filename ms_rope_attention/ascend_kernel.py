@@ -4,6 +4,12 @@ MindSpore ``ops.Custom`` aot op on an Ascend device.
 MindSpore finds the op through CANN's custom-op search path (``ASCEND_CUSTOM_OPP_PATH`` or the
 vendors of ``ASCEND_OPP_PATH``) and calls its aclnn API; it runs in PyNative and in GRAPH_MODE at
 ``jit_level`` O0/O1. Not run on hardware yet: see aclnn/README.md.
+
+The backward is one of three, as ``RFA_ASCEND_BACKWARD`` chooses (``flash_backward``):
+``flash_attention_score`` (the default: the autodiff of RoPE + MindSpore's FlashAttention, whose
+gradient is CANN's own), ``unfused`` (the unfused path's autodiff, S x S), or ``kernel``: the fused
+backward kernel ``RotaryFlashAttentionGrad`` of the same package, a second aot ``Custom`` op,
+verified on the CPU emulation only. The default stays off the kernel until it has run on hardware.
 """
 from __future__ import annotations
 
@@ -15,10 +21,12 @@ from mindspore import ops
 
 from .cpu_direct import expected_shapes
 from .flash_backward import SWITCH, chosen_backward, flash_attention_bprop
-from .gradients import unfused_autodiff_bprop
+from .gradients import fused_bprop, unfused_autodiff_bprop
 from .op_info import build_reg_info, load_contract
 
 ACLNN_HEADER = "aclnn_rotary_flash_attention.h"
+GRAD_ACLNN_HEADER = "aclnn_rotary_flash_attention_grad.h"
+BUILD_SCRIPT = "ms_rope_attention/aclnn/build.sh"
 
 
 def _vendor_dirs() -> list[Path]:
@@ -29,32 +37,56 @@ def _vendor_dirs() -> list[Path]:
     return dirs
 
 
-def package_status() -> str | None:
-    """None when the op package is installed where MindSpore looks, else why it is not usable."""
+def _missing(header: str) -> str | None:
+    """None when ``header`` (one op's aclnn API) is installed where MindSpore looks, else where it
+    was looked for."""
     for vendor in _vendor_dirs():
-        if (vendor / "op_api" / "include" / ACLNN_HEADER).exists():
+        if (vendor / "op_api" / "include" / header).exists():
             return None
     searched = ", ".join(str(d) for d in _vendor_dirs()) or "nothing (ASCEND_CUSTOM_OPP_PATH and ASCEND_OPP_PATH unset)"
-    return (f"Ascend op package not installed ({ACLNN_HEADER} not found; searched {searched}); "
-            "build it with ms_rope_attention/aclnn/build.sh")
+    return f"{header} not found; searched {searched}"
+
+
+def package_status() -> str | None:
+    """None when the op package is installed where MindSpore looks, else why it is not usable."""
+    missing = _missing(ACLNN_HEADER)
+    return missing and f"Ascend op package not installed ({missing}); build it with {BUILD_SCRIPT}"
+
+
+def _kernel_bprop(attrs: dict, grads_used: tuple[bool, bool]):
+    """(the fused backward's bprop, its ``Custom`` primitive), which fails here, when the op is built,
+    if the installed package has no backward op: choosing it must not fall back silently."""
+    grad = load_contract().backward
+    missing = _missing(GRAD_ACLNN_HEADER)
+    if missing:
+        raise RuntimeError(f"{SWITCH}=kernel: the Ascend op package has no {grad.op_name} ({missing}); "
+                           f"build and install it with {BUILD_SCRIPT}")
+    grad_op = ops.Custom(grad.op_name, out_shape=lambda q, k, v, *rest: (q, k, v),
+                         out_dtype=lambda q, k, v, *rest: (q, k, v), func_type="aot",
+                         reg_info=build_reg_info("Ascend", attrs, backward=True))
+    unproven = f"the fused backward kernel {grad.op_name} (verified on the CPU emulation only, not on hardware)"
+    return fused_bprop(grad_op, *grads_used, unproven), grad_op
 
 
 def make_ascend_op(attrs: dict, grads_used: tuple[bool, bool], forwards, strict: bool,
                    parallel: tuple[int, int] | None = None) -> ops.Custom:
-    """The aot ``Custom`` primitive bound to the installed aclnn op, for one attribute set. There is
-    no Ascend backward kernel that has run on hardware yet: the backward is the autodiff of one of
-    ``forwards`` (``gradients.AutodiffForwards``), as ``flash_backward.RFA_ASCEND_BACKWARD`` chooses
-    (default: MindSpore's FlashAttention, no S x S matrix), announced once (``strict`` raises
-    instead); ``op.backward_name`` says which. ``parallel=(dp, tp)``: with the semi-auto layouts of
-    ``distributed.sharding`` (the forward only: the backward has no primitive of its own)."""
+    """The aot ``Custom`` primitive bound to the installed aclnn op, for one attribute set, with the
+    backward ``flash_backward.RFA_ASCEND_BACKWARD`` chooses: the autodiff of one of ``forwards``
+    (``gradients.AutodiffForwards``; default MindSpore's FlashAttention, no S x S matrix), announced
+    once as a fallback (``strict`` raises instead), or the fused backward kernel, announced once as
+    not run on hardware (not a fallback: ``strict`` allows it). ``op.backward_name`` says which.
+    ``parallel=(dp, tp)``: with the semi-auto layouts of ``distributed.sharding`` (the backward
+    kernel's primitive too; the autodiffs have none of their own)."""
     layout, head_num = attrs.get("input_layout", "BNSD"), attrs.get("head_num") or None
     with_lse, with_rk = attrs.get("with_softmax_lse", False), attrs.get("with_rotated_key", False)
 
     def out_shape(q, k, *rest):
         return expected_shapes(q, k, layout, head_num, with_lse, with_rk)
 
-    backward = chosen_backward()
-    if backward == "flash_attention_score":
+    backward, grad_op = chosen_backward(), None
+    if backward == "kernel":
+        bprop, grad_op = _kernel_bprop(attrs, grads_used)
+    elif backward == "flash_attention_score":
         bprop = flash_attention_bprop(forwards.flash_attention, forwards.unfused, grads_used, layout, head_num, strict)
     else:
         bprop = unfused_autodiff_bprop(forwards.unfused, grads_used[0],
@@ -65,5 +97,5 @@ def make_ascend_op(attrs: dict, grads_used: tuple[bool, bool], forwards, strict:
     op.backward_name = backward
     if parallel is not None:
         from .distributed.sharding import shard_fused  # the distributed package only when asked for
-        shard_fused(op, None, attrs, grads_used, *parallel)
+        shard_fused(op, grad_op, attrs, grads_used, *parallel)
     return op

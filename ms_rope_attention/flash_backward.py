@@ -1,20 +1,26 @@
-"""The Ascend backward until the fused backward kernel has run on hardware: MindSpore's own
-FlashAttention gradient, so training never builds an S x S matrix where FlashAttention can take the
-call.
+"""The Ascend backward, chosen by one switch, the environment variable ``RFA_ASCEND_BACKWARD``:
 
-The op's forward is rebuilt as standalone RoPE then ``ops.flash_attention_score`` (CANN's
-FlashAttentionScore; its gradient, FlashAttentionScoreGrad, recomputes the scores tile by tile);
-the vector-Jacobian product of that at the fused op's upstream gradients is the backward.
-FlashAttentionScoreGrad gives the gradients of the *rotated* q/k, and the autodiff of the rotation
-applies its transpose, the un-rotation, so what comes out is the gradient of the op's un-rotated
-inputs. The rotated q/k of the recomputation are O(S x D), like the forward's inputs.
+- ``flash_attention_score`` (default): MindSpore's own FlashAttention gradient, so training never
+  builds an S x S matrix where FlashAttention can take the call. The default because its gradient
+  is CANN's own operator (FlashAttentionScoreGrad), while the fused backward kernel has not run on
+  hardware (neither has this project's use of either);
+- ``unfused``: the autodiff of the unfused path (S x S scores per head);
+- ``kernel``: the fused backward kernel ``RotaryFlashAttentionGrad`` (``aclnn/``, the same package as
+  the forward), verified on the CPU emulation only, not on hardware (``ascend_kernel``).
+
+For ``flash_attention_score`` the op's forward is rebuilt as standalone RoPE then
+``ops.flash_attention_score`` (CANN's FlashAttentionScore; its gradient, FlashAttentionScoreGrad,
+recomputes the scores tile by tile); the vector-Jacobian product of that at the fused op's upstream
+gradients is the backward. FlashAttentionScoreGrad gives the gradients of the *rotated* q/k, and the
+autodiff of the rotation applies its transpose, the un-rotation, so what comes out is the gradient
+of the op's un-rotated inputs. The rotated q/k of the recomputation are O(S x D), like the
+forward's inputs.
 
 Where FlashAttention cannot take a call (float32, a head size that is not a multiple of 16 or
 above 512, more than 256 query heads, or a used softmax_lse, whose gradient FlashAttentionScoreGrad
 does not take) the unfused autodiff runs, announced with the reason. Rows that see no key (a TND
 sequence with more queries than keys; the contract refuses q_len > kv_len elsewhere) are data, not
-known when the graph is built: how FlashAttentionScoreGrad treats them waits for hardware. The choice is one switch, the environment variable ``RFA_ASCEND_BACKWARD``:
-``flash_attention_score`` (default) or ``unfused``.
+known when the graph is built: how FlashAttentionScoreGrad treats them waits for hardware.
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ from .gradients import _no_grad, _zeros_like, announce_backward_fallback, unfuse
 from .unfused import _from_bnsd, _rope, _segments, _to_bnsd
 
 SWITCH = "RFA_ASCEND_BACKWARD"
-BACKWARDS = ("flash_attention_score", "unfused")
+BACKWARDS = ("flash_attention_score", "unfused", "kernel")  # the first is the default
 FLASH_DTYPES = (ms.float16, ms.bfloat16)
 # sparse_mode 3 (rightDownCausal): causal with the diagonal at the bottom right, as the op's
 # causal rule (query i sits at kv_len - q_len + i), per sequence in TND; it takes CANN's

@@ -3,12 +3,14 @@
 - ``fused_bprop``: the backward kernel (``RotaryFlashAttentionGrad``, a second aot ``Custom`` op),
   FlashAttention-2 style from the forward's output and log-sum-exp, which the fused forward therefore
   always emits. cos/sin and the TND offsets get no gradient (zeros): they are tables and indices.
+  On the CPU always; on Ascend when ``RFA_ASCEND_BACKWARD=kernel`` (``flash_backward``).
 - ``unfused_autodiff_bprop``: for a device whose fused forward has no fused backward: MindSpore's
   autodiff of the unfused path on the same inputs (it holds S x S scores per head). On Ascend the
   default is ``flash_backward.flash_attention_bprop`` instead (MindSpore's FlashAttention gradient),
   which falls back to this one only where FlashAttention cannot take the call.
 Never silent: the first backward logs one ``rotary_fusion_fallback`` warning naming the backward
-that runs, and ``strict=True`` raises instead.
+that runs, and ``strict=True`` raises instead. A backward kernel that has not run on hardware is no
+fallback: it logs one ``rotary_fusion_backward`` warning, which ``strict`` does not refuse.
 """
 from __future__ import annotations
 
@@ -28,12 +30,15 @@ def _no_grad(x):
     return None if x is None else _zeros_like(x)
 
 
-def fused_bprop(grad_op, lse_used: bool, rotated_key_used: bool):
+def fused_bprop(grad_op, lse_used: bool, rotated_key_used: bool, unproven: str | None = None):
     """The bprop of the fused forward: ``grad_op`` gives (d_query, d_key, d_value). The gradients of
-    softmax_lse / rotated_key are passed only when the caller uses those outputs (otherwise they
-    are zeros: the kernel skips them)."""
+    softmax_lse / rotated_key are passed only when the caller uses those outputs (otherwise None:
+    the kernel skips them). ``unproven``: the kernel's name where it has not run on hardware, which
+    the first backward announces (``announce_backward``)."""
 
     def bprop(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, out, dout):
+        if unproven is not None:
+            announce_backward(unproven)
         d_lse = dout[1] if lse_used else None
         d_rotated_key = dout[2] if rotated_key_used else None
         d_query, d_key, d_value = grad_op(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, out[0],
@@ -59,20 +64,32 @@ class RotaryFusionFallbackError(RuntimeError):
 UNFUSED = "the unfused RoPE + attention path"
 
 
+def _warn_once(key: str, message: str, *args) -> None:
+    if key not in _announced:
+        _announced.add(key)
+        logger.warning(message, *args)
+
+
 def announce_fallback(reason: str, strict: bool, instead: str = UNFUSED) -> None:
     """One warning per reason per process (``rotary_fusion_fallback: ...; running <instead>``), or
     the strict error."""
     if strict:
         raise RotaryFusionFallbackError(f"rotary_fusion_fallback refused: {reason}")
-    if reason not in _announced:
-        _announced.add(reason)
-        logger.warning("rotary_fusion_fallback: %s; running %s", reason, instead)
+    _warn_once(reason, "rotary_fusion_fallback: %s; running %s", reason, instead)
 
 
 @ops.constexpr
 def announce_backward_fallback(reason: str, strict: bool, instead: str = UNFUSED) -> bool:
     """Runs when the gradient is built: at compile time in GRAPH_MODE, at each backward in PyNative."""
     announce_fallback(f"backward: {reason}", strict, instead)
+    return True
+
+
+@ops.constexpr
+def announce_backward(running: str) -> bool:
+    """A chosen backward kernel that has not run on hardware: one ``rotary_fusion_backward: running
+    <running>`` warning per process when the gradient is built. Not a fallback, so never refused."""
+    _warn_once(running, "rotary_fusion_backward: running %s", running)
     return True
 
 

@@ -1,7 +1,9 @@
 """The Ascend backward without an NPU: which backward the op builds when the dispatch is forced to
 Ascend (MindSpore's FlashAttention by default, never the S x S path unless asked or unavoidable,
-always announced), and its numerics, with ``ops.flash_attention_score`` (no CPU kernel) replaced by
-an independent float32 model of its documented semantics, against the fused CPU backward."""
+always announced; the fused backward kernel's primitive when asked for), and the numerics of the
+default, with ``ops.flash_attention_score`` (no CPU kernel) replaced by an independent float32 model
+of its documented semantics, against the fused CPU backward."""
+import inspect
 import logging
 
 import mindspore as ms
@@ -11,6 +13,7 @@ from mindspore import Tensor, ops
 
 import ms_rope_attention as mra
 from ms_rope_attention import ascend_kernel, flash_backward, functional, gradients
+from ms_rope_attention.op_info import load_contract
 
 
 def model_flash_attention_score(query, key, value, head_num, real_shift=None, drop_mask=None, padding_mask=None,
@@ -74,27 +77,56 @@ def model_flash_attention_score(query, key, value, head_num, real_shift=None, dr
 
 @pytest.fixture
 def ascend_dispatch(monkeypatch):
-    """The dispatch as on an Ascend machine with the op package installed."""
+    """The dispatch as on an Ascend machine with the op package installed (the forward's; the
+    backward kernel's header is ``grad_package``'s)."""
     monkeypatch.setattr(functional, "_device", lambda: "Ascend")
     monkeypatch.setattr(ascend_kernel, "package_status", lambda: None)
     monkeypatch.setattr(functional, "_backends", {})
     monkeypatch.setattr(gradients, "_announced", set())
     monkeypatch.setattr(ops, "flash_attention_score", model_flash_attention_score)
+    monkeypatch.delenv(flash_backward.SWITCH, raising=False)
+    monkeypatch.delenv("ASCEND_OPP_PATH", raising=False)
     ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+def _vendor(root, *headers):
+    """An installed op package's vendor directory holding ``headers``, on ASCEND_CUSTOM_OPP_PATH."""
+    include = root / "vendors" / "rope_attention" / "op_api" / "include"
+    include.mkdir(parents=True)
+    for header in headers:
+        (include / header).write_text("")
+    return include.parent.parent
+
+
+@pytest.fixture
+def grad_package(ascend_dispatch, tmp_path, monkeypatch):
+    """The package with the backward op installed, and RFA_ASCEND_BACKWARD=kernel."""
+    vendor = _vendor(tmp_path, ascend_kernel.ACLNN_HEADER, ascend_kernel.GRAD_ACLNN_HEADER)
+    monkeypatch.setenv("ASCEND_CUSTOM_OPP_PATH", str(vendor))
+    monkeypatch.setenv(flash_backward.SWITCH, "kernel")
 
 
 def _ascend_op(**attrs):
     return functional.backend_for(functional.OpAttrs(**{"head_num": 4, **attrs})).fused
 
 
+def _grad_primitive(op):
+    """The backward kernel's primitive: the ``grad_op`` the op's bprop (gradients.fused_bprop) calls."""
+    return inspect.getclosurevars(op.bprop).nonlocals["grad_op"]
+
+
 def test_ascend_builds_the_flash_attention_backward_by_default(ascend_dispatch, monkeypatch):
+    assert flash_backward.chosen_backward() == "flash_attention_score"
     assert _ascend_op().backward_name == "flash_attention_score"
     monkeypatch.setenv(flash_backward.SWITCH, "unfused")
     monkeypatch.setattr(functional, "_backends", {})
     assert _ascend_op().backward_name == "unfused"
+
+
+def test_an_unknown_backward_is_refused_naming_the_three(ascend_dispatch, monkeypatch):
     monkeypatch.setenv(flash_backward.SWITCH, "s_by_s")
-    monkeypatch.setattr(functional, "_backends", {})
-    with pytest.raises(ValueError, match="RFA_ASCEND_BACKWARD: expected one of .*'flash_attention_score'.*s_by_s"):
+    with pytest.raises(ValueError, match=r"RFA_ASCEND_BACKWARD: expected one of \['flash_attention_score', "
+                                         r"'unfused', 'kernel'\], got 's_by_s'"):
         _ascend_op()
 
 
@@ -201,3 +233,104 @@ def test_strict_refuses_both_stand_in_backwards(ascend_dispatch, rng):
     empty = ops.zeros((0,), ms.float32)
     with pytest.raises(mra.RotaryFusionFallbackError, match="no fused backward kernel on Ascend"):
         op.bprop(q, k, v, cos, sin, None, None, (q, empty, empty.astype(q.dtype)), (q, empty, empty.astype(q.dtype)))
+
+
+KERNEL_ATTRS = dict(head_num=4, input_layout="BSND", rotary_mode=1, rotary_dim=16, scale=0.125, causal=False,
+                    with_rotated_key=True, key_rotated=False)
+
+
+def test_kernel_choice_builds_the_grad_primitive_of_the_contract(grad_package):
+    """RFA_ASCEND_BACKWARD=kernel: the bprop calls an aot Custom named by the contract's backward
+    op, registered for Ascend with its inputs, outputs and the forward's attribute values (softmax_lse
+    emitted, which it takes), shaped and typed as query, key, value."""
+    op = _ascend_op(**KERNEL_ATTRS)
+    assert op.backward_name == "kernel"
+    grad, contract = _grad_primitive(op), load_contract().backward
+    assert (grad.func, grad.func_type) == ("RotaryFlashAttentionGrad", "aot") and grad.func == contract.op_name
+    info = grad.reg_info
+    assert (grad.attrs["reg_op_name"], info["target"]) == (contract.op_name, "Ascend")
+    assert [(i["name"], i["paramType"]) for i in info["inputs"]] == [
+        (item["name"], "optional" if item.get("optional") else "required") for item in contract.inputs]
+    assert len(info["inputs"]) == 12 and [o["name"] for o in info["outputs"]] == ["d_query", "d_key", "d_value"]
+    forward_attrs = {a["name"]: a["value"] for a in op.reg_info["attr"]}
+    assert {a["name"]: a["value"] for a in info["attr"]} == forward_attrs
+    assert forward_attrs["with_softmax_lse"] is True and forward_attrs["rotary_dim"] == 16
+    assert forward_attrs["scale"] == 0.125 and forward_attrs["input_layout"] == "BSND"
+    shapes = [(2, 8, 4, 32), (2, 6, 2, 32), (2, 6, 2, 32), (64, 16), (64, 16), None, None,
+              (2, 8, 4, 32), (2, 4, 8), (2, 8, 4, 32), None, (2, 6, 2, 32)]
+    assert grad.out_shape(*shapes) == ((2, 8, 4, 32), (2, 6, 2, 32), (2, 6, 2, 32))
+    dtypes = [ms.float16, ms.bfloat16, ms.float32] + [ms.float32] * 9
+    assert grad.out_dtype(*dtypes) == (ms.float16, ms.bfloat16, ms.float32)
+
+
+class _RecordingGrad:
+    """Stands in for the backward kernel (which needs an NPU): records each call's inputs and
+    returns distinct gradients."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *inputs):
+        self.calls.append(inputs)
+        query, key, value = inputs[:3]
+        return ops.ones_like(query), ops.ones_like(key) * 2, ops.ones_like(value) * 3
+
+
+@pytest.mark.parametrize("lse_used,rotated_key_used", [(False, False), (True, False), (False, True), (True, True)])
+def test_kernel_bprop_passes_the_forward_outputs_and_only_used_gradients(lse_used, rotated_key_used, grad_package,
+                                                                         rng, caplog):
+    """The kernel gets the forward's inputs, attention_out, softmax_lse, d_attention_out, then
+    d_softmax_lse / d_rotated_key when those outputs are used and None otherwise (as on the CPU);
+    strict does not refuse it (not a fallback); announced once, not as a fallback."""
+    op = _ascend_op(with_softmax_lse=lse_used, with_rotated_key=rotated_key_used, strict=True)
+    recorder = _RecordingGrad()
+    cells = dict(zip(op.bprop.__code__.co_freevars, op.bprop.__closure__))
+    cells["grad_op"].cell_contents = recorder  # this test's own op (the fixture empties the cache)
+    q, k, v = (Tensor(rng.standard_normal((1, 4, 8, 32)).astype(np.float16)) for _ in range(3))
+    cos, sin = map(Tensor, mra.rope_tables(32, 16))
+    out = (Tensor(rng.standard_normal(q.shape).astype(np.float16)),
+           Tensor(rng.standard_normal((1, 4, 8)).astype(np.float32)), ops.zeros_like(k))
+    dout = (Tensor(rng.standard_normal(q.shape).astype(np.float16)),
+            Tensor(rng.standard_normal((1, 4, 8)).astype(np.float32)),
+            Tensor(rng.standard_normal(k.shape).astype(np.float16)))
+    with caplog.at_level(logging.WARNING, logger="ms_rope_attention"):
+        for _ in range(2):
+            got = op.bprop(q, k, v, cos, sin, None, None, out, dout)
+    expected = (q, k, v, cos, sin, None, None, out[0], out[1], dout[0], dout[1] if lse_used else None,
+                dout[2] if rotated_key_used else None)
+    assert len(recorder.calls) == 2
+    for inputs in recorder.calls:
+        assert len(inputs) == 12 and all(a is b for a, b in zip(inputs, expected)), inputs
+    assert [float(g.asnumpy().mean()) for g in got[:3]] == [1.0, 2.0, 3.0]
+    assert not np.any(got[3].asnumpy()) and not np.any(got[4].asnumpy()) and got[5] is None and got[6] is None
+    said = [r.getMessage() for r in caplog.records if "rotary_fusion" in r.getMessage()]
+    assert said == ["rotary_fusion_backward: running the fused backward kernel RotaryFlashAttentionGrad "
+                    "(verified on the CPU emulation only, not on hardware)"], said
+
+
+def test_kernel_choice_without_the_grad_op_installed_is_refused_when_the_op_builds(ascend_dispatch, tmp_path,
+                                                                                    monkeypatch, caplog):
+    """A package built before the backward op: choosing the kernel fails naming its header and the
+    build script, never a silent fallback to another backward."""
+    monkeypatch.setenv("ASCEND_CUSTOM_OPP_PATH", str(_vendor(tmp_path, ascend_kernel.ACLNN_HEADER)))
+    monkeypatch.setenv(flash_backward.SWITCH, "kernel")
+    with caplog.at_level(logging.WARNING, logger="ms_rope_attention"):
+        with pytest.raises(RuntimeError, match=r"RFA_ASCEND_BACKWARD=kernel: .*RotaryFlashAttentionGrad "
+                                               r"\(aclnn_rotary_flash_attention_grad\.h not found; searched .*"
+                                               r"rope_attention\).*ms_rope_attention/aclnn/build\.sh"):
+            _ascend_op()
+    assert not [r for r in caplog.records if "rotary_fusion" in r.getMessage()] and not functional._backends
+
+
+def test_kernel_primitive_is_sharded_as_the_cpu_gradient_primitive(grad_package, monkeypatch):
+    """semi_auto_shard: the backward kernel's primitive gets the layouts the CPU's gradient primitive
+    gets for the same attributes (gradients.fused_bprop passes both the same inputs)."""
+    def grad_layouts():
+        op = mra.RotaryFlashAttentionOp(4, "BNSD", with_softmax_lse=True).semi_auto_shard(2, 2)
+        grad = _grad_primitive(op.sharded)
+        assert grad.attrs["self_define_shard"] is True
+        return grad.attrs["in_layout"], grad.attrs["out_layout"]
+
+    ascend = grad_layouts()
+    monkeypatch.setattr(functional, "_device", lambda: "CPU")
+    assert ascend == grad_layouts() and len(ascend[0]) == 9

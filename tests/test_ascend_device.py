@@ -51,11 +51,12 @@ def test_fused_on_npu_matches_unfused_and_reference(mode_name, layout, dtype, rn
 
 @pytest.mark.parametrize("mode_name", ["pynative", "graph"])
 @pytest.mark.parametrize("layout", ["BNSD", "BSND", "BSH", "TND"])
-@pytest.mark.parametrize("backward", ["flash_attention_score", "unfused"])
+@pytest.mark.parametrize("backward", ["flash_attention_score", "unfused", "kernel"])
 def test_backward_on_npu_matches_the_cpu_kernel(mode_name, layout, backward, rng, monkeypatch):
-    """dq/dk/dv of each Ascend backward (``RFA_ASCEND_BACKWARD``; float16, GQA 8/2, D = 128, TND
-    with a 1-token sequence) against the CPU kernel's fused backward on the same inputs and upstream
-    gradient, within 4x the float16 tolerance."""
+    """dq/dk/dv of each Ascend backward (``RFA_ASCEND_BACKWARD``, the fused backward kernel
+    RotaryFlashAttentionGrad included; float16, GQA 8/2, D = 128, TND with a 1-token sequence)
+    against the CPU kernel's fused backward on the same inputs and upstream gradient, within 4x the
+    float16 tolerance."""
     import mindspore as ms
     from mindspore import Tensor
 
@@ -77,6 +78,7 @@ def test_backward_on_npu_matches_the_cpu_kernel(mode_name, layout, backward, rng
 
     op = mra.RotaryFlashAttentionOp(case.heads, layout)
     assert op.backend_name == "fused:Ascend", op.fallback_reason
+    assert functional.backend_for(op.attrs).fused.backward_name == backward
 
     class Loss(ms.nn.Cell):
         def __init__(self):
