@@ -41,7 +41,7 @@ MUTATIONS = [
              "layouts_modes and BNSD", "the cube reads GM this core's MTE3 wrote"),
     Mutation("barrier after IterateAll", GRAD,
              "    mm.End();\n    AscendC::PipeBarrier<PIPE_ALL>();", "    mm.End();",
-             "layouts_modes and BNSD", "that Matmul::IterateAll (C into the UB) on pipe MTE2 wrote"),
+             "layouts_modes and BNSD", "that Matmul::IterateAll (C into the UB) on pipe MTE2"),
     Mutation("End() between Matmul objects", GRAD, "    mm.End();\n", "",
              "layouts_modes and BNSD", "has not called End()"),
     Mutation("V_MTE3 before the P/dS tiles go out", GRAD,
