@@ -40,8 +40,9 @@ from mindspore import Tensor, nn, ops
 
 from .config import LlamaConfig, preset
 from .model import IGNORE_INDEX, LlamaForCausalLM, LlamaForTraining
+from .parallel import ContextParallelTraining, context_parallel_batch, gathered_state, scatter_state
 from .tokenizer import Tokenizer
-from .weights import load_weights, read_config, save_hf_checkpoint
+from .weights import load_weights, model_state, read_config, save_hf_checkpoint
 
 _MOMENTS = ("adam_m.", "adam_v.")  # AdamWeightDecay's moment parameters: prefix + the weight's name
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
@@ -204,7 +205,6 @@ class Trainer:
         self.mesh = lm.parallel or ParallelMesh.single()
         self.context_parallel = self.mesh.context.size > 1
         if self.context_parallel:
-            from .parallel import ContextParallelTraining
             if args.packing != "fixed":
                 raise ValueError("--context-parallel: needs --packing fixed (each rank holds two chunks of every row)")
             self.net = ContextParallelTraining(lm)
@@ -235,7 +235,6 @@ class Trainer:
         """The step's inputs for this rank's share of a batch."""
         if not self.context_parallel:
             return Tensor(ids), Tensor(labels), None if ends is None else Tensor(ends)
-        from .parallel import context_parallel_batch
         context = self.mesh.context
         part_ids, part_targets, scored = context_parallel_batch(ids, labels, context.rank, context.size)
         return Tensor(part_ids), Tensor(part_targets), Tensor(max(1, scored), ms.int32)
@@ -263,19 +262,19 @@ class Trainer:
         self.step += 1
         return total / len(micro_batches)
 
-    def _whole(self, name: str, tensor) -> np.ndarray:
-        """A weight, or its AdamW moment (``adam_m.<weight>``), whole (gathered over tensor parallelism)."""
+    def _whole_moment(self, name: str, tensor) -> np.ndarray:
+        """An AdamW moment (``adam_m.<weight>``) whole: gathered over tensor parallelism as its weight is."""
         tp = self.lm.tensor_parallel
         if tp is None:
             return tensor.astype(ms.float32).asnumpy()
-        return tp.gather(name.split(".", 1)[1] if name.startswith(_MOMENTS) else name, tensor, self.lm.config)
+        return tp.gather(name.split(".", 1)[1], tensor, self.lm.config)
 
     def save(self, out: Path, config: LlamaConfig, checkpoint: str | None) -> Path:
         """out/step-N: HF safetensors + config (for generate) + optimizer state; out/latest names it.
         Every rank gathers the weights and moments of its tensor-parallel group; rank 0 writes."""
         target = out / f"step-{self.step}"
-        weights = {name: self._whole(name, p) for name, p in self.lm.parameters_dict().items()}
-        moments = {name: self._whole(name, p) for name, p in self.optimizer.parameters_dict().items()
+        weights = gathered_state(self.lm) if self.lm.tensor_parallel else model_state(self.lm)
+        moments = {name: self._whole_moment(name, p) for name, p in self.optimizer.parameters_dict().items()
                    if name.startswith(_MOMENTS)}
         if self.mesh.world_rank != 0:
             return target
@@ -319,9 +318,6 @@ def build_model(config: LlamaConfig, args, mesh) -> LlamaForCausalLM:
             load_weights(lm, args.checkpoint, read_config(args.checkpoint)[1], progress=False)
         return lm
     from mindspore.nn.utils import no_init_parameters
-
-    from .parallel import scatter_state
-    from .weights import model_state
 
     whole = model_state(LlamaForCausalLM(config, **kwargs))
     with no_init_parameters():
