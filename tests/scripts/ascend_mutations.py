@@ -3,7 +3,7 @@ or guarantee from a copy of aclnn/op_kernel/, builds the emulated kernel from th
 that exercise the code, and expects them to fail, with the emulation rule's words where a rule
 catches it. A mutation that passes the tests means the rule, or the test, guards nothing there.
 
-    .venv/bin/python tests/scripts/ascend_mutations.py            # every mutation (a few minutes)
+    .venv/bin/python tests/scripts/ascend_mutations.py            # every mutation (6-8 minutes)
     .venv/bin/python tests/scripts/ascend_mutations.py -k barrier  # the ones whose name matches
 
 Prints one line per mutation (CAUGHT / MISSED, with the failing message) and exits non-zero if any
@@ -47,9 +47,17 @@ MUTATIONS = [
     Mutation("V_MTE3 before the P/dS tiles go out", GRAD,
              "    Sync<AscendC::HardEvent::V_MTE3>();  // the tiles", "    // removed: the tiles",
              "layouts_modes and BNSD", "read after write: DataCopy UB->GM on pipe MTE3"),
+    Mutation("V_S before the scalar masks", GRAD,
+             "    Sync<AscendC::HardEvent::V_S>();\n    const int64_t q_pos", "    const int64_t q_pos",
+             "layouts_modes and BNSD and True", "LocalTensor::SetValue on pipe S"),
     Mutation("S_V after the scalar masks", GRAD,
-             "    Sync<AscendC::HardEvent::S_V>();\n    LocalTensor<T> p_out", "    LocalTensor<T> p_out",
-             "layouts_modes and BNSD and True", "read after write"),
+             "    Sync<AscendC::HardEvent::S_V>();\n    for (int64_t r = 0; r < nq; ++r) {\n      if (with_p)",
+             "    for (int64_t r = 0; r < nq; ++r) {\n      if (with_p)",
+             "layouts_modes and BNSD and True", "that LocalTensor::SetValue on pipe S (scalar) wrote"),
+    Mutation("V_S before the key probes are read", GRAD,
+             "      Sync<AscendC::HardEvent::V_S>();\n      for (int64_t r = 0; r < n; ++r) {\n        if (probes",
+             "      for (int64_t r = 0; r < n; ++r) {\n        if (probes",
+             "layouts_modes and BNSD", "read after write: LocalTensor::GetValue"),
     Mutation("V_S before the Delta slots are read", GRAD,
              "      Sync<AscendC::HardEvent::V_S>();\n      b = 0;", "      b = 0;",
              "layouts_modes and BNSD", "read after write: LocalTensor::GetValue"),
@@ -83,6 +91,14 @@ MUTATIONS = [
              "        rows_.Unrotate(dk_row, y, 1.0f);\n",
              "        rows_.Unrotate(dk_row, y, 1.0f);\n        if (g_.has_drk) AscendC::Add(y, y, x, static_cast<int32_t>(d));\n",
              "layouts_modes and BNSD", "d_key: max error"),
+    Mutation("non-finite key rows reach the cube", GRAD,
+             "        if (probes.GetValue(r * kSlot) == 0.0f) continue;", "        continue;",
+             "cannot_see", "Arrays are not equal"),
+    Mutation("non-finite query rows reach the cube", GRAD,
+             "          rows_.ZeroRow(ws_qs_[(c0 + r) * d]);\n          rows_.ZeroRow(ws_do_[(c0 + r) * d]);\n", "",
+             "poisoned_queries", "Arrays are not equal"),
+    Mutation("dS left unmasked where P is", GRAD, "        dp[r * nb].SetValue(c, 0.0f);\n", "",
+             "poisoned_queries", "Arrays are not equal"),
     Mutation("causal mask off by one", GRAD,
              "const int64_t seen = q_pos + r - j0 + 1;", "const int64_t seen = q_pos + r - j0 + 2;",
              "layouts_modes and BNSD and True", "max error"),

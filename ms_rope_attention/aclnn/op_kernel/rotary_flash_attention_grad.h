@@ -11,8 +11,13 @@
 // 1. PRE STAGE (every vector core, a contiguous share of rows; then SyncAll): Qs, dO, Kr and V are
 //    written head-major into the workspace, so one head's block is contiguous for the cube; lse
 //    (rows that saw no key: kNoKeyLse, so their P is exactly 0) and Delta per query row beside them.
+//    A row holding NaN/Inf (in Q, dO, O, lse or d_lse; in K or V) is zeroed in the workspace, so
+//    0 x NaN in the cube cannot carry it to rows that never see it; a query row's lse becomes NaN,
+//    so the keys it sees get NaN gradients; a row that sees a bad key has a NaN lse or output from
+//    the forward, so it is such a row itself.
 // 2. KV TASKS (sequence, KV head, KV block): for each query block that sees the block, and each query
-//    head of the group, in that fixed order: S and dP on the cube, P and dS on the vector unit, then
+//    head of the group, in that fixed order: S and dP on the cube, P and dS on the vector unit (then
+//    exactly 0 where a row does not see the key, whatever lse and Delta hold), then
 //    dV += P^T dO and dK += dS^T Qs on the cube, accumulated in the UB in float32; then dK (+ the
 //    rotated-key gradient) is un-rotated and both are written once.
 // 3. Q TASKS (sequence, query head, query block): for each KV block the block sees, S, dP, dS again,
@@ -33,7 +38,6 @@
 namespace rfa {
 namespace ascend {
 
-constexpr float kGradMask = -3.0e38f;    // masked score: exp(kGradMask - lse) == 0
 constexpr float kNoKeyLse = 3.0e38f;     // lse of a row that saw no key: exp(S - kNoKeyLse) == 0, finite
 
 template <typename T, typename TT>
@@ -160,6 +164,7 @@ class RotaryFlashAttentionGradKernel {
     const int64_t rows = g_.q_rows * t_.q_heads, share = CeilDiv(rows, cores), d = t_.head_dim;
     const int64_t first = me * share, last = first + share < rows ? first + share : rows;
     LocalTensor<float> x = rows_.X(), y = rows_.Y(), slots = slots_buf_.Get<float>();
+    LocalTensor<float> probes = slots[kStatChunk * kSlot], prod = rows_.Perm(), o = part_buf_.Get<float>();
     LocalTensor<float> lse_stage = lse_stage_buf_.Get<float>(), delta_stage = delta_stage_buf_.Get<float>();
     int64_t b = 0, last_token = -1;
     for (int64_t c0 = first; c0 < last; c0 += kStatChunk) {
@@ -172,12 +177,14 @@ class RotaryFlashAttentionGradKernel {
         rows_.LoadTables(QueryOffset(b) + i);
         rows_.Rotate(x, y, t_.scale);
         rows_.StoreRow(y, ws_qs_[hm], nullptr);
-        rows_.LoadRow(d_out_[at], x);
-        rows_.StoreRow(x, ws_do_[hm], nullptr);
-        rows_.LoadRow(out_[at], y);
-        LocalTensor<float> prod = rows_.Perm();
-        AscendC::Mul(prod, x, y, static_cast<int32_t>(d));
+        AscendC::Sub(x, y, y, static_cast<int32_t>(d));  // the probe: 0 where Qs is finite, NaN elsewhere
+        rows_.LoadRow(d_out_[at], y);
+        rows_.StoreRow(y, ws_do_[hm], nullptr);
+        rows_.LoadRow(out_[at], o);
+        AscendC::Mul(prod, y, o, static_cast<int32_t>(d));  // dO * O: Delta's terms; NaN/Inf if either is
         AscendC::ReduceSum(slots[r * kSlot], prod, reduce_buf_.Get<float>(), static_cast<int32_t>(d));
+        AscendC::Add(x, x, prod, static_cast<int32_t>(d));
+        AscendC::ReduceSum(probes[r * kSlot], x, reduce_buf_.Get<float>(), static_cast<int32_t>(d));
       }
       Sync<AscendC::HardEvent::V_S>();
       b = 0;
@@ -187,8 +194,16 @@ class RotaryFlashAttentionGradKernel {
         b = QueryOf(c0 + r, b, &last_token, &head, &i);
         const int64_t at = seq_.LseAt(b, head, i);
         const float lse = lse_.GetValue(at), d_lse = g_.has_dlse ? d_lse_.GetValue(at) : 0.0f;
-        lse_stage.SetValue(r, lse == -__builtin_inff() ? kNoKeyLse : lse);
-        delta_stage.SetValue(r, slots.GetValue(r * kSlot) - d_lse);
+        const float delta = slots.GetValue(r * kSlot) - d_lse, probe = probes.GetValue(r * kSlot) * 0.0f;
+        if (probe == 0.0f && delta - delta == 0.0f && (lse - lse == 0.0f || lse == -__builtin_inff())) {
+          lse_stage.SetValue(r, lse == -__builtin_inff() ? kNoKeyLse : lse);
+          delta_stage.SetValue(r, delta);
+        } else {  // NaN/Inf in the row: zeroed for the cube (after its first store: MTE3 keeps order), NaN lse
+          lse_stage.SetValue(r, __builtin_nanf(""));
+          delta_stage.SetValue(r, 0.0f);
+          rows_.ZeroRow(ws_qs_[(c0 + r) * d]);
+          rows_.ZeroRow(ws_do_[(c0 + r) * d]);
+        }
       }
       Sync<AscendC::HardEvent::S_MTE3>();
       const AscendC::DataCopyExtParams copy{1, static_cast<uint32_t>(n * 4), 0, 0, 0};
@@ -214,36 +229,51 @@ class RotaryFlashAttentionGradKernel {
     return b;
   }
 
-  // This core's share of the key rows, head-major: Kr (K as given with key_rotated) and V.
+  // This core's share of the key rows, head-major: Kr (K as given with key_rotated) and V; a row with
+  // NaN/Inf in either is zeroed (the rows that see it have a NaN lse from the forward).
   __aicore__ inline void PrepareKeys(int64_t me, int64_t cores) {
     const int64_t rows = g_.kv_rows * t_.kv_heads, share = CeilDiv(rows, cores), d = t_.head_dim;
     const int64_t first = me * share, last = first + share < rows ? first + share : rows;
-    LocalTensor<float> x = rows_.X(), y = rows_.Y();
+    LocalTensor<float> x = rows_.X(), y = rows_.Y(), probe = rows_.Perm(), probes = slots_buf_.Get<float>();
     int64_t b = 0, last_token = -1;
-    for (int64_t row = first; row < last; ++row) {
-      int64_t head, j;
-      if (t_.layout != kLayoutTND) {
-        head = (row / t_.kv_len) % t_.kv_heads;
-        j = row % t_.kv_len;
-        b = row / (t_.kv_len * t_.kv_heads);
-      } else {
-        head = row / g_.kv_rows;
-        const int64_t token = row % g_.kv_rows;
-        b = seq_.SeqOfKey(token, token > last_token ? b : 0);
-        last_token = token;
-        j = token - seq_.KvStart(b);
+    for (int64_t c0 = first; c0 < last; c0 += kStatChunk) {
+      const int64_t n = last - c0 < kStatChunk ? last - c0 : kStatChunk;
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t row = c0 + r;
+        int64_t head, j;
+        if (t_.layout != kLayoutTND) {
+          head = (row / t_.kv_len) % t_.kv_heads;
+          j = row % t_.kv_len;
+          b = row / (t_.kv_len * t_.kv_heads);
+        } else {
+          head = row / g_.kv_rows;
+          const int64_t token = row % g_.kv_rows;
+          b = seq_.SeqOfKey(token, token > last_token ? b : 0);
+          last_token = token;
+          j = token - seq_.KvStart(b);
+        }
+        const int64_t at = seq_.KvRow(b, head, j);
+        if (t_.key_rotated) {
+          rows_.LoadRow(key_[at], y);
+        } else {
+          rows_.LoadRow(key_[at], x);
+          rows_.LoadTables(j);
+          rows_.Rotate(x, y, 1.0f);
+        }
+        rows_.StoreRow(y, ws_kr_[row * d], nullptr);
+        rows_.LoadRow(value_[at], x);
+        rows_.StoreRow(x, ws_v_[row * d], nullptr);
+        AscendC::Sub(probe, y, y, static_cast<int32_t>(d));  // 0 where Kr and V are finite, NaN elsewhere
+        AscendC::Add(probe, probe, x, static_cast<int32_t>(d));
+        AscendC::Sub(probe, probe, x, static_cast<int32_t>(d));
+        AscendC::ReduceSum(probes[r * kSlot], probe, reduce_buf_.Get<float>(), static_cast<int32_t>(d));
       }
-      const int64_t at = seq_.KvRow(b, head, j);
-      if (t_.key_rotated) {
-        rows_.LoadRow(key_[at], y);
-      } else {
-        rows_.LoadRow(key_[at], x);
-        rows_.LoadTables(j);
-        rows_.Rotate(x, y, 1.0f);
+      Sync<AscendC::HardEvent::V_S>();
+      for (int64_t r = 0; r < n; ++r) {
+        if (probes.GetValue(r * kSlot) == 0.0f) continue;
+        rows_.ZeroRow(ws_kr_[(c0 + r) * d]);  // after its first store: MTE3 keeps order
+        rows_.ZeroRow(ws_v_[(c0 + r) * d]);
       }
-      rows_.StoreRow(y, ws_kr_[row * d], nullptr);
-      rows_.LoadRow(value_[at], x);
-      rows_.StoreRow(x, ws_v_[row * d], nullptr);
     }
   }
 
@@ -278,19 +308,6 @@ class RotaryFlashAttentionGradKernel {
     mm_nt.SetTensorA(ws_do_[q_at]);
     mm_nt.SetTensorB(ws_v_[k_at], true);
     Multiply(mm_nt, dp);  // its closing barrier also lands the lse / Delta copies for the scalar unit
-    const int64_t q_pos = QueryOffset(b) + q0;
-    for (int64_t r = 0; r < nq; ++r) {
-      int64_t valid = n;
-      if (t_.causal) {
-        const int64_t seen = q_pos + r - j0 + 1;
-        valid = seen < 0 ? 0 : (seen < n ? seen : n);
-      }
-      for (int64_t c = valid; c < nb; ++c) {
-        s[r * nb].SetValue(c, kGradMask);
-        dp[r * nb].SetValue(c, 0.0f);
-      }
-    }
-    Sync<AscendC::HardEvent::S_V>();
     LocalTensor<T> p_out = p_out_buf_.Get<T>(), ds_out = ds_out_buf_.Get<T>();
     const int32_t cols = static_cast<int32_t>(nb);
     for (int64_t r = 0; r < nq; ++r) {
@@ -299,8 +316,26 @@ class RotaryFlashAttentionGradKernel {
       AscendC::Exp(srow, srow, cols);                        // P
       AscendC::Adds(dprow, dprow, -delta.GetValue(r), cols);
       AscendC::Mul(dprow, dprow, srow, cols);                // dS = P (dP - Delta)
-      if (with_p) ToInput(p_out[r * nb], srow, cols);
-      ToInput(ds_out[r * nb], dprow, cols);
+    }
+    // Exactly 0 where a row does not see the key (past its causal bound, tile tail columns), whatever
+    // the row's lse and Delta hold (NaN for a row with NaN/Inf: it must not reach keys it never saw).
+    Sync<AscendC::HardEvent::V_S>();
+    const int64_t q_pos = QueryOffset(b) + q0;
+    for (int64_t r = 0; r < nq; ++r) {
+      int64_t valid = n;
+      if (t_.causal) {
+        const int64_t seen = q_pos + r - j0 + 1;
+        valid = seen < 0 ? 0 : (seen < n ? seen : n);
+      }
+      for (int64_t c = valid; c < nb; ++c) {
+        s[r * nb].SetValue(c, 0.0f);
+        dp[r * nb].SetValue(c, 0.0f);
+      }
+    }
+    Sync<AscendC::HardEvent::S_V>();
+    for (int64_t r = 0; r < nq; ++r) {
+      if (with_p) ToInput(p_out[r * nb], s[r * nb], cols);
+      ToInput(ds_out[r * nb], dp[r * nb], cols);
     }
     Sync<AscendC::HardEvent::V_MTE3>();  // the tiles are TBufs: no queue orders the vector unit and MTE3
     if (with_p) AscendC::DataCopy(ws_p_, p_out, static_cast<uint32_t>(nq * nb));

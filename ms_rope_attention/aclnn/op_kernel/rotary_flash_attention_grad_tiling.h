@@ -44,7 +44,7 @@ struct GradUbPlan {
   int64_t acc;         // dK and dV (KV task) or dQ (Q task) accumulators, same size (two)
   int64_t block_stats; // lse and Delta of a query block, contiguous (two)
   int64_t reduce_tmp;  // ReduceSum temporary
-  int64_t slots;       // ReduceSum results, one 32-byte slot per row of a pre-stage chunk
+  int64_t slots;       // ReduceSum results (Delta's sum, the finiteness probe), one 32-byte slot per row of a chunk
   int64_t stage;       // a chunk's lse and Delta, contiguous, for one DataCopyPad each (two)
   int64_t total;
 };
@@ -60,7 +60,7 @@ __aicore__ inline GradUbPlan PlanGradUb(int64_t block_q, int64_t block_kv, int64
   u.acc = u.part;
   u.block_stats = RoundUp(block_q * 4, kBlockBytes);
   u.reduce_tmp = RoundUp((head_pad > block_kv ? head_pad : block_kv) * 4, kBlockBytes);
-  u.slots = kBlockBytes * kStatChunk;
+  u.slots = 2 * kBlockBytes * kStatChunk;
   u.stage = RoundUp(kStatChunk * 4, kBlockBytes);
   u.total = u.rows.total + 2 * u.tile_f32 + 2 * u.tile_t + u.part + 2 * u.acc + 2 * u.block_stats + u.reduce_tmp +
             u.slots + 2 * u.stage;
