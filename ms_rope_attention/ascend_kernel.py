@@ -90,7 +90,7 @@ def make_ascend_op(attrs: dict, grads_used: tuple[bool, bool], forwards, strict:
         bprop = flash_attention_bprop(forwards.flash_attention, forwards.unfused, grads_used, layout, head_num, strict)
     else:
         bprop = unfused_autodiff_bprop(forwards.unfused, grads_used[0],
-                                       f"no fused backward kernel on Ascend ({SWITCH}=unfused)", strict)
+                                       f"{SWITCH}=unfused", strict)
     op = ops.Custom(load_contract().op_name, out_shape=out_shape,
                     out_dtype=lambda q, k, *rest: (q, ms.float32, k), func_type="aot", bprop=bprop,
                     reg_info=build_reg_info("Ascend", attrs))

@@ -34,6 +34,8 @@ from .gradients import _no_grad, _zeros_like, announce_backward_fallback, unfuse
 from .unfused import _from_bnsd, _rope, _segments, _to_bnsd
 
 SWITCH = "RFA_ASCEND_BACKWARD"
+# Why the op is not on its own backward kernel: the reason every announced stand-in starts with.
+NOT_KERNEL = f"the fused backward kernel has not run on hardware ({SWITCH}=kernel to use it)"
 BACKWARDS = ("flash_attention_score", "unfused", "kernel")  # the first is the default
 FLASH_DTYPES = (ms.float16, ms.bfloat16)
 # sparse_mode 3 (rightDownCausal): causal with the diagonal at the bottom right, as the op's
@@ -112,10 +114,10 @@ def flash_attention_bprop(flash_forward, unfused_forward, grads_used: tuple[bool
     def bprop(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, out, dout):
         refusal = flash_attention_refusal(query.dtype, query.shape, input_layout, head_num, lse_used)
         if refusal:
-            announce_backward_fallback(f"no fused backward kernel on Ascend, and {refusal}", strict,
+            announce_backward_fallback(f"{NOT_KERNEL}, and {refusal}", strict,
                                        "the unfused autodiff (S x S scores per head)")
             return unfused(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, out, dout)
-        announce_backward_fallback("no fused backward kernel on Ascend", strict,
+        announce_backward_fallback(NOT_KERNEL, strict,
                                    "MindSpore's FlashAttention backward on the rotated q/k")
         d_rotated_key = dout[2] if rotated_key_used else _zeros_like(key)
         d_query, d_key, d_value = vjp(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen,
