@@ -112,20 +112,22 @@ def test_graphs_compile_once_per_capacity_bucket(checkpoint, mode, rng):
     _, path = checkpoint
     model = load_checkpoint(path, progress=False, max_positions=2048)
     gen = Generator(model, slots=2)
-    gen.generate(ids_of(rng, 3), 2, eos_ids=())
-    # Both graphs of the bucket compiled. Counted relative to here: one CI run (graph mode, 2 xdist
-    # workers) counted 3 compilations after the first three prompts where every other run counted
-    # 2; which call added it was not recorded.
+    # Two prompt lengths first: MindSpore 2.10 may compile a dynamic-shape jit Cell once more at its
+    # first new input shape (docs/llama.md); one of four CI runs counted an extra compilation,
+    # so the counts below start after it. A failure prints the compile log (capacity, graph, shape).
+    for n in (3, 9):
+        gen.generate(ids_of(rng, n), 2, eos_ids=())
     first = gen.compiles
-    assert gen.capacity == BUCKET and first >= 2
+    assert gen.capacity == BUCKET and first >= 2, gen.compile_log
     for n, steps in ((17, 9), (40, 30)):
         gen.generate(ids_of(rng, n), steps, eos_ids=())
-    assert (gen.capacity, gen.compiles) == (BUCKET, first)
-    gen.generate(ids_of(rng, BUCKET + 5), 3, eos_ids=())
+        assert (gen.capacity, gen.compiles) == (BUCKET, first), (n, steps, gen.compile_log)
+    for n in (BUCKET + 5, BUCKET + 9):
+        gen.generate(ids_of(rng, n), 3, eos_ids=())
     grown = gen.compiles
-    assert gen.capacity == 2 * BUCKET and grown >= first + 2
+    assert gen.capacity == 2 * BUCKET and grown >= first + 2, gen.compile_log
     gen.generate(ids_of(rng, 4), 3, eos_ids=())
-    assert (gen.capacity, gen.compiles) == (2 * BUCKET, grown)
+    assert (gen.capacity, gen.compiles) == (2 * BUCKET, grown), gen.compile_log
     assert [bucket_capacity(n, 2048) for n in (1, 512, 513, 1500, 5000)] == [512, 512, 1024, 2048, 2048]
 
 

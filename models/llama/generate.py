@@ -56,16 +56,21 @@ def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float = 0.
 class _CacheGraph(nn.Cell):
     """A graph over the model and one ``KVCache``, compiled once per input signature, in PyNative
     too (``ms.jit``: one graph launch per step, not one dispatch per op); ``compiles`` counts its
-    compilations (a constexpr runs only while a graph compiles)."""
+    compilations (a constexpr runs only while a graph compiles) and ``compile_log`` says which
+    graph compiled for which token count (-1: dynamic), in order."""
 
     def __init__(self, lm, cache):
         super().__init__(auto_prefix=False)  # the model's parameters keep their Hugging Face names
         self.lm, self.cache = lm, cache
-        self.compiles = 0
+        self.compile_log = []
         self.count_compile = ops.constexpr(reuse_result=False)(self._count_compile)
 
-    def _count_compile(self):
-        self.compiles += 1
+    @property
+    def compiles(self) -> int:
+        return len(self.compile_log)
+
+    def _count_compile(self, token_shape):
+        self.compile_log.append((type(self).__name__, tuple(token_shape)))
         return True
 
 
@@ -74,7 +79,7 @@ class _Prefill(_CacheGraph):
 
     @ms.jit
     def construct(self, input_ids, ends, write_rows):
-        self.count_compile()
+        self.count_compile(input_ids.shape)
         return self.lm(input_ids, ends, ends, (self.cache.keys, self.cache.values, write_rows))
 
 
@@ -84,7 +89,7 @@ class _Decode(_CacheGraph):
 
     @ms.jit
     def construct(self, input_ids, aq, akv, write_rows, positions):
-        self.count_compile()
+        self.count_compile(input_ids.shape)
         return self.lm(input_ids, aq, akv, (self.cache.keys, self.cache.values, write_rows), positions)
 
 
@@ -138,7 +143,7 @@ class Generator:
         self.model, self.slots_count, self.fixed_capacity = model, slots, capacity
         self.cache_dtype = DTYPES[dtype_name(cache_dtype)] if cache_dtype is not None else model.dtype
         self.cache = self.prefill = self.step = None
-        self._earlier_compiles = 0  # of the graphs of smaller capacities, released when the cache grew
+        self._earlier_compiles = []  # compile_log of the graphs of smaller capacities, released when the cache grew
         self.slots = Slots(slots)
         self.compile_s = {}  # capacity -> seconds of its first call (compile + warm-up)
 
@@ -147,9 +152,16 @@ class Generator:
         return 0 if self.cache is None else self.cache.capacity
 
     @property
+    def compile_log(self) -> list[tuple[int, str, tuple]]:
+        """(capacity, graph, token shape) of every compilation so far, in order per graph."""
+        current = [(self.capacity, *entry) for graph in (self.prefill, self.step) if graph is not None
+                   for entry in graph.compile_log]
+        return self._earlier_compiles + current
+
+    @property
     def compiles(self) -> int:
         """Graphs compiled so far, all capacities together."""
-        return self._earlier_compiles + sum(graph.compiles for graph in (self.prefill, self.step) if graph is not None)
+        return len(self.compile_log)
 
     def _ensure_capacity(self, needed: int) -> None:
         if self.fixed_capacity is not None:
@@ -161,7 +173,7 @@ class Generator:
             capacity = bucket_capacity(needed, self.model.max_positions)
         if capacity <= self.capacity:
             return
-        self._earlier_compiles = self.compiles
+        self._earlier_compiles = self.compile_log
         # The smaller cache (and the graphs holding it) is released before the larger one is allocated.
         self.cache = self.prefill = self.step = None
         self.cache = KVCache(self.model.cache_config, self.slots_count, capacity, self.cache_dtype)
