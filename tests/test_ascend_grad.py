@@ -196,70 +196,67 @@ def test_emulated_grad_reports_instead_of_crashing(rng):
     assert code != 0 and "splits: a CPU kernel tiling knob" in emu.last_error()
 
 
+def clean_and_poisoned(case, rng, poison, **tiling):
+    """The emulated backward's (d_query, d_key, d_value) on clean inputs, then with ``poison(q, k, v,
+    d_out)`` applied to copies, each from the CPU forward's output and lse of those inputs."""
+    q, k, v, cos, sin, aq, ak = case.make(rng)
+    d_out = rng.standard_normal(q.shape)
+    runs = []
+    for poisoned in (False, True):
+        q2, k2, v2, d2 = q.copy(), k.copy(), v.copy(), d_out.copy()
+        if poisoned:
+            poison(q2, k2, v2, d2)
+        code, out, lse, _ = cpu_direct.run(q2, k2, v2, cos, sin, aq, ak, with_rotated_key=False, **case.kwargs)
+        assert code == 0
+        code, *grads = emu.run_grad(q2, k2, v2, cos, sin, aq, ak, out, lse, d2, **tiling, **case.kwargs)
+        assert code == 0, emu.last_error()
+        runs.append(grads)
+    return runs
+
+
+def assert_untouched(clean, poisoned, index):
+    np.testing.assert_array_equal(poisoned[index], clean[index])
+    assert np.isfinite(poisoned[index]).all()
+
+
 @pytest.mark.parametrize("poison", [np.nan, np.inf])
 def test_emulated_grad_keys_a_query_cannot_see_never_reach_its_gradient(poison, rng):
     """NaN/Inf in keys and values past a query's causal bound leave its d_query bit-identical and
     finite (the workspace rows holding them are zeroed, so 0 x NaN never happens in the cube); the
     rows that see them get non-finite gradients, from the forward's lse and output."""
+
+    def past_37(q, k, v, d_out):
+        k[:, 37:], v[:, 37:] = poison, poison
+
     case = Case(q_len=50, kv_len=50, heads=4, kv_heads=2, head_dim=32, batch=1, layout="BSND")
-    q, k, v, cos, sin, _, _ = case.make(rng)
-    d_out = rng.standard_normal(q.shape)
-    grads = []
-    for poisoned in (False, True):
-        k2, v2 = k.copy(), v.copy()
-        if poisoned:
-            k2[:, 37:], v2[:, 37:] = poison, poison
-        code, out, lse, _ = cpu_direct.run(q, k2, v2, cos, sin, with_rotated_key=False, **case.kwargs)
-        assert code == 0
-        code, *g = emu.run_grad(q, k2, v2, cos, sin, None, None, out, lse, d_out, block_q=8, block_k=16,
-                                **case.kwargs)
-        assert code == 0, emu.last_error()
-        grads.append(g)
-    np.testing.assert_array_equal(grads[1][0][:, :37], grads[0][0][:, :37])
-    assert np.isfinite(grads[0][0]).all() and not np.isfinite(grads[1][0][:, 37:]).all()
-
-
-def test_emulated_grad_a_poisoned_sequence_stays_in_its_sequence(rng):
-    """TND: NaN in every input row of one sequence (q, k, v, d_out) leaves the other sequences'
-    d_query, d_key and d_value bit-identical and finite."""
-    case = Case(layout="TND", heads=4, kv_heads=2, head_dim=32, q_lens=[9, 7, 5], kv_lens=[20, 7, 11])
-    q, k, v, cos, sin, aq, ak = case.make(rng)
-    d_out = rng.standard_normal(q.shape)
-    grads = []
-    for poisoned in (False, True):
-        q2, k2, v2, d2 = q.copy(), k.copy(), v.copy(), d_out.copy()
-        if poisoned:
-            q2[9:16], k2[20:27], v2[20:27], d2[9:16] = np.nan, np.nan, np.nan, np.nan
-        code, out, lse, _ = cpu_direct.run(q2, k2, v2, cos, sin, aq, ak, with_rotated_key=False, **case.kwargs)
-        assert code == 0
-        code, *g = emu.run_grad(q2, k2, v2, cos, sin, aq, ak, out, lse, d2, block_q=4, block_k=16, **case.kwargs)
-        assert code == 0, emu.last_error()
-        grads.append(g)
-    clean_q = np.r_[0:9, 16:21]
-    clean_k = np.r_[0:20, 27:38]
-    for which, rows in ((0, clean_q), (1, clean_k), (2, clean_k)):
-        np.testing.assert_array_equal(grads[1][which][rows], grads[0][which][rows])
-        assert np.isfinite(grads[1][which][rows]).all()
-    assert not np.isfinite(grads[1][0][9:16]).all()
+    (dq, *_), (dq_poisoned, *_) = clean_and_poisoned(case, rng, past_37, block_q=8, block_k=16)
+    assert_untouched(dq, dq_poisoned, (slice(None), slice(0, 37)))
+    assert not np.isfinite(dq_poisoned[:, 37:]).all()
 
 
 def test_emulated_grad_poisoned_queries_never_reach_keys_they_cannot_see(rng):
     """NaN in the query and its upstream gradient at rows 0..3 (which see keys 0..3 only): the keys
     past them and the other rows keep bit-identical, finite gradients."""
+
+    def first_4(q, k, v, d_out):
+        q[:, :4], d_out[:, :4] = np.nan, np.nan
+
     case = Case(q_len=40, kv_len=40, heads=4, kv_heads=2, head_dim=32, batch=1, layout="BSND")
-    q, k, v, cos, sin, _, _ = case.make(rng)
-    d_out = rng.standard_normal(q.shape)
-    grads = []
-    for poisoned in (False, True):
-        q2, d2 = q.copy(), d_out.copy()
-        if poisoned:
-            q2[:, :4], d2[:, :4] = np.nan, np.nan
-        code, out, lse, _ = cpu_direct.run(q2, k, v, cos, sin, with_rotated_key=False, **case.kwargs)
-        assert code == 0
-        code, *g = emu.run_grad(q2, k, v, cos, sin, None, None, out, lse, d2, block_q=8, block_k=16, **case.kwargs)
-        assert code == 0, emu.last_error()
-        grads.append(g)
+    clean, poisoned = clean_and_poisoned(case, rng, first_4, block_q=8, block_k=16)
     for which in range(3):
-        np.testing.assert_array_equal(grads[1][which][:, 4:], grads[0][which][:, 4:])
-        assert np.isfinite(grads[1][which][:, 4:]).all()
-    assert not np.isfinite(grads[1][1][:, :4]).all()
+        assert_untouched(clean[which], poisoned[which], (slice(None), slice(4, None)))
+    assert not np.isfinite(poisoned[1][:, :4]).all()
+
+
+def test_emulated_grad_a_poisoned_sequence_stays_in_its_sequence(rng):
+    """TND: NaN in every input row of one sequence (q, k, v, d_out) leaves the other sequences'
+    d_query, d_key and d_value bit-identical and finite."""
+
+    def sequence_1(q, k, v, d_out):
+        q[9:16], k[20:27], v[20:27], d_out[9:16] = np.nan, np.nan, np.nan, np.nan
+
+    case = Case(layout="TND", heads=4, kv_heads=2, head_dim=32, q_lens=[9, 7, 5], kv_lens=[20, 7, 11])
+    clean, poisoned = clean_and_poisoned(case, rng, sequence_1, block_q=4, block_k=16)
+    for which, rows in ((0, np.r_[0:9, 16:21]), (1, np.r_[0:20, 27:38]), (2, np.r_[0:20, 27:38])):
+        assert_untouched(clean[which], poisoned[which], rows)
+    assert not np.isfinite(poisoned[0][9:16]).all()

@@ -155,5 +155,14 @@ inline ge::graphStatus SetLaunch(gert::TilingContext *context, const platform_as
   return ge::GRAPH_SUCCESS;
 }
 
+// The AI-core side both OpDefs declare: their tiling function, on Atlas A2 and A3, dynamic shapes.
+inline void DeclareAICore(ops::OpAICoreDef &core, gert::OpImplRegisterV2::TilingKernelFunc tiling) {
+  core.SetTiling(tiling);
+  ops::OpAICoreConfig config;
+  config.DynamicCompileStaticFlag(true).DynamicRankSupportFlag(true).DynamicShapeSupportFlag(true);
+  core.AddConfig("ascend910b", config);    // Atlas A2
+  core.AddConfig("ascend910_93", config);  // Atlas A3
+}
+
 }  // namespace host
 }  // namespace rfa

@@ -74,11 +74,7 @@ class RotaryFlashAttention : public OpDef {
   explicit RotaryFlashAttention(const char *name) : OpDef(name) {
 #include "rotary_flash_attention_opdef.h"  // generated from op_info: inputs, outputs, attrs, dtypes
     this->SetInferShape(ge::InferShape).SetInferDataType(ge::InferDataType);
-    this->AICore().SetTiling(optiling::TilingFunc);
-    OpAICoreConfig config;
-    config.DynamicCompileStaticFlag(true).DynamicRankSupportFlag(true).DynamicShapeSupportFlag(true);
-    this->AICore().AddConfig("ascend910b", config);     // Atlas A2
-    this->AICore().AddConfig("ascend910_93", config);   // Atlas A3
+    rfa::host::DeclareAICore(this->AICore(), optiling::TilingFunc);
   }
 };
 

@@ -70,11 +70,7 @@ class RotaryFlashAttentionGrad : public OpDef {
   explicit RotaryFlashAttentionGrad(const char *name) : OpDef(name) {
 #include "rotary_flash_attention_grad_opdef.h"  // generated from op_info: inputs, outputs, attrs, dtypes
     this->SetInferShape(ge::InferShape).SetInferDataType(ge::InferDataType);
-    this->AICore().SetTiling(optiling::TilingFunc);
-    OpAICoreConfig config;
-    config.DynamicCompileStaticFlag(true).DynamicRankSupportFlag(true).DynamicShapeSupportFlag(true);
-    this->AICore().AddConfig("ascend910b", config);     // Atlas A2
-    this->AICore().AddConfig("ascend910_93", config);   // Atlas A3
+    rfa::host::DeclareAICore(this->AICore(), optiling::TilingFunc);
   }
 };
 
