@@ -63,6 +63,39 @@ inline std::string FillProblem(const Problem &p, const Platform &pf, RfaTiling *
   return "";
 }
 
+// The first block sizes whose UB plan fits: block_kv from `kv_options` in order, block_q from `first_q`
+// halving (only first_q when `fixed_q`); total_of(block_q, block_kv) is the plan's bytes. False when
+// nothing fits.
+template <typename TotalOf>
+inline bool FirstFit(int64_t first_q, bool fixed_q, const int64_t *kv_options, int kv_count, int64_t ub_bytes,
+                     TotalOf total_of, int64_t *block_q, int64_t *block_kv, int64_t *total) {
+  for (int i = 0; i < kv_count; ++i) {
+    for (int64_t bq = first_q; bq >= 1; bq = fixed_q ? 0 : bq / 2) {
+      *total = total_of(bq, kv_options[i]);
+      if (*total <= ub_bytes) {
+        *block_q = bq;
+        *block_kv = kv_options[i];
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+// Consecutive workspace slices, each 512-byte aligned (whole cache lines for the cube's loads).
+class Slices {
+ public:
+  int64_t Take(int64_t bytes) {
+    const int64_t at = end_;
+    end_ += RoundUp(bytes, 512);
+    return at;
+  }
+  int64_t End() const { return end_; }
+
+ private:
+  int64_t end_ = 0;
+};
+
 inline std::string PlanTiling(const Problem &p, const Platform &pf, RfaTiling *t, int64_t block_q = 0,
                               int64_t block_kv = 0) {
   const std::string refused = FillProblem(p, pf, t);
@@ -74,35 +107,21 @@ inline std::string PlanTiling(const Problem &p, const Platform &pf, RfaTiling *t
   // reuse of each K/V tile), with M = group * block_q <= 128, halved until the UB plan fits.
   const int64_t max_q = std::max<int64_t>(1, std::min<int64_t>(64, kMaxTaskRows / group));
   const int64_t first_q = block_q > 0 ? block_q : std::min<int64_t>(max_q, std::max<int64_t>(p.q_len, 1));
-  const int64_t kv_options[2] = {block_kv > 0 ? block_kv : 128, 64};
-  for (int i = 0; i < (block_kv > 0 ? 1 : 2) && t->block_q == 0; ++i) {
-    for (int64_t bq = first_q; bq >= 1; bq = block_q > 0 ? 0 : bq / 2) {
-      const UbPlan u = PlanUb(group * bq, kv_options[i], t->head_pad, elem, telem);
-      if (u.total <= pf.ub_bytes) {
-        t->block_q = bq;
-        t->block_kv = kv_options[i];
-        t->ub_bytes = u.total;
-        break;
-      }
-    }
-  }
-  if (t->block_q == 0)
+  const int64_t kv_options[2] = {block_kv > 0 ? block_kv : 128, 64}, head_pad = t->head_pad;
+  auto total_of = [&](int64_t bq, int64_t bkv) { return PlanUb(group * bq, bkv, head_pad, elem, telem).total; };
+  if (!FirstFit(first_q, block_q > 0, kv_options, block_kv > 0 ? 1 : 2, pf.ub_bytes, total_of, &t->block_q,
+                &t->block_kv, &t->ub_bytes))
     return "tiling: head_dim " + std::to_string(p.head_dim) + " with " + std::to_string(group) +
            " query heads per KV head does not fit the " + std::to_string(pf.ub_bytes) + "-byte Unified Buffer";
   if (t->block_kv % 16) return "tiling: block_kv must be a multiple of 16";
 
   const int64_t m = group * t->block_q;
-  int64_t offset = 0;
-  auto slice = [&offset](int64_t bytes) {
-    const int64_t at = offset;
-    offset += RoundUp(bytes, 512);  // 512-byte aligned slices: whole cache lines for the cube's loads
-    return at;
-  };
-  t->ws_q = slice(m * t->head_pad * elem);
-  t->ws_k = slice(t->block_kv * t->head_pad * elem);
-  t->ws_v = slice(t->block_kv * t->head_pad * elem);
-  t->ws_p = slice(m * t->block_kv * elem);
-  t->ws_per_core = offset;
+  Slices per_core;
+  t->ws_q = per_core.Take(m * t->head_pad * elem);
+  t->ws_k = per_core.Take(t->block_kv * t->head_pad * elem);
+  t->ws_v = per_core.Take(t->block_kv * t->head_pad * elem);
+  t->ws_p = per_core.Take(m * t->block_kv * elem);
+  t->ws_per_core = per_core.End();
 
   int64_t most_blocks = 0;
   for (int64_t lq : p.q_lens) most_blocks = std::max(most_blocks, CeilDiv(lq, t->block_q));
@@ -136,19 +155,10 @@ inline std::string PlanGradTiling(const Problem &p, const Platform &pf, bool has
   int64_t longest_q = 1;
   for (int64_t lq : p.q_lens) longest_q = std::max(longest_q, lq);
   const int64_t first_q = block_q > 0 ? block_q : std::min<int64_t>(64, longest_q);
-  const int64_t kv_options[3] = {block_kv > 0 ? block_kv : 64, 32, 16};
-  for (int i = 0; i < (block_kv > 0 ? 1 : 3) && g->block_q == 0; ++i) {
-    for (int64_t bq = first_q; bq >= 1; bq = block_q > 0 ? 0 : bq / 2) {
-      const GradUbPlan u = PlanGradUb(bq, kv_options[i], t->head_pad, elem, telem);
-      if (u.total <= pf.ub_bytes) {
-        g->block_q = bq;
-        g->block_kv = kv_options[i];
-        g->ub_bytes = u.total;
-        break;
-      }
-    }
-  }
-  if (g->block_q == 0)
+  const int64_t kv_options[3] = {block_kv > 0 ? block_kv : 64, 32, 16}, head_pad = t->head_pad;
+  auto total_of = [&](int64_t bq, int64_t bkv) { return PlanGradUb(bq, bkv, head_pad, elem, telem).total; };
+  if (!FirstFit(first_q, block_q > 0, kv_options, block_kv > 0 ? 1 : 3, pf.ub_bytes, total_of, &g->block_q,
+                &g->block_kv, &g->ub_bytes))
     return "tiling: head_dim " + std::to_string(p.head_dim) + " does not fit the backward's " +
            std::to_string(pf.ub_bytes) + "-byte Unified Buffer";
   if (g->block_kv % 16) return "tiling: block_kv must be a multiple of 16";
@@ -157,24 +167,18 @@ inline std::string PlanGradTiling(const Problem &p, const Platform &pf, bool has
   g->has_drk = has_drk;
   g->q_rows = QueryRows(*t);
   g->kv_rows = KeyRows(*t);
-  int64_t offset = 0;
-  auto slice = [&offset](int64_t bytes) {
-    const int64_t at = offset;
-    offset += RoundUp(bytes, 512);
-    return at;
-  };
+  Slices shared, per_core;
   const int64_t q_elems = g->q_rows * t->q_heads * t->head_pad, kv_elems = g->kv_rows * t->kv_heads * t->head_pad;
-  g->ws_qs = slice(q_elems * elem);
-  g->ws_do = slice(q_elems * elem);
-  g->ws_kr = slice(kv_elems * elem);
-  g->ws_v = slice(kv_elems * elem);
-  g->ws_lse = slice(g->q_rows * t->q_heads * 4);
-  g->ws_delta = slice(g->q_rows * t->q_heads * 4);
-  g->ws_cores = offset;
-  offset = 0;
-  g->ws_p = slice(g->block_q * g->block_kv * elem);
-  g->ws_ds = slice(g->block_q * g->block_kv * elem);
-  g->ws_per_core = offset;
+  g->ws_qs = shared.Take(q_elems * elem);
+  g->ws_do = shared.Take(q_elems * elem);
+  g->ws_kr = shared.Take(kv_elems * elem);
+  g->ws_v = shared.Take(kv_elems * elem);
+  g->ws_lse = shared.Take(g->q_rows * t->q_heads * 4);
+  g->ws_delta = shared.Take(g->q_rows * t->q_heads * 4);
+  g->ws_cores = shared.End();
+  g->ws_p = per_core.Take(g->block_q * g->block_kv * elem);
+  g->ws_ds = per_core.Take(g->block_q * g->block_kv * elem);
+  g->ws_per_core = per_core.End();
   return "";
 }
 
