@@ -114,7 +114,7 @@ def test_graphs_compile_once_per_capacity_bucket(checkpoint, mode, rng):
     gen = Generator(model, slots=2)
     # Two prompt lengths first: MindSpore 2.10 may compile a dynamic-shape jit Cell once more at its
     # first new input shape (docs/llama.md); one of four CI runs counted an extra compilation,
-    # so the counts below start after it. A failure prints the compile log (capacity, graph, shape).
+    # so the counts below start after it. A failure prints the compile log (capacity, graph, token count).
     for n in (3, 9):
         gen.generate(ids_of(rng, n), 2, eos_ids=())
     first = gen.compiles

@@ -57,7 +57,7 @@ class _CacheGraph(nn.Cell):
     """A graph over the model and one ``KVCache``, compiled once per input signature, in PyNative
     too (``ms.jit``: one graph launch per step, not one dispatch per op); ``compiles`` counts its
     compilations (a constexpr runs only while a graph compiles) and ``compile_log`` says which
-    graph compiled for which token count (-1: dynamic), in order."""
+    graph compiled for which token count (None: the prefill's dynamic one), in order."""
 
     def __init__(self, lm, cache):
         super().__init__(auto_prefix=False)  # the model's parameters keep their Hugging Face names
@@ -69,8 +69,8 @@ class _CacheGraph(nn.Cell):
     def compiles(self) -> int:
         return len(self.compile_log)
 
-    def _count_compile(self, token_shape):
-        self.compile_log.append((type(self).__name__, tuple(token_shape)))
+    def _count_compile(self, tokens=None):
+        self.compile_log.append((type(self).__name__, tokens))
         return True
 
 
@@ -79,7 +79,7 @@ class _Prefill(_CacheGraph):
 
     @ms.jit
     def construct(self, input_ids, ends, write_rows):
-        self.count_compile(input_ids.shape)
+        self.count_compile()  # a dynamic shape is no constant: no argument
         return self.lm(input_ids, ends, ends, (self.cache.keys, self.cache.values, write_rows))
 
 
@@ -89,7 +89,7 @@ class _Decode(_CacheGraph):
 
     @ms.jit
     def construct(self, input_ids, aq, akv, write_rows, positions):
-        self.count_compile(input_ids.shape)
+        self.count_compile(input_ids.shape[0])
         return self.lm(input_ids, aq, akv, (self.cache.keys, self.cache.values, write_rows), positions)
 
 
@@ -152,8 +152,8 @@ class Generator:
         return 0 if self.cache is None else self.cache.capacity
 
     @property
-    def compile_log(self) -> list[tuple[int, str, tuple]]:
-        """(capacity, graph, token shape) of every compilation so far, in order per graph."""
+    def compile_log(self) -> list[tuple[int, str, int | None]]:
+        """(capacity, graph, token count) of every compilation so far, in order per graph."""
         current = [(self.capacity, *entry) for graph in (self.prefill, self.step) if graph is not None
                    for entry in graph.compile_log]
         return self._earlier_compiles + current
