@@ -59,7 +59,7 @@ MUTATIONS = [
              "      for (int64_t r = 0; r < n; ++r) {\n        if (probes",
              "layouts_modes and BNSD", "read after write: LocalTensor::GetValue"),
     Mutation("V_S before the Delta slots are read", GRAD,
-             "      Sync<AscendC::HardEvent::V_S>();\n      b = 0;", "      b = 0;",
+             "      Sync<AscendC::HardEvent::V_S>();\n      b = chunk_b;", "      b = chunk_b;",
              "layouts_modes and BNSD", "read after write: LocalTensor::GetValue"),
     Mutation("S_MTE3 before the lse/Delta stages go out", GRAD,
              "      Sync<AscendC::HardEvent::S_MTE3>();\n", "",

@@ -45,16 +45,12 @@ class Sequences {
   __aicore__ inline int64_t KvLen(int64_t b) const {
     return t_.layout == kLayoutTND ? akv_.GetValue(b) - KvStart(b) : t_.kv_len;
   }
-  // The sequence holding key (query) token `token`, searched from sequence `from` on (callers walk
-  // tokens in ascending order and pass the last answer: no rescan from 0).
-  __aicore__ inline int64_t SeqOfKey(int64_t token, int64_t from) const {
-    if (t_.layout != kLayoutTND) return token / t_.kv_len;
-    while (token >= akv_.GetValue(from)) ++from;
-    return from;
-  }
-  __aicore__ inline int64_t SeqOfQuery(int64_t token, int64_t from) const {
-    if (t_.layout != kLayoutTND) return token / t_.q_len;
-    while (token >= aq_.GetValue(from)) ++from;
+  // The sequence holding key (kv) or query token `token`, searched from sequence `from` on (callers
+  // walk tokens in ascending order and pass the last answer: no rescan from 0).
+  __aicore__ inline int64_t SeqOf(bool kv, int64_t token, int64_t from) const {
+    if (t_.layout != kLayoutTND) return token / (kv ? t_.kv_len : t_.q_len);
+    const GlobalTensor<int64_t> &ends = kv ? akv_ : aq_;
+    while (token >= ends.GetValue(from)) ++from;
     return from;
   }
   __aicore__ inline int64_t QRow(int64_t b, int64_t head, int64_t row) const {

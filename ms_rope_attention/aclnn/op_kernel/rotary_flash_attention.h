@@ -331,7 +331,7 @@ class RotaryFlashAttentionKernel {
     int64_t b = 0;
     for (int64_t r = first; r < last; ++r) {
       const int64_t token = r / t_.kv_heads, head = r % t_.kv_heads;
-      b = seq_.SeqOfKey(token, b);
+      b = seq_.SeqOf(true, token, b);
       const int64_t j = token - (t_.layout == kLayoutTND ? seq_.KvStart(b) : b * t_.kv_len);
       const int64_t at = seq_.KvRow(b, head, j);
       RotatedKey(at, j, false, x, y);

@@ -169,9 +169,10 @@ class RotaryFlashAttentionGradKernel {
     int64_t b = 0, last_token = -1;
     for (int64_t c0 = first; c0 < last; c0 += kStatChunk) {
       const int64_t n = last - c0 < kStatChunk ? last - c0 : kStatChunk;
+      const int64_t chunk_b = b, chunk_token = last_token;  // where the second walk over the chunk starts
       for (int64_t r = 0; r < n; ++r) {
         int64_t head, i;
-        b = QueryOf(c0 + r, b, &last_token, &head, &i);
+        b = RowOf(false, c0 + r, b, &last_token, &head, &i);
         const int64_t at = seq_.QRow(b, head, i), hm = (c0 + r) * d;
         rows_.LoadRow(query_[at], x);
         rows_.LoadTables(QueryOffset(b) + i);
@@ -187,11 +188,11 @@ class RotaryFlashAttentionGradKernel {
         AscendC::ReduceSum(probes[r * kSlot], x, reduce_buf_.Get<float>(), static_cast<int32_t>(d));
       }
       Sync<AscendC::HardEvent::V_S>();
-      b = 0;
-      last_token = -1;
+      b = chunk_b;
+      last_token = chunk_token;
       for (int64_t r = 0; r < n; ++r) {
         int64_t head, i;
-        b = QueryOf(c0 + r, b, &last_token, &head, &i);
+        b = RowOf(false, c0 + r, b, &last_token, &head, &i);
         const int64_t at = seq_.LseAt(b, head, i);
         const float lse = lse_.GetValue(at), d_lse = g_.has_dlse ? d_lse_.GetValue(at) : 0.0f;
         const float delta = slots.GetValue(r * kSlot) - d_lse, probe = probes.GetValue(r * kSlot) * 0.0f;
@@ -213,19 +214,22 @@ class RotaryFlashAttentionGradKernel {
     }
   }
 
-  // (sequence, head, position) of head-major query row `row`; `b` is the previous row's sequence
-  // and `last_token` its token (TND: tokens ascend within a head, so the search resumes from b).
-  __aicore__ inline int64_t QueryOf(int64_t row, int64_t b, int64_t *last_token, int64_t *head, int64_t *i) const {
+  // (sequence, head, position) of head-major row `row` of the keys (kv) or queries; `b` is the previous
+  // row's sequence and `last_token` its token (TND: tokens ascend within a head, so the search
+  // resumes from b).
+  __aicore__ inline int64_t RowOf(bool kv, int64_t row, int64_t b, int64_t *last_token, int64_t *head,
+                                  int64_t *i) const {
+    const int64_t len = kv ? t_.kv_len : t_.q_len, heads = kv ? t_.kv_heads : t_.q_heads;
     if (t_.layout != kLayoutTND) {
-      *head = (row / t_.q_len) % t_.q_heads;
-      *i = row % t_.q_len;
-      return row / (t_.q_len * t_.q_heads);
+      *head = (row / len) % heads;
+      *i = row % len;
+      return row / (len * heads);
     }
-    *head = row / g_.q_rows;
-    const int64_t token = row % g_.q_rows;
-    b = seq_.SeqOfQuery(token, token > *last_token ? b : 0);
+    const int64_t tokens = kv ? g_.kv_rows : g_.q_rows, token = row % tokens;
+    *head = row / tokens;
+    b = seq_.SeqOf(kv, token, token > *last_token ? b : 0);
     *last_token = token;
-    *i = token - seq_.QStart(b);
+    *i = token - (kv ? seq_.KvStart(b) : seq_.QStart(b));
     return b;
   }
 
@@ -241,17 +245,7 @@ class RotaryFlashAttentionGradKernel {
       for (int64_t r = 0; r < n; ++r) {
         const int64_t row = c0 + r;
         int64_t head, j;
-        if (t_.layout != kLayoutTND) {
-          head = (row / t_.kv_len) % t_.kv_heads;
-          j = row % t_.kv_len;
-          b = row / (t_.kv_len * t_.kv_heads);
-        } else {
-          head = row / g_.kv_rows;
-          const int64_t token = row % g_.kv_rows;
-          b = seq_.SeqOfKey(token, token > last_token ? b : 0);
-          last_token = token;
-          j = token - seq_.KvStart(b);
-        }
+        b = RowOf(true, row, b, &last_token, &head, &j);
         const int64_t at = seq_.KvRow(b, head, j);
         if (t_.key_rotated) {
           rows_.LoadRow(key_[at], y);
@@ -295,12 +289,13 @@ class RotaryFlashAttentionGradKernel {
   // dS always, P when `with_p`. Keys a row does not see (causal bound, tile tail) get P = dS = 0.
   __aicore__ inline void ScoreGradients(int64_t b, int64_t head, int64_t kv_head, int64_t q0, int64_t nq, int64_t j0,
                                         int64_t n, bool with_p) {
-    const int64_t nb = g_.block_kv, d = t_.head_dim, q_at = QueryRow(b, head, q0) * d, k_at = KeyRow(b, kv_head, j0) * d;
+    const int64_t nb = g_.block_kv, d = t_.head_dim, q_row = QueryRow(b, head, q0);
+    const int64_t q_at = q_row * d, k_at = KeyRow(b, kv_head, j0) * d;
     LocalTensor<float> s = s_buf_.Get<float>(), dp = dp_buf_.Get<float>();
     LocalTensor<float> lse = lse_block_buf_.Get<float>(), delta = delta_block_buf_.Get<float>();
     const AscendC::DataCopyExtParams copy{1, static_cast<uint32_t>(nq * 4), 0, 0, 0};
-    AscendC::DataCopyPad(lse, ws_lse_[QueryRow(b, head, q0)], copy, AscendC::DataCopyPadExtParams<float>{});
-    AscendC::DataCopyPad(delta, ws_delta_[QueryRow(b, head, q0)], copy, AscendC::DataCopyPadExtParams<float>{});
+    AscendC::DataCopyPad(lse, ws_lse_[q_row], copy, AscendC::DataCopyPadExtParams<float>{});
+    AscendC::DataCopyPad(delta, ws_delta_[q_row], copy, AscendC::DataCopyPadExtParams<float>{});
     mm_nt.SetTail(static_cast<int>(nq), static_cast<int>(n), static_cast<int>(d));
     mm_nt.SetTensorA(ws_qs_[q_at]);
     mm_nt.SetTensorB(ws_kr_[k_at], true);
