@@ -12,7 +12,9 @@ from safetensors.numpy import save_file
 from llama_reference import forward, hf_to_meta_qk
 from models.llama import LlamaForCausalLM, preset
 from models.llama.generate import main, sample
-from models.llama.weights import CheckpointError, load_checkpoint, save_hf_checkpoint
+from models.llama import train as train_cli
+from models.llama.weights import (CheckpointError, load_checkpoint, load_weights, model_state,
+                                  save_hf_checkpoint)
 
 ATOL = 1e-4
 CONFIG = preset("tiny")
@@ -164,6 +166,36 @@ def test_meta_layout_equals_hf_layout(checkpoint, shards, graph, tmp_path, rng):
     assert meta.config.intermediate_size == CONFIG.intermediate_size  # int(0.9 * int(8 * 64 / 3)) = 153, rounded up to 32: 160
     (ids,) = ids_of(rng, 29)
     assert np.abs(bsh_logits(meta, ids) - bsh_logits(hf, ids)).max() <= ATOL
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_interleaved_model_saves_a_checkpoint_with_its_logits(partial, graph, tmp_path, rng):
+    """A model with interleaved q/k (as loaded from Meta's layout) saved by save_hf_checkpoint loads,
+    as rotate-half, to the same logits; loaded back into an interleaved model (a training resume) too."""
+    config = CONFIG.replace(rotary_mode=1, partial_rotary_factor=partial)
+    state, interleaved = random_state(config, rng), LlamaForCausalLM(config)
+    for name, param in interleaved.parameters_dict().items():
+        param.set_data(Tensor(state[name]))
+    saved = save_hf_checkpoint(model_state(interleaved), config, tmp_path / "saved")
+    rotate_half = load_checkpoint(saved, progress=False)
+    assert rotate_half.config.rotary_mode == 0
+    resumed = LlamaForCausalLM(config)
+    load_weights(resumed, saved, progress=False)
+    (ids,) = ids_of(rng, 29)
+    expected = bsh_logits(interleaved, ids)
+    assert np.abs(bsh_logits(rotate_half, ids) - expected).max() <= 1e-5
+    assert np.abs(bsh_logits(resumed, ids) - expected).max() <= 1e-5
+
+
+def test_training_from_a_meta_checkpoint_saves_its_logits(checkpoint, corpus, graph, tmp_path, rng):
+    """One step at learning rate 0 from Meta's layout: out/step-1 loads to the Meta directory's logits."""
+    meta = meta_checkpoint(checkpoint[0], CONFIG, tmp_path / "meta")
+    train_cli.main(["--checkpoint", str(meta), "--data", str(corpus), "--out", str(tmp_path / "out"), "--steps", "1",
+                    "--lr", "0", "--seq-len", "64", "--batch-size", "2"])
+    (ids,) = ids_of(rng, 29)
+    expected = bsh_logits(load_checkpoint(meta, progress=False), ids)
+    saved = bsh_logits(load_checkpoint(tmp_path / "out" / "step-1", progress=False), ids)
+    assert np.abs(saved - expected).max() <= 1e-5
 
 
 def test_sharded_hf_checkpoint_and_tied_embeddings(checkpoint, graph, tmp_path, rng):

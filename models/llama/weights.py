@@ -3,7 +3,9 @@ layout (params.json + consolidated.*), tensor by tensor, memory-mapped, with a p
 
 Hugging Face checkpoints have their q/k projections permuted for rotate-half RoPE (rotary_mode 0).
 Meta's original checkpoints are not permuted: they are loaded as they are and run with interleaved
-RoPE (rotary_mode 1), which the fused kernel supports natively, so no weight is rewritten.
+RoPE (rotary_mode 1), which the fused kernel supports natively, so no weight is rewritten. Only a
+model whose layout differs from its file's (a Meta fine-tune resumed from its Hugging Face save) has
+its q/k rows reordered on load, and a save always writes Hugging Face's layout (``save_hf_checkpoint``).
 Every problem (missing or unknown tensor, wrong shape or dtype, unreadable file) raises
 ``CheckpointError`` naming the tensor and the file.
 """
@@ -27,6 +29,8 @@ from .model import DTYPES, LlamaForCausalLM
 
 FLOAT_DTYPES = ("float16", "float32", "float64", "bfloat16")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_QK = re.compile(r"\.self_attn\.[qk]_proj\.weight$")
+SOURCE_ROTARY_MODE = {"hf": 0, "meta": 1}  # the RoPE layout each checkpoint format's q/k rows are in
 HF_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # buffers some old exports carry; recomputed here
 META_IGNORED = re.compile(r"^rope\.freqs$")
 _META_NAMES = [
@@ -55,6 +59,17 @@ def meta_to_hf_name(name: str) -> tuple[str, int | None]:
         if re.match(pattern, name):
             return re.sub(pattern, target, name), dim
     raise CheckpointError(f"unknown tensor {name!r} in a Meta checkpoint")
+
+
+def qk_to_rotary_mode(weight: np.ndarray, config: LlamaConfig, rotary_mode: int) -> np.ndarray:
+    """A q or k projection (whole heads of rows: a tensor-parallel part too) reordered from the other
+    RoPE layout into ``rotary_mode``'s: interleaved pair i, rows (2i, 2i + 1) of a head, is the
+    rotate-half pair (i, i + rotary_dim / 2); rows past ``rotary_dim`` are not rotated and stay.
+    For full rotary, to rotate-half is Hugging Face's conversion permutation of Meta's wq/wk."""
+    rd, d = config.rotary_dim, config.dim_per_head
+    to_rotate_half = np.concatenate([np.arange(0, rd, 2), np.arange(1, rd, 2), np.arange(rd, d)])
+    order = to_rotate_half if rotary_mode == 0 else np.argsort(to_rotate_half)
+    return weight.reshape(-1, d, *weight.shape[1:])[:, order].reshape(weight.shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,7 +197,8 @@ def read_config(directory: str | Path) -> tuple[LlamaConfig, str]:
 
 def load_weights(model: LlamaForCausalLM, directory: str | Path, source: str = "hf", progress: bool = True,
                  first_layers_only: bool = False) -> None:
-    """Copy a checkpoint into ``model``'s parameters, converting each tensor to the model's dtype.
+    """Copy a checkpoint into ``model``'s parameters, converting each tensor to the model's dtype
+    (and q/k to the model's RoPE layout, when the checkpoint's differs).
 
     ``first_layers_only``: the model deliberately has fewer layers than the checkpoint (benchmarks);
     tensors of the layers beyond are skipped instead of being reported as unknown."""
@@ -213,6 +229,8 @@ def load_weights(model: LlamaForCausalLM, directory: str | Path, source: str = "
                                   f"{list(FLOAT_DTYPES)}")
         if name in loaded:
             raise CheckpointError(f"tensor {name!r} appears twice (again in {path.name})")
+        if _QK.search(name) and SOURCE_ROTARY_MODE[source] != model.config.rotary_mode:
+            array = qk_to_rotary_mode(array, model.config, model.config.rotary_mode)
         param.set_data(Tensor(np.asarray(array, np.float32)).astype(param.dtype))
         loaded.add(name)
     missing = sorted(expected - loaded)
@@ -247,7 +265,14 @@ def model_state(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
 
 def save_hf_checkpoint(state: dict[str, np.ndarray], config: LlamaConfig, directory: str | Path,
                        max_shard_bytes: int | None = None) -> Path:
-    """Write ``state`` as a Hugging Face checkpoint (config.json, safetensors, an index when sharded)."""
+    """Write ``state`` as a Hugging Face checkpoint (config.json, safetensors, an index when sharded).
+    ``state`` is in ``config``'s RoPE layout; interleaved q/k (a model loaded from Meta's layout) are
+    written in Hugging Face's rotate-half layout, which config.json implies, so the directory loads,
+    here and in transformers, to the logits of the model that was saved."""
+    if config.rotary_mode == 1:
+        state = {name: qk_to_rotary_mode(array, config, 0) if _QK.search(name) else array
+                 for name, array in state.items()}
+        config = config.replace(rotary_mode=0)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config.to_hf(), indent=2))
