@@ -247,3 +247,35 @@ def test_a_fixed_capacity_too_small_is_refused(checkpoint, graph):
         Generator(model, capacity=1000)
     with pytest.raises(ValueError, match=r"slots: expected a positive int, got 0"):
         Generator(model, slots=0)
+
+
+def test_a_cache_over_the_memory_limit_is_refused_before_it_is_allocated(monkeypatch):
+    """8 slots of 2^20 positions of the tiny model: 4.00 GiB, over a default limit of 80% of 2 GiB."""
+    from models.llama import LlamaForCausalLM, generate, preset
+
+    monkeypatch.setattr(generate, "available_memory", lambda: 2 * generate.GIB)
+    gen = Generator(LlamaForCausalLM(preset("tiny"), max_positions=2 ** 20))
+    message = (r"slots=8 x capacity=1048576 positions \(600000 needed\) would take 4.00 GiB, over the limit "
+               r"of 1.60 GiB")
+    with pytest.raises(ValueError, match=message):
+        gen.generate([[1]], 600_000)
+    assert gen.cache is None and gen.capacity == 0
+
+
+def test_a_cache_growth_over_the_limit_keeps_the_cache_it_has(checkpoint, graph):
+    """cache_memory_limit between the bytes of the 512- and the 1024-position bucket of one slot."""
+    model = load_checkpoint(checkpoint[1], max_positions=2048, progress=False)
+    gen = Generator(model, slots=1, cache_memory_limit=400_000)  # 265,728 and 527,872 bytes
+    tokens = gen.generate([[1, 2, 3]], 4, eos_ids=()).tokens
+    with pytest.raises(ValueError, match=r"slots=1 x capacity=1024 positions \(600 needed\) would take 0.00 GiB"):
+        gen.generate([[1]], 600)
+    assert gen.capacity == 512 and gen.generate([[1, 2, 3]], 4, eos_ids=()).tokens == tokens
+    with pytest.raises(ValueError, match="cache_memory_limit: expected a positive int of bytes, got 0"):
+        Generator(model, cache_memory_limit=0)
+
+
+def test_cli_sizes_the_slots_to_the_prompts_and_takes_a_memory_limit():
+    from models.llama.generate import main
+
+    with pytest.raises(ValueError, match=r"slots=1 x capacity=512 positions .* over the limit of 0.00 GiB"):
+        main(["--model", "tiny", "--ids", "1,2", "--max-new-tokens", "2", "--cache-memory-limit", "1e-6"])

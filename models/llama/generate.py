@@ -16,6 +16,7 @@ the next prompt. ``Generator.stream`` yields each token as it is sampled.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -23,8 +24,24 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from .kv_cache import KVCache, Slots, bucket_capacity
+from .kv_cache import KVCache, Slots, bucket_capacity, cache_bytes
 from .model import DTYPES, LlamaForCausalLM, dtype_name
+
+
+GIB = 2 ** 30
+CACHE_MEMORY_FRACTION = 0.8  # of the memory available: the rest for activations, logits and the compiler
+
+
+def available_memory() -> int:
+    """Bytes the machine can still give: MemAvailable (Linux), else its physical memory."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
@@ -132,15 +149,24 @@ class Generator:
     sequence that finishes frees its slot for the next. ``capacity`` fixes the tokens per slot;
     by default it is the smallest bucket (512 * 2^k, up to the model's positions) that the prompts
     need, and it only grows, so each graph compiles at most once per bucket. ``cache_dtype``
-    (default: the model's) may be float16 for a float32 model: half the bytes read per step."""
+    (default: the model's) may be float16 for a float32 model: half the bytes read per step.
+    ``cache_memory_limit`` (bytes; default ``CACHE_MEMORY_FRACTION`` of the memory available when
+    the generator is made) bounds every cache it allocates: a larger one is a ValueError before
+    anything is allocated, instead of a failure inside MindSpore or the OOM killer."""
 
-    def __init__(self, model: LlamaForCausalLM, *, slots: int = 8, capacity: int | None = None, cache_dtype=None):
+    def __init__(self, model: LlamaForCausalLM, *, slots: int = 8, capacity: int | None = None, cache_dtype=None,
+                 cache_memory_limit: int | None = None):
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots: expected a positive int, got {slots!r}")
+        if cache_memory_limit is not None and (isinstance(cache_memory_limit, bool)
+                                               or not isinstance(cache_memory_limit, int) or cache_memory_limit < 1):
+            raise ValueError(f"cache_memory_limit: expected a positive int of bytes, got {cache_memory_limit!r}")
         if capacity is not None and (not isinstance(capacity, int) or not 0 < capacity <= model.max_positions):
             raise ValueError(f"capacity: expected an int in [1, {model.max_positions}] (the model's cos/sin "
                              f"positions), got {capacity!r}")
         self.model, self.slots_count, self.fixed_capacity = model, slots, capacity
+        self.cache_memory_limit = (int(CACHE_MEMORY_FRACTION * available_memory()) if cache_memory_limit is None
+                                   else cache_memory_limit)
         self.cache_dtype = DTYPES[dtype_name(cache_dtype)] if cache_dtype is not None else model.dtype
         self.cache = self.prefill = self.step = None
         self._earlier_compiles = []  # compile_log of the graphs of smaller capacities, released when the cache grew
@@ -173,12 +199,22 @@ class Generator:
             capacity = bucket_capacity(needed, self.model.max_positions)
         if capacity <= self.capacity:
             return
+        need = cache_bytes(self.model.cache_config, self.slots_count, capacity, self.cache_dtype)
+        if need > self.cache_memory_limit:
+            raise ValueError(f"cache_memory_limit: the KV cache of slots={self.slots_count} x capacity={capacity} "
+                             f"positions ({needed} needed) would take {need / GIB:.2f} GiB, over the limit of "
+                             f"{self.cache_memory_limit / GIB:.2f} GiB; use fewer slots or new tokens, a float16 "
+                             "cache_dtype, or a larger cache_memory_limit (CLI: --cache-memory-limit GIB)")
         self._earlier_compiles = self.compile_log
         # The smaller cache (and the graphs holding it) is released before the larger one is allocated.
         self.cache = self.prefill = self.step = None
         self.cache = KVCache(self.model.cache_config, self.slots_count, capacity, self.cache_dtype)
         self.prefill, self.step = _Prefill(self.model, self.cache), _Decode(self.model, self.cache)
         self.prefill.set_inputs(_dyn(ms.int32), _dyn(ms.int64), _dyn(ms.int32))
+
+    def _reserve(self, prompts, counts) -> None:
+        """The capacity the prompts and their new tokens need (the last new token is never cached)."""
+        self._ensure_capacity(max(len(p) + n - 1 for p, n in zip(prompts, counts)))
 
     def _check(self, prompts, max_new_tokens) -> list[int]:
         if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -241,7 +277,7 @@ class Generator:
         its ``max_new_tokens``. ``on_step(kind, seconds)`` is told each graph call ('prefill' or
         'decode', host time included). Prompts past the slots wait for a free one."""
         counts = self._check(prompts, max_new_tokens)
-        self._ensure_capacity(max(len(p) + n - 1 for p, n in zip(prompts, counts)))
+        self._reserve(prompts, counts)
         check_sampling(temperature, top_k, top_p)
         eos = frozenset(self.model.config.eos_token_ids if eos_ids is None else eos_ids)
         rng = np.random.default_rng(seed)
@@ -289,7 +325,7 @@ class Generator:
         """Compile and run both graphs of the capacity these prompts need (once per capacity);
         seconds spent, 0 if already done."""
         counts = self._check(prompts, max_new_tokens)
-        self._ensure_capacity(max(len(p) + n - 1 for p, n in zip(prompts, counts)))
+        self._reserve(prompts, counts)
         if self.capacity in self.compile_s:
             return 0.0
         t0 = time.perf_counter()
@@ -315,8 +351,9 @@ class Generator:
     def generate(self, prompts, max_new_tokens=32, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int = 0, eos_ids=None) -> Generation:
         """Every prompt's tokens, with TTFT, the decode rate and per-step times (compile excluded)."""
-        self._check(prompts, max_new_tokens)  # before the warm-up writes anything
+        counts = self._check(prompts, max_new_tokens)  # before the warm-up writes anything
         check_sampling(temperature, top_k, top_p)
+        self._reserve(prompts, counts)  # the whole request's capacity: the warm-up compiles its graphs
         compile_s = self.warm_up(prompts)
         out = [[] for _ in prompts]
         calls = []
@@ -353,7 +390,12 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="CPU")
     parser.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
                         help="under msrun on T ranks: each holds its share of the model (docs/distributed.md)")
+    parser.add_argument("--cache-memory-limit", type=float, metavar="GIB",
+                        help=f"largest KV cache to allocate (default: {CACHE_MEMORY_FRACTION * 100:.0f}%% of the "
+                             "memory available)")
     args = parser.parse_args(argv)
+    if args.cache_memory_limit is not None and args.cache_memory_limit <= 0:
+        parser.error(f"--cache-memory-limit: expected a positive number of GiB, got {args.cache_memory_limit}")
     ms.set_device(args.device)
     mesh = None
     if args.tensor_parallel > 1:
@@ -384,8 +426,10 @@ def main(argv=None) -> None:
         model = load_checkpoint(args.checkpoint, **kwargs)
     else:
         model = LlamaForCausalLM(config.replace(num_hidden_layers=args.layers) if args.layers else config, **kwargs)
-    result = Generator(model).generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                       top_p=args.top_p, seed=args.seed)
+    limit = None if args.cache_memory_limit is None else max(1, int(args.cache_memory_limit * GIB))
+    generator = Generator(model, slots=min(8, len(prompts)), cache_memory_limit=limit)
+    result = generator.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=args.seed)
     if mesh is not None and mesh.world_rank != 0:
         return  # every rank generated the same tokens; one prints them
     for prompt, tokens in zip(prompts, result.tokens):

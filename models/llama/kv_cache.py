@@ -16,6 +16,8 @@ host-side bookkeeping (which slot holds how many tokens) that continuous batchin
 """
 from __future__ import annotations
 
+import math
+
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn
@@ -41,6 +43,23 @@ def bucket_capacity(tokens: int, limit: int) -> int:
     return min(capacity, limit)
 
 
+def scratch_rows(slots: int, capacity: int) -> int:
+    """Rows for the padding of a step of up to ``STEP_TOKENS`` tokens per slot; at most a slot's
+    rows: no sequence of the attention call is longer than the cos/sin table."""
+    return min(capacity, max(token_bucket(n) - n for n in range(1, slots * STEP_TOKENS + 1)))
+
+
+def cache_shape(config, slots: int, capacity: int) -> tuple[int, int, int]:
+    """The shape of each layer's keys (and values): every slot's rows, then the scratch rows."""
+    return slots * capacity + scratch_rows(slots, capacity), config.num_key_value_heads, config.dim_per_head
+
+
+def cache_bytes(config, slots: int, capacity: int, dtype) -> int:
+    """Bytes a ``KVCache`` of these sizes allocates (keys and values of every layer), known before
+    anything is allocated."""
+    return 2 * config.num_hidden_layers * math.prod(cache_shape(config, slots, capacity)) * dtype.itemsize
+
+
 class KVCache(nn.Cell):
     """Rotated keys and values of ``slots`` sequences of up to ``capacity`` tokens, per layer."""
 
@@ -52,9 +71,8 @@ class KVCache(nn.Cell):
             raise ValueError(f"capacity: expected a positive int, got {capacity!r}")
         self.slots, self.capacity = slots, capacity
         self.scratch_start = slots * capacity
-        # At most a slot's rows: no sequence of the attention call is longer than the cos/sin table.
-        self.scratch = min(capacity, max(token_bucket(n) - n for n in range(1, slots * STEP_TOKENS + 1)))
-        shape = (slots * capacity + self.scratch, config.num_key_value_heads, config.dim_per_head)
+        self.scratch = scratch_rows(slots, capacity)
+        shape = cache_shape(config, slots, capacity)
         layers = range(config.num_hidden_layers)
         self.keys = ParameterTuple([Parameter(initializer("zeros", shape, dtype), name=f"cache_keys.{i}",
                                                  requires_grad=False) for i in layers])
