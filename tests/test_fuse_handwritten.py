@@ -1,7 +1,12 @@
 """fuse() on a MindSpore Llama written in the common hand-written style (rotate_half,
 q*cos + rotate_half(q)*sin, matmul / + mask / softmax / matmul), GRAPH_MODE and PyNative, and its
-near-misses: a padding mask, rotated q/k read after the attention, a RoPE that is not rotate-half."""
+near-misses: a padding mask, rotated q/k read after the attention, a RoPE that is not rotate-half,
+a RoPE that is a method or an expression. The rebuilt construct is never read from a file another
+user could plant (issue 37)."""
+import hashlib
 import math
+import tempfile
+import types
 
 import mindspore as ms
 import numpy as np
@@ -9,6 +14,7 @@ import pytest
 from mindspore import Tensor, nn, ops
 
 from ms_rope_attention import FuseError, fuse, rope_tables, unfuse
+from ms_rope_attention.fusion import handwritten
 
 HIDDEN, HEADS, LENGTH = 32, 4, 9
 
@@ -75,6 +81,57 @@ class OtherRopeAttention(Attention):
         return self.o_proj(out.swapaxes(1, 2).reshape(b, s, HIDDEN))
 
 
+class MethodRopeAttention(Attention):
+    def rope(self, q, k, cos, sin):
+        return apply_rotary_pos_emb(q, k, cos, sin)
+
+    def construct(self, x, cos, sin, mask):
+        b, s, _ = x.shape
+        q, k, v = self.heads(self.q_proj(x)), self.heads(self.k_proj(x)), self.heads(self.v_proj(x))
+        q, k = self.rope(q, k, cos, sin)
+        scores = ops.matmul(q, k.swapaxes(-1, -2)) / math.sqrt(self.head_dim)
+        scores = scores + mask
+        probs = ops.softmax(scores, axis=-1)
+        out = ops.matmul(probs, v)
+        return self.o_proj(out.swapaxes(1, 2).reshape(b, s, HIDDEN))
+
+
+FACTORY_CALLS = []
+
+
+def rope_factory():
+    FACTORY_CALLS.append("called")
+    return apply_rotary_pos_emb
+
+
+class FactoryRopeAttention(Attention):
+    def construct(self, x, cos, sin, mask):
+        b, s, _ = x.shape
+        q, k, v = self.heads(self.q_proj(x)), self.heads(self.k_proj(x)), self.heads(self.v_proj(x))
+        q, k = rope_factory()(q, k, cos, sin)
+        scores = ops.matmul(q, k.swapaxes(-1, -2)) / math.sqrt(self.head_dim)
+        scores = scores + mask
+        probs = ops.softmax(scores, axis=-1)
+        out = ops.matmul(probs, v)
+        return self.o_proj(out.swapaxes(1, 2).reshape(b, s, HIDDEN))
+
+
+rotary = types.ModuleType("rotary")
+rotary.apply = apply_rotary_pos_emb
+
+
+class ModuleRopeCastMaskAttention(Attention):
+    def construct(self, x, cos, sin, mask):
+        b, s, _ = x.shape
+        q, k, v = self.heads(self.q_proj(x)), self.heads(self.k_proj(x)), self.heads(self.v_proj(x))
+        q, k = rotary.apply(q, k, cos, sin)
+        scores = ops.matmul(q, k.swapaxes(-1, -2)) / math.sqrt(self.head_dim)
+        scores = scores + mask.astype(ms.float32)
+        probs = ops.softmax(scores, axis=-1)
+        out = ops.matmul(probs, v)
+        return self.o_proj(out.swapaxes(1, 2).reshape(b, s, HIDDEN))
+
+
 class Model(nn.Cell):
     def __init__(self, kind=Attention, layers=2):
         super().__init__()
@@ -123,7 +180,10 @@ def test_a_padding_mask_runs_the_original_and_says_so(mode, caplog):
 
 @pytest.mark.parametrize("kind, reason", [
     (LeakyAttention, "['k'] (rotated q/k, scores or probabilities) are read after the attention"),
-    (OtherRopeAttention, "its RoPE function is not rotate-half RoPE (checked on a probe)")])
+    (OtherRopeAttention, "its RoPE function is not rotate-half RoPE (checked on a probe)"),
+    (MethodRopeAttention, "its RoPE function 'self.rope' is not a module-level function (a name or module.name)"),
+    (FactoryRopeAttention, "its RoPE function 'rope_factory()' is not a module-level function (a name or "
+                           "module.name)")])
 def test_near_misses_are_left_alone_with_their_reason(kind, reason):
     model = Model(kind, layers=1)
     report = fuse(model)
@@ -131,3 +191,40 @@ def test_near_misses_are_left_alone_with_their_reason(kind, reason):
     assert type(model.layers[0]) is kind
     with pytest.raises(FuseError):
         fuse(model, strict=True)
+    assert FACTORY_CALLS == []  # fuse looks the RoPE function up; it evaluates no expression of the user's
+
+
+def test_a_module_function_rope_and_a_mask_expression_are_fused():
+    ms.set_seed(0)
+    model = Model(ModuleRopeCastMaskAttention, layers=1)
+    want = run(model, inputs())
+    assert fuse(model, strict=True).fused == ["layers.0"]
+    assert 0 < np.abs(run(model, inputs()) - want).max() / np.abs(want).max() < 1e-4
+
+
+@pytest.mark.parametrize("mode", ["graph"], indirect=True)
+@pytest.mark.parametrize("plant", ["a construct", "a dangling symlink"])
+def test_nothing_planted_in_the_temp_directory_is_run_or_written(mode, plant, tmp_path, monkeypatch):
+    """Where fuse once wrote the rebuilt construct (a shared, predictable path, which MindSpore's
+    parser then read), another user plants code or a symlink: the model still computes its own
+    attention, the symlink is not followed, and fuse writes nothing there."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    source = handwritten._rebuild(Attention.construct)[0]
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    planted = tmp_path / "ms_rope_attention-fused-constructs" / f"construct_{digest}.py"
+    planted.parent.mkdir()
+    if plant == "a construct":
+        planted.write_text(source.replace("    return ", "    out = out * 0\n    return "))
+        assert "out = out * 0" in planted.read_text()
+    else:
+        planted.symlink_to(tmp_path / "victim")
+    before = {p: p.read_bytes() if p.is_file() else None for p in tmp_path.rglob("*")}
+    ms.set_seed(0)
+    model = Model(type("FreshAttention", (Attention,), {}), layers=1)  # a class fuse has not rebuilt yet
+    want = run(model, inputs())
+    assert fuse(model, strict=True).fused == ["layers.0"]
+    assert 0 < np.abs(run(model, inputs()) - want).max() / np.abs(want).max() < 1e-4
+    assert {p: p.read_bytes() if p.is_file() else None for p in tmp_path.rglob("*")} == before
+    assert not (tmp_path / "victim").exists()
+    name = type(model.layers[0]).construct.__code__.co_filename
+    assert name.startswith("<") and name.endswith(">")  # a name linecache never reads from disk

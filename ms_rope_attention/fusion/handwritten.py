@@ -7,18 +7,18 @@ source: ``q, k = <rope>(q, k, cos, sin)`` with a rotate-half RoPE function, then
     out = ops.matmul(probs, v)                                            (or probs @ v)
 
 on BNSD tensors. ``construct`` is rebuilt from its own syntax tree with those five statements inside
-``if <mask is exactly causal>: out = <fused op> else: <the five statements>``, compiled from a
-source file of its own (MindSpore's graph parser reads a construct's source), and installed by a
-class swap on the instance. Refused, with the reason: any other shape of code, a RoPE function that
-is not rotate-half on the probe, or rotated q/k, scores or probabilities read after the block.
+``if <mask is exactly causal>: out = <fused op> else: <the five statements>``, compiled from memory
+(no file: MindSpore's graph parser reads the source a file would hold from ``linecache``), and
+installed by a class swap on the instance. Refused, with the reason: any other shape of code, a RoPE
+function that is not a module-level function or not rotate-half on the probe, or rotated q/k, scores
+or probabilities read after the block.
 """
 from __future__ import annotations
 
 import ast
 import hashlib
 import inspect
-import os
-import tempfile
+import linecache
 import textwrap
 
 import mindspore as ms
@@ -31,15 +31,15 @@ from .family import Family, eager
 from .masks import additive_mask_is_causal, fallback_announcer
 
 _MATMULS = {"matmul", "bmm", "BatchMatMul"}
-_GENERATED = os.path.join(tempfile.gettempdir(), "ms_rope_attention-fused-constructs")
 
 
 class _NotMatched(Exception):
     """The construct is not in the recognised style (the message says where)."""
 
 
-class _Unsafe(Exception):
-    """The construct is in the style, but fusing it would change what it computes (the reason)."""
+class _Refused(Exception):
+    """The construct is in the style, but is not fused: fusing it would change what it computes, or
+    its RoPE function cannot be checked (the reason)."""
 
 
 def _call_name(node) -> str | None:
@@ -124,8 +124,12 @@ def _reads(stmts, names) -> set:
     return {n.id for s in stmts for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} & names
 
 
+def _expression(source: str):
+    return ast.parse(source, mode="eval").body
+
+
 def _rebuild(function):
-    """(new construct source, the RoPE function's expression, matched names), or raise _NotMatched."""
+    """(new construct source, the matched names and expressions), or raise _NotMatched / _Refused."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
     fn = tree.body[0]
     if not isinstance(fn, ast.FunctionDef) or fn.decorator_list:
@@ -141,16 +145,18 @@ def _rebuild(function):
         # (unless it first assigns them again, which this check does not follow: it refuses instead)
         used = _reads(later, {found["q"], found["k"], found["scores"], found["probs"]})
         if used:
-            raise _Unsafe(f"{sorted(used)} (rotated q/k, scores or probabilities) are read after the attention")
+            raise _Refused(f"{sorted(used)} (rotated q/k, scores or probabilities) are read after the attention")
         # Only self's methods and the block's own names: MindSpore's graph parser resolves every other
         # name in the user's module.
-        fused = ast.parse(
-            f"if self.rfa_mask_is_causal({found['mask']}):\n"
-            f"    {found['out']} = self.rfa_attend({found['q']}, {found['k']}, {found['v']}, {found['cos']}, "
-            f"{found['sin']}, {found['scale']})\n"
-            f"else:\n"
-            f"    {found['mask']} = self.rfa_fallback({found['mask']})\n").body[0]
-        fused.orelse.extend(body[i:i + 5])
+        attend = ast.parse(f"{found['out']} = self.rfa_attend({found['q']}, {found['k']}, {found['v']}, "
+                           f"{found['cos']}, {found['sin']}, {found['scale']})").body
+        # the fallback's announcement wraps the mask operand of 'scores = scores + mask' (the mask may be
+        # any expression: it is never assigned to)
+        masked = body[i + 2].value
+        side = "left" if ast.unparse(masked.left) == found["mask"] else "right"
+        setattr(masked, side, _expression(f"self.rfa_fallback({found['mask']})"))
+        fused = ast.If(test=_expression(f"self.rfa_mask_is_causal({found['mask']})"), body=attend,
+                       orelse=body[i:i + 5])
         fn.body = body[:i] + [fused] + later
         fn.name = "construct"
         return ast.unparse(ast.fix_missing_locations(tree)), found
@@ -158,15 +164,35 @@ def _rebuild(function):
 
 
 def _compile(source: str, globals_: dict):
-    """The rebuilt construct, from a file of its own (MindSpore's graph parser reads the source)."""
-    os.makedirs(_GENERATED, exist_ok=True)
-    path = os.path.join(_GENERATED, f"construct_{hashlib.sha256(source.encode()).hexdigest()[:16]}.py")
-    if not os.path.exists(path):
-        with open(path, "w") as f:
-            f.write(source)
+    """The rebuilt construct, compiled from memory. MindSpore's graph parser reads a construct's
+    source with ``inspect.getsourcelines``, which reads ``linecache``: the source is registered there
+    under a ``<...>`` name, which linecache never looks up on disk (a file in a shared directory is
+    one another user can plant or swap). The parser falls back to the function's ``source``
+    attribute when linecache was cleared (IPython clears it)."""
+    name = f"<ms_rope_attention fused construct {hashlib.sha256(source.encode()).hexdigest()[:16]}>"
+    lines = source.splitlines(keepends=True)
+    linecache.cache[name] = (len(source), None, lines, name)
     namespace = dict(globals_)
-    exec(compile(source, path, "exec"), namespace)  # noqa: S102 (the user's own construct, rebuilt)
-    return namespace["construct"]
+    exec(compile(source, name, "exec"), namespace)  # noqa: S102 (the user's own construct, rebuilt)
+    construct = namespace["construct"]
+    construct.source = (lines, 1)  # what getsourcelines returns for it: its lines, from line 1
+    return construct
+
+
+def _rope_function(expr, globals_):
+    """The RoPE callee ``name`` or ``module.name``, looked up in the construct's module without
+    evaluating anything (a method or a call could run the user's code, or need the instance)."""
+    node, path = expr, []
+    while isinstance(node, ast.Attribute):
+        path.insert(0, node.attr)
+        node = node.value
+    found = globals_.get(node.id) if isinstance(node, ast.Name) else None
+    for attr in path:
+        found = vars(found).get(attr) if inspect.ismodule(found) else None
+    if not callable(found):
+        raise _Refused(f"its RoPE function {ast.unparse(expr)!r} is not a module-level function (a name or "
+                       f"module.name)")
+    return found
 
 
 def _is_rotate_half_rope(rope) -> str | None:
@@ -216,14 +242,12 @@ class HandWrittenAttention(Family):
         if cls not in self._rebuilt:
             try:
                 source, found = _rebuild(cls.construct)
-                rope = eval(compile(ast.Expression(found["rope"]), "<rope>", "eval"),  # noqa: S307
-                            cls.construct.__globals__)
-                reason = _is_rotate_half_rope(rope)
+                reason = _is_rotate_half_rope(_rope_function(found["rope"], cls.construct.__globals__))
                 fused = None if reason else type(f"RotaryFused{cls.__name__}", (cls,), {
                     "construct": _compile(source, cls.construct.__globals__), "rfa_attend": _attend,
                     "rfa_mask_is_causal": _mask_is_causal, "rfa_fallback": _fallback, "rfa_original_class": cls})
                 self._rebuilt[cls] = (fused, reason, True)
-            except _Unsafe as exc:
+            except _Refused as exc:
                 self._rebuilt[cls] = (None, str(exc), True)
             except (_NotMatched, OSError, TypeError, SyntaxError) as exc:
                 self._rebuilt[cls] = (None, str(exc), False)
