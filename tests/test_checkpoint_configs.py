@@ -5,6 +5,7 @@ independent float64 computation of each scaling rule; every variant compiles in 
 what cannot be honoured is an error, never ignored."""
 import json
 import math
+import re
 
 import mindspore as ms
 import numpy as np
@@ -199,3 +200,52 @@ def test_dtype_accepts_mindspore_dtypes_and_strings():
         assert model.model.embed_tokens.weight.dtype == ms.float16
     with pytest.raises(ValueError, match="dtype: expected one of"):
         LlamaForCausalLM(TINY, dtype=ms.int32)
+
+
+def test_fields_a_config_json_leaves_out_take_transformers_defaults(tmp_path):
+    """transformers' LlamaConfig defaults (4.57: rms_norm_eps 1e-6, max_position_embeddings 2048,
+    num_key_value_heads = num_attention_heads), not the 7B preset's (1e-5, 4096, 32)."""
+    config = LlamaConfig.from_hf({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                  "num_attention_heads": 8, "vocab_size": 100})
+    assert (config.rms_norm_eps, config.max_position_embeddings, config.num_key_value_heads) == (1e-6, 2048, 8)
+    assert (config.rope_theta, config.tie_word_embeddings, config.bos_token_id, config.eos_token_id) == \
+        (10000.0, False, 1, 2)
+    assert LlamaConfig.from_hf({}) == LlamaConfig(rms_norm_eps=1e-6, max_position_embeddings=2048)
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("hidden_act", "gelu", "'silu'"), ("attention_bias", True, "False"), ("mlp_bias", True, "False"),
+    ("sliding_window", 4096, "null (absent)")])
+def test_what_the_model_does_not_compute_is_refused_naming_config_json(field, value, expected, tmp_path):
+    raw = {**TINY.to_hf(), field: value}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    message = f"config.json: not a Llama config this model computes ({field}: {value!r} is not supported; this " \
+              f"Llama computes {field} = {expected})"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        read_config(tmp_path)
+    for accepted in ({**raw, field: None}, {k: v for k, v in raw.items() if k != field}):
+        (tmp_path / "config.json").write_text(json.dumps(accepted))
+        assert read_config(tmp_path)[0] == TINY
+
+
+def test_a_bad_config_json_or_params_json_is_an_error_naming_the_file(tmp_path):
+    raw = {**TINY.to_hf(), "num_key_value_heads": 3}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'config.json'}: .*num_key_value_heads: 3 must divide"):
+        read_config(tmp_path)
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    (meta / "params.json").write_text(json.dumps({"dim": 64, "n_heads": 4, "vocab_size": 100}))
+    with pytest.raises(ValueError, match=rf"{meta / 'params.json'}: lacks 'n_layers'"):
+        read_config(meta)
+    (meta / "params.json").write_text("{not json")
+    with pytest.raises(ValueError, match=rf"{meta / 'params.json'}: not a Llama params.json"):
+        read_config(meta)
+
+
+def test_a_corrupt_tokenizer_json_is_an_error_naming_the_file(tmp_path):
+    from models.llama.tokenizer import Tokenizer
+
+    (tmp_path / "tokenizer.json").write_text('{"model": 3}')
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'tokenizer.json'}: not a readable tokenizer"):
+        Tokenizer.from_directory(tmp_path)

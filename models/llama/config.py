@@ -69,6 +69,17 @@ def _normalise_scaling(scaling) -> dict | None:
     return {"rope_type": kind, **fields}
 
 
+# transformers' LlamaConfig defaults for the fields a config.json may leave out (num_key_value_heads
+# defaults to num_attention_heads there).
+HF_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+               "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+               "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+# config.json fields whose other values this model does not compute: field -> the values it supports
+# (None, the field's absence, is always supported).
+UNSUPPORTED_HF_FIELDS = {"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,),
+                         "sliding_window": ()}
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     """Model dimensions and RoPE settings (names follow Hugging Face's ``LlamaConfig``)."""
@@ -141,11 +152,19 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> "LlamaConfig":
-        """From a Hugging Face ``config.json`` dict (unknown keys are kept in ``extra``)."""
+        """From a Hugging Face ``config.json`` dict (unknown keys are kept in ``extra``). A field the
+        file leaves out takes transformers' ``LlamaConfig`` default (``HF_DEFAULTS``), not this
+        class's 7B-preset default: a file is read as transformers reads it. What this model does not
+        compute (an activation other than SiLU, a sliding window) is refused, naming the field."""
         names = {f.name for f in dataclasses.fields(cls)} - {"extra", "rotary_mode"}
+        for name, supported in UNSUPPORTED_HF_FIELDS.items():
+            if raw.get(name) is not None and raw[name] not in supported:
+                expected = " or ".join(map(repr, supported)) or "null (absent)"
+                raise ValueError(f"{name}: {raw[name]!r} is not supported; this Llama computes {name} = {expected}")
         rope = dict(zip(("rope_theta", "rope_scaling", "partial_rotary_factor"), rope_settings(raw)))
         raw = {k: v for k, v in raw.items() if k not in ("rope_parameters", *rope)}
-        known = {k: v for k, v in raw.items() if k in names and v is not None}
+        known = {**HF_DEFAULTS, **{k: v for k, v in raw.items() if k in names and v is not None}}
+        known.setdefault("num_key_value_heads", known.get("num_attention_heads", 32))
         known.update(rope)
         if isinstance(known.get("eos_token_id"), list):
             known["eos_token_id"] = tuple(known["eos_token_id"])

@@ -27,7 +27,10 @@ class Tokenizer:
         if (directory / "tokenizer.json").exists():
             from tokenizers import Tokenizer as HFTokenizer
 
-            tok = HFTokenizer.from_file(str(directory / "tokenizer.json"))
+            try:
+                tok = HFTokenizer.from_file(str(directory / "tokenizer.json"))
+            except Exception as exc:  # tokenizers raises a bare Exception naming no file
+                raise ValueError(f"{directory / 'tokenizer.json'}: not a readable tokenizer ({exc})") from None
             return cls(lambda text: tok.encode(text).ids, lambda ids: tok.decode(ids, skip_special_tokens=True),
                        bos_id)
         if (directory / "tokenizer.model").exists():

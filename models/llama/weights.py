@@ -178,20 +178,30 @@ def _meta_tensors(directory: Path):
 # ---------------------------------------------------------------------------------------------
 
 def read_config(directory: str | Path) -> tuple[LlamaConfig, str]:
-    """(config, "hf" | "meta") of a checkpoint directory."""
+    """(config, "hf" | "meta") of a checkpoint directory; any problem with the file is a
+    CheckpointError naming it."""
     directory = Path(directory)
-    if (directory / "config.json").exists():
+    path = directory / "config.json"
+    if path.exists():
         try:
-            return LlamaConfig.from_file(directory / "config.json"), "hf"
-        except (json.JSONDecodeError, TypeError) as exc:
-            raise CheckpointError(f"config.json: not a Llama config ({exc})") from None
-    if (directory / "params.json").exists():
-        params = json.loads((directory / "params.json").read_text())
-        vocab = None
-        if params.get("vocab_size", -1) < 1:
-            with ExitStack() as stack:  # the shape only: no tensor is read
-                vocab = _meta_shards(directory, stack)[0]["tok_embeddings.weight"][0][0]
-        return LlamaConfig.from_meta(params, vocab), "meta"
+            return LlamaConfig.from_file(path), "hf"
+        except (json.JSONDecodeError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path}: not a Llama config this model computes ({exc})") from None
+    path = directory / "params.json"
+    if path.exists():
+        try:
+            params = json.loads(path.read_text())
+            vocab = None
+            if (params.get("vocab_size") or -1) < 1:
+                with ExitStack() as stack:  # the shape only: no tensor is read
+                    vocab = _meta_shards(directory, stack)[0]["tok_embeddings.weight"][0][0]
+            return LlamaConfig.from_meta(params, vocab), "meta"
+        except CheckpointError:
+            raise
+        except KeyError as exc:
+            raise CheckpointError(f"{path}: lacks {exc.args[0]!r}") from None
+        except (json.JSONDecodeError, TypeError, ValueError, AttributeError) as exc:
+            raise CheckpointError(f"{path}: not a Llama params.json ({exc})") from None
     raise CheckpointError(f"{directory}: neither config.json (Hugging Face) nor params.json (Meta) found")
 
 
