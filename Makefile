@@ -35,13 +35,15 @@ test: $(STAMP) sanitize
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
 # The kernel tests (forward and backward, and the projections' GEMM) again against kernels built with AddressSanitizer +
-# UBSan (any finding aborts), for the best ISA of this CPU and the portable build.
+# UBSan (any finding aborts), for the best ISA of this CPU and the portable build; the sweep and the NaN matrix
+# run every ISA this CPU has themselves. RFA_EXACT_SCRATCH (in the sanitizer build) sizes each call's scratch
+# exactly, so an overrun is caught whatever an earlier call allocated.
 SANITIZE_ENV = ASAN_OPTIONS=detect_leaks=0:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so):$$(gcc -print-file-name=libubsan.so)" \
-	RFA_CPU_KERNEL_DIR=build/sanitize/ms_rope_attention
+	RFA_CPU_KERNEL_DIR=$(CURDIR)/build/sanitize/ms_rope_attention
 sanitize: $(STAMP)
 	RFA_SANITIZE=1 $(PY) setup.py -q build_ext --build-lib build/sanitize --build-temp build/sanitize-tmp
-	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel.py tests/test_kernel_decode.py tests/test_kernel_backward.py tests/test_linear.py
+	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel_sweep.py tests/test_kernel_nonfinite.py tests/test_kernel.py tests/test_kernel_decode.py tests/test_kernel_backward.py tests/test_linear.py
 	$(SANITIZE_ENV) RFA_CPU_ISA=generic $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel.py tests/test_kernel_decode.py tests/test_kernel_backward.py
 
 # The main job: Llama2-7B-dimension time to first token, this project's fused op and unfused path

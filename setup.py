@@ -20,7 +20,7 @@ ISA_FLAGS = {"generic": []}
 if platform.machine() in ("x86_64", "AMD64"):
     ISA_FLAGS["avx2"] = ["-mavx2", "-mfma", "-mf16c"]
     ISA_FLAGS["avx512"] = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]
-SANITIZE = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-O1"] if os.environ.get("RFA_SANITIZE") else []
+SANITIZE = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-O1", "-DRFA_EXACT_SCRATCH"] if os.environ.get("RFA_SANITIZE") else []
 
 
 class BuildKernels(build_ext):

@@ -13,7 +13,7 @@ import functools
 import numpy as np
 
 from . import cpu_direct
-from .cpu_kernel import NOT_BUILT, kernel_dir
+from .cpu_kernel import NOT_BUILT, built_file, kernel_dir
 
 
 class Tiling(ctypes.Structure):  # mirrors rfa::ascend::RfaTiling in aclnn/op_kernel/rotary_flash_attention_tiling.h
@@ -38,10 +38,10 @@ class GradPlan(ctypes.Structure):  # mirrors rfa::ascend::RfaGradPlan in aclnn/o
 
 @functools.lru_cache(maxsize=None)
 def library() -> ctypes.CDLL:
-    matches = sorted(kernel_dir().glob("_rfa_ascend_emulated*.so"))
-    if not matches:
+    path = built_file("_rfa_ascend_emulated")
+    if path is None:
         raise RuntimeError(f"the emulated Ascend kernel is not built in {kernel_dir()} ({NOT_BUILT})")
-    lib = ctypes.CDLL(str(matches[0]))
+    lib = ctypes.CDLL(str(path))
     lib.RotaryFlashAttentionLastError.restype = ctypes.c_char_p
     return lib
 

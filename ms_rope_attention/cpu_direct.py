@@ -8,12 +8,12 @@ import ctypes
 
 import numpy as np
 
-from .cpu_kernel import library
+from .cpu_kernel import isa_library, library
 
 LAYOUTS = {"BNSD": 0, "BSND": 1, "BSH": 2, "TND": 3}
 
 
-class Attrs(ctypes.Structure):  # mirrors rfa::Attrs in csrc/rfa_problem.h
+class Attrs(ctypes.Structure):  # mirrors rfa::Attrs in csrc/rfa_problem.h (cpu_kernel.ABI_VERSION)
     _fields_ = [("head_num", ctypes.c_int64), ("layout", ctypes.c_int), ("rotary_mode", ctypes.c_int64),
                 ("rotary_dim", ctypes.c_int64), ("scale", ctypes.c_float), ("causal", ctypes.c_bool),
                 ("with_lse", ctypes.c_bool), ("with_rotated_key", ctypes.c_bool), ("key_rotated", ctypes.c_bool)]
@@ -96,26 +96,32 @@ def prepare(q, k, v, cos, sin, aq=None, ak=None, *, head_num=None, input_layout=
     return args, outputs, (attrs, arrays, shape_bufs)
 
 
-def launch(args, *, rows=0, kv_block=0, pack_bytes=0, rotate=True, stream_q_max=0, kernel=None) -> int:
+def cpu_library(isa=None):
+    """The CPU kernel build of ``isa`` (one of ``cpu_kernel.ISAS``), by default the selected one."""
+    return isa_library(isa) if isa else library()
+
+
+def launch(args, *, rows=0, kv_block=0, pack_bytes=0, rotate=True, stream_q_max=0, kernel=None, isa=None) -> int:
     """One forward launch on ``prepare``'s arguments; the return code (non-zero: the message is in
     ``cpu_kernel.last_error()``). Tiling knobs at 0 keep the default; ``stream_q_max`` < 0 keeps the
     call off the decode path. ``kernel`` is another library with the same C entry (the emulated
-    Ascend kernel, which has no decode path and takes no ``stream_q_max``); by default the CPU kernel."""
+    Ascend kernel, which has no decode path and takes no ``stream_q_max``); by default the CPU
+    kernel, the build of ``isa`` if given."""
     knobs = (ctypes.c_int64(rows), ctypes.c_int64(kv_block), ctypes.c_int64(pack_bytes), ctypes.c_int(int(rotate)))
     if kernel is not None:
         return kernel.RotaryFlashAttentionRun(*args, *knobs)
-    return library().RotaryFlashAttentionRun(*args, *knobs, ctypes.c_int64(stream_q_max))
+    return cpu_library(isa).RotaryFlashAttentionRun(*args, *knobs, ctypes.c_int64(stream_q_max))
 
 
 def run(q, k, v, cos, sin, aq=None, ak=None, *, dtype="float32", rows=0, kv_block=0, pack_bytes=0, rotate=True,
-        stream_q_max=0, kernel=None, **kwargs):
+        stream_q_max=0, kernel=None, isa=None, **kwargs):
     """(return code, out, lse, rotated_key) with outputs decoded to float64.
 
     Keyword arguments are those of ``prepare`` and ``launch``.
     """
     args, (out, lse, rk), keep = prepare(q, k, v, cos, sin, aq, ak, dtype=dtype, **kwargs)
     code = launch(args, rows=rows, kv_block=kv_block, pack_bytes=pack_bytes, rotate=rotate, stream_q_max=stream_q_max,
-                  kernel=kernel)
+                  kernel=kernel, isa=isa)
     del keep
     return code, decode(out, dtype), lse.astype(np.float64), decode(rk, dtype)
 
@@ -138,13 +144,13 @@ def prepare_grad(q, k, v, cos, sin, aq, ak, out, lse, d_out, d_lse=None, d_rotat
     return (ctypes.byref(attrs),) + call, outputs, (attrs, arrays, shape_bufs)
 
 
-def run_grad(*args, dtype="float32", block_q=0, block_k=0, splits=0, kernel=None, **kwargs):
+def run_grad(*args, dtype="float32", block_q=0, block_k=0, splits=0, kernel=None, isa=None, **kwargs):
     """(return code, d_query, d_key, d_value) of the backward entry ``RotaryFlashAttentionGradRun``,
     decoded to float64. Arguments are those of ``prepare_grad``; ``block_q``/``block_k``/``splits``
     <= 0 keep the default tiling. ``kernel``: another library with the same entry (the emulated
-    Ascend kernel, which takes no ``splits``); by default the CPU kernel."""
+    Ascend kernel, which takes no ``splits``); by default the CPU kernel, the build of ``isa`` if given."""
     call, outputs, keep = prepare_grad(*args, dtype=dtype, **kwargs)
-    code = (kernel or library()).RotaryFlashAttentionGradRun(*call, ctypes.c_int64(block_q), ctypes.c_int64(block_k),
+    code = (kernel or cpu_library(isa)).RotaryFlashAttentionGradRun(*call, ctypes.c_int64(block_q), ctypes.c_int64(block_k),
                                                  ctypes.c_int64(splits))
     del keep
     return (code,) + tuple(decode(o, dtype) for o in outputs)

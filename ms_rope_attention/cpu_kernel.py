@@ -8,6 +8,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import stat
+import sysconfig
 from pathlib import Path
 
 import mindspore as ms
@@ -30,9 +32,32 @@ NOT_BUILT = "the kernels are built when the package is installed: reinstall it"
 FUSED_BACKWARD = True  # the library has the backward entry (tests switch it off to run the fallback)
 
 
+# The version of the C layout the direct-call entries take (rfa::Attrs, mirrored by
+# cpu_direct.Attrs) and of their arguments: csrc/rfa_problem.h's kAbiVersion. A library reporting
+# another version is refused when it is opened.
+ABI_VERSION = 2
+
+
 def kernel_dir() -> Path:
-    """Where the kernel builds are looked for: the package, or ``RFA_CPU_KERNEL_DIR`` (the sanitizer run)."""
-    return Path(os.environ.get("RFA_CPU_KERNEL_DIR") or _PACKAGE_DIR)
+    """Where the kernel builds are looked for: the package, or ``RFA_CPU_KERNEL_DIR`` (the sanitizer
+    run), which must name an absolute directory that only its owner (this user or root) can write:
+    the libraries found there are loaded into the process."""
+    value = os.environ.get("RFA_CPU_KERNEL_DIR")
+    if not value:
+        return _PACKAGE_DIR
+    path = Path(value)
+    if not path.is_absolute():
+        raise RuntimeError(f"RFA_CPU_KERNEL_DIR: expected an absolute directory, got {value!r}")
+    try:
+        info = path.stat()
+    except OSError as e:
+        raise RuntimeError(f"RFA_CPU_KERNEL_DIR: cannot read {value!r}: {e.strerror}") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise RuntimeError(f"RFA_CPU_KERNEL_DIR: expected a directory, got {value!r}")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or info.st_uid not in (os.geteuid(), 0):
+        raise RuntimeError(f"RFA_CPU_KERNEL_DIR: {value!r} is writable by other users or owned by another user: "
+                           "expected a directory only you (or root) can write")
+    return path
 
 
 def cpu_flags() -> set[str]:
@@ -52,14 +77,16 @@ def usable_isas() -> list[str]:
     return [isa for isa in ISAS if _REQUIRED_FLAGS[isa] <= flags]
 
 
+def built_file(stem: str) -> Path | None:
+    """The built extension ``stem`` (e.g. ``_rfa_cpu_avx2``) in the kernel directory, by this
+    interpreter's extension suffix (never a guess among several files), or None."""
+    path = kernel_dir() / f"{stem}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
+    return path if path.is_file() else None
+
+
 def built_libraries() -> dict[str, Path]:
-    """ISA name -> built shared library found in the package directory."""
-    found = {}
-    for isa in ISAS:
-        matches = sorted(kernel_dir().glob(f"_rfa_cpu_{isa}*.so"))
-        if matches:
-            found[isa] = matches[0]
-    return found
+    """ISA name -> built shared library in the kernel directory."""
+    return {isa: path for isa in ISAS if (path := built_file(f"_rfa_cpu_{isa}"))}
 
 
 def select_library() -> tuple[str, Path]:
@@ -79,6 +106,14 @@ def select_library() -> tuple[str, Path]:
 @functools.lru_cache(maxsize=None)
 def _open(path: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(path)
+    try:
+        version_of = lib.RotaryFlashAttentionAbiVersion
+    except AttributeError:
+        raise RuntimeError(f"{path}: a kernel library without RotaryFlashAttentionAbiVersion, built from another "
+                           f"version of ms_rope_attention ({NOT_BUILT})") from None
+    version_of.restype = ctypes.c_int64
+    if version_of() != ABI_VERSION:
+        raise RuntimeError(f"{path}: kernel ABI version {version_of()}, this package expects {ABI_VERSION} ({NOT_BUILT})")
     lib.RotaryFlashAttentionLastError.restype = ctypes.c_char_p
     lib.RotaryFlashAttentionIsa.restype = ctypes.c_char_p
     lib.RotaryFlashAttentionDecodeCalls.restype = ctypes.c_int64

@@ -23,7 +23,7 @@ import scipy_openblas32
 from mindspore import ops
 from mindspore.ops import CustomRegOp, DataType
 
-from .cpu_kernel import NOT_BUILT, kernel_dir
+from .cpu_kernel import NOT_BUILT, built_file, kernel_dir
 
 KERNEL_SYMBOL = "RfaLinear"
 
@@ -45,10 +45,10 @@ def blas_threads() -> int:
 
 def library_path() -> Path:
     """The op's shared library (one build for every CPU: OpenBLAS dispatches on the CPU itself)."""
-    matches = sorted(kernel_dir().glob("_rfa_cpu_linear*.so"))
-    if not matches:
+    path = built_file("_rfa_cpu_linear")
+    if path is None:
         raise RuntimeError(f"no built projection GEMM library in {kernel_dir()} ({NOT_BUILT})")
-    return matches[0]
+    return path
 
 
 @functools.lru_cache(maxsize=None)

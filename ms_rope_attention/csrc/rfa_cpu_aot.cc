@@ -57,9 +57,28 @@ std::string ReadAttrs(AotExtra *extra, rfa::Attrs *a) {
   return "";
 }
 
+// Bounds of the test-only tiling knobs: past them the scratch arithmetic would overflow.
+constexpr int64_t kMaxTile = int64_t(1) << 16, kMaxPackBytes = int64_t(1) << 40;
+
+std::string CheckKnob(const char *name, int64_t value, int64_t most) {
+  if (value <= most) return "";
+  return std::string(name) + ": expected at most " + std::to_string(most) + " (or <= 0 for the default), got " +
+         std::to_string(value);
+}
+
 }  // namespace
 
-extern "C" RFA_EXPORT const char *RotaryFlashAttentionLastError() { return g_last_error.c_str(); }
+// The message of the last failed call, copied under the lock into this thread's own string: a
+// failure on another thread cannot free the characters the caller is reading.
+extern "C" RFA_EXPORT const char *RotaryFlashAttentionLastError() {
+  thread_local std::string copy;
+  std::lock_guard<std::mutex> lock(g_error_mutex);
+  copy = g_last_error;
+  return copy.c_str();
+}
+// The layout of rfa::Attrs and of the direct-call entries; cpu_direct.py and cpu_kernel.py refuse
+// a library whose version differs from theirs.
+extern "C" RFA_EXPORT int64_t RotaryFlashAttentionAbiVersion() { return rfa::kAbiVersion; }
 extern "C" RFA_EXPORT const char *RotaryFlashAttentionIsa() { return rfa::cpu::Isa(); }
 extern "C" RFA_EXPORT int64_t RotaryFlashAttentionDecodeCalls() { return rfa::cpu::DecodeCalls(); }
 
@@ -87,6 +106,11 @@ extern "C" RFA_EXPORT int RotaryFlashAttentionRun(const rfa::Attrs *attrs, int *
                                        void **params, int64_t rows, int64_t kv_block, int64_t pack_bytes,
                                        int rotate, int64_t stream_q_max) {
   try {
+    if (!attrs) return Fail("attrs: null pointer");
+    for (const std::string &err : {CheckKnob("rows", rows, kMaxTile), CheckKnob("kv_block", kv_block, kMaxTile),
+                                   CheckKnob("pack_bytes", pack_bytes, kMaxPackBytes),
+                                   CheckKnob("stream_q_max", stream_q_max, kMaxTile)})
+      if (!err.empty()) return Fail(err);
     rfa::Problem problem;
     const std::string err = rfa::ValidateCall(*attrs, ndims, shapes, dtypes, params, &problem);
     if (!err.empty()) return Fail(err);
@@ -136,6 +160,10 @@ extern "C" RFA_EXPORT int RotaryFlashAttentionGradRun(const rfa::Attrs *attrs, i
                                                       const char **dtypes, void **params, int64_t block_q,
                                                       int64_t block_k, int64_t splits) {
   try {
+    if (!attrs) return Fail("attrs: null pointer");
+    for (const std::string &err : {CheckKnob("block_q", block_q, kMaxTile), CheckKnob("block_k", block_k, kMaxTile),
+                                   CheckKnob("splits", splits, kMaxTile)})
+      if (!err.empty()) return Fail(err);
     rfa::Problem problem;
     bool has_dlse = false, has_drk = false;
     const std::string err = rfa::ValidateGradCall(*attrs, ndims, shapes, dtypes, params, &problem, &has_dlse, &has_drk);

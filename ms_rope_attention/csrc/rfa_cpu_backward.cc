@@ -118,17 +118,14 @@ class GradWorker {
   GradWorker(const Problem &p, const GradBuffers &buf, const GradPlan &plan, const Slabs &slabs)
       : p_(p), buf_(buf), plan_(plan), slabs_(slabs), tables_{&p, buf.cos, buf.sin} {}
 
+  // Every pointer into the thread's scratch, from one list of regions (rows.h).
   bool Bind(Scratch *scratch) {
-    const int64_t BK = plan_.block_k, BQ = plan_.block_q, Dp = plan_.head_pad, D = p_.head_dim;
-    const size_t need = 5 * BK * Dp + D * RoundUp(BK, kLanes) + 2 * BK * BQ + 6 * Dp + 2 * p_.rotary_dim + 16 * 16;
-    float *base = scratch->Get(need);
-    if (!base) return false;
-    auto take = [&base](int64_t n) { float *r = base; base += RoundUp(n, 16); return r; };
-    k_ = take(BK * Dp); kt_ = take(D * RoundUp(BK, kLanes)); v_ = take(BK * Dp);
-    dk_ = take(BK * Dp); dv_ = take(BK * Dp);
-    st_ = take(BK * BQ); dpt_ = take(BK * BQ);
-    row_ = take(Dp); row2_ = take(Dp); row3_ = take(Dp); ctmp_ = take(p_.rotary_dim); stmp_ = take(p_.rotary_dim);
-    return true;
+    const int64_t BK = plan_.block_k, BQ = plan_.block_q, Dp = plan_.head_pad, D = p_.head_dim, rd = p_.rotary_dim;
+    ScratchRegions regions;
+    regions.Add(&k_, BK * Dp).Add(&kt_, D * RoundUp(BK, kLanes)).Add(&v_, BK * Dp).Add(&dk_, BK * Dp).Add(&dv_, BK * Dp);
+    regions.Add(&st_, BK * BQ).Add(&dpt_, BK * BQ);
+    regions.Add(&row_, Dp).Add(&row2_, Dp).Add(&row3_, Dp).Add(&ctmp_, rd).Add(&stmp_, rd);
+    return regions.Carve(scratch);
   }
 
   // 1. One (sequence, query head): rotated scaled Q, dO, lse in log2 units, Delta; padded rows zero.
@@ -365,18 +362,12 @@ void RunBackward(const Problem &p, const GradBuffers &buf, const GradTiling &til
   const int64_t cols = plan.ld_total * p.q_heads;
   // The query slabs are kept per calling thread across calls, like the forward's pack buffer: a
   // training loop calls the backward every step at the same shape, and fresh pages cost a fault each.
-  const size_t floats = static_cast<size_t>(rows) * (2 * Dp + 2) + 2 * static_cast<size_t>(cols) * D + plan.dq_floats;
-  float *base = tls_slabs.Get(floats);
-  if (!base) throw std::bad_alloc();
   Slabs slabs;
   slabs.head_stride_rows = plan.rows_total;
-  slabs.q = base; base += rows * Dp;
-  slabs.dout = base; base += rows * Dp;
-  slabs.qt = base; base += cols * D;
-  slabs.doutt = base; base += cols * D;
-  slabs.lse2 = base; base += rows;
-  slabs.delta = base; base += rows;
-  slabs.dqt = base;
+  ScratchRegions regions;
+  regions.Add(&slabs.q, rows * Dp).Add(&slabs.dout, rows * Dp).Add(&slabs.qt, cols * D).Add(&slabs.doutt, cols * D);
+  regions.Add(&slabs.lse2, rows).Add(&slabs.delta, rows).Add(&slabs.dqt, plan.dq_floats);
+  if (!regions.Carve(&tls_slabs)) throw std::bad_alloc();
   const int64_t heads_items = p.batch * p.q_heads, ntasks = static_cast<int64_t>(plan.tasks.size());
   bool ok = true;
 #pragma omp parallel num_threads(threads) reduction(&& : ok)

@@ -156,16 +156,18 @@ class DecodeWorker {
   DecodeWorker(const Problem &p, const Buffers &buf, const DecodePlan &plan, DecodePartials *partials)
       : p_(p), buf_(buf), plan_(plan), partials_(partials), tables_{&p, buf.cos, buf.sin} {}
 
+  // Every pointer into the thread's scratch, from one list of regions (rows.h).
   bool Bind(Scratch *scratch) {
-    const int64_t R = plan_.rows, Dp = plan_.head_pad;
-    const size_t need = 2 * R * Dp + R * kBlock + 2 * R + 4 * Dp + 2 * p_.rotary_dim + 64;
-    float *base = scratch->Get(need);
-    if (!base) return false;
-    auto take = [&base](int64_t n) { float *r = base; base += RoundUp(n, 16); return r; };
-    q_ = take(R * Dp); s_ = take(R * kBlock); o_ = take(R * Dp); m_ = take(R); l_ = take(R);
-    row_ = take(Dp); krow_ = take(Dp); vrow_ = take(Dp); tmp_ = take(Dp);
-    ctmp_ = take(p_.rotary_dim); stmp_ = take(p_.rotary_dim);
-    valid_.resize(plan_.rows);
+    const int64_t R = plan_.rows, Dp = plan_.head_pad, rd = p_.rotary_dim;
+    ScratchRegions regions;
+    regions.Add(&q_, R * Dp).Add(&s_, R * kBlock).Add(&o_, R * Dp).Add(&m_, R).Add(&l_, R);
+    regions.Add(&row_, Dp).Add(&krow_, Dp).Add(&vrow_, Dp).Add(&tmp_, Dp).Add(&ctmp_, rd).Add(&stmp_, rd);
+    if (!regions.Carve(scratch)) return false;
+    try {
+      valid_.resize(plan_.rows);
+    } catch (const std::bad_alloc &) {
+      return false;
+    }
     return true;
   }
 
@@ -238,13 +240,13 @@ class DecodeWorker {
     for (int64_t r = 0; r < (t.g1 - t.g0) * G * lq; ++r) {
       float m, l;
       MergeSplitRow(*partials_, t.item, plan_.nsplit, r, Dp, tmp_, &m, &l);
-      const float inv = l > 0.f ? 1.0f / l : 0.f;  // a row that saw no key is 0, not NaN
+      const float inv = InverseSum(l);
       for (int64_t d = 0; d < D; ++d) tmp_[d] *= inv;
       const int64_t head = t.g0 * G + r / lq, i = r % lq;
       StoreRow(p_.qkv_dtype, tmp_, D, buf_.out, qseq + head * p_.q.head + i * p_.q.row);
       if (buf_.lse)
         buf_.lse[t.seq * p_.lse.batch + head * p_.lse.head + (p_.q_start[t.seq] + i) * p_.lse.row] =
-            l > 0.f ? (m + std::log2(l)) * 0.6931471805599453f : kNegInf;
+            RowLse(m, l);
     }
   }
 

@@ -41,7 +41,6 @@ using simd::kCols;
 using simd::kLanes;
 using simd::kRows;
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kRescaleSlack = 8.0f;  // log2 units: softmax numerators stay <= 256
 
 struct Task {
@@ -184,18 +183,21 @@ class Worker {
       : p_(p), buf_(buf), tiling_(t), plan_(plan), packed_(packed), partials_(partials),
         tables_{&p, buf.cos, buf.sin} {}
 
+  // Every pointer into the thread's scratch, from one list of regions (rows.h). Allocation
+  // failures return false: nothing may throw inside the OpenMP region.
   bool Bind(Scratch *scratch) {
-    const int64_t R = plan_.rows_max, D = p_.head_dim, Dp = plan_.head_pad, BK = plan_.kv_block;
-    const size_t need = R * D + R * BK + R * Dp + 2 * R + 3 * Dp + kLanes * Dp + 2 * p_.rotary_dim + 64;
-    float *base = scratch->Get(need);
-    if (!base) return false;
-    auto take = [&base](int64_t n) { float *r = base; base += RoundUp(n, 16); return r; };
-    q_ = take(R * D); s_ = take(R * BK); o_ = take(R * Dp);
-    m_ = take(R); l_ = take(R); row_ = take(Dp); orig_ = take(Dp); tmp_ = take(Dp);
-    ctmp_ = take(p_.rotary_dim); stmp_ = take(p_.rotary_dim); stage_ = take(kLanes * Dp);
-    valid_.resize(R);
-    kmin_.resize(R / kRows + 1);
-    nlim_.resize(R / kRows + 1);
+    const int64_t R = plan_.rows_max, D = p_.head_dim, Dp = plan_.head_pad, BK = plan_.kv_block, rd = p_.rotary_dim;
+    ScratchRegions regions;
+    regions.Add(&q_, R * D).Add(&s_, R * BK).Add(&o_, R * Dp).Add(&m_, R).Add(&l_, R);
+    regions.Add(&row_, Dp).Add(&orig_, Dp).Add(&tmp_, Dp).Add(&ctmp_, rd).Add(&stmp_, rd).Add(&stage_, kLanes * Dp);
+    if (!regions.Carve(scratch)) return false;
+    try {
+      valid_.resize(R);
+      kmin_.resize(R / kRows + 1);
+      nlim_.resize(R / kRows + 1);
+    } catch (const std::bad_alloc &) {
+      return false;
+    }
     return true;
   }
 
@@ -366,12 +368,12 @@ class Worker {
       const int64_t head = t.group * G + gi;
       for (int64_t i = 0; i < t.nq; ++i) {
         const int64_t r = gi * t.nq + i;
-        const float inv = l[r] > 0.f ? 1.0f / l[r] : 0.f;  // a row that saw no key is 0, not NaN
+        const float inv = InverseSum(l[r]);
         for (int64_t d = 0; d < D; ++d) tmp_[d] = o[r * Dp + d] * inv;
         StoreRow(p_.qkv_dtype, tmp_, D, buf_.out, qseq + head * p_.q.head + (t.q0 + i) * p_.q.row);
         if (buf_.lse) {
           const int64_t idx = t.seq * p_.lse.batch + head * p_.lse.head + (p_.q_start[t.seq] + t.q0 + i) * p_.lse.row;
-          buf_.lse[idx] = l[r] > 0.f ? (m[r] + std::log2(l[r])) * kLn2 : kNegInf;
+          buf_.lse[idx] = RowLse(m[r], l[r]);
         }
       }
     }

@@ -51,20 +51,28 @@ struct Gemm {
 // Checks x (..., K), weight (N, K) and y (..., N), all float32, before any memory is touched.
 std::string Validate(const int *ndims, int64_t *const *shapes, const char *const *dtypes, Gemm *g) {
   const char *names[3] = {"x", "weight", "y"};
-  for (int i = 0; i < 3; ++i)
-    if (std::string(dtypes[i]) != "float32") return std::string(names[i]) + ": expected float32, got " + dtypes[i];
+  if (!ndims || !shapes || !dtypes) return "launch: null ndims, shapes or dtypes array";
+  for (int i = 0; i < 3; ++i) {
+    const std::string dtype = dtypes[i] ? dtypes[i] : "none";
+    if (dtype != "float32") return std::string(names[i]) + ": expected float32, got " + dtype;
+    if (ndims[i] < 0 || ndims[i] > 8 || !shapes[i])
+      return std::string(names[i]) + ": expected a rank 0..8 with a shape, got rank " + std::to_string(ndims[i]);
+  }
   const int nx = ndims[0];
   const int64_t *x = shapes[0], *w = shapes[1], *y = shapes[2];
   if (nx < 1) return "x: expected at least 1 dimension (..., in_features), got a scalar";
   if (ndims[1] != 2) return "weight: expected 2 dimensions (out_features, in_features), got " + ShapeText(ndims[1], w);
   g->n = w[0];
   g->k = w[1];
+  if (g->n < 0 || g->k < 0) return "weight: expected a concrete shape, got " + ShapeText(2, w);
   if (x[nx - 1] != g->k)
     return "x: expected its last dimension to be the weight's in_features " + std::to_string(g->k) + ", got x " +
            ShapeText(nx, x) + " and weight " + ShapeText(2, w);
   g->m = 1;
   for (int i = 0; i + 1 < nx; ++i) {
     if (x[i] < 0) return "x: expected a concrete shape, got " + ShapeText(nx, x);
+    if (x[i] != 0 && g->m > (int64_t(1) << 62) / x[i] / std::max<int64_t>(1, std::max(g->k, g->n)))
+      return "x: expected fewer than 2^62 elements in x and y, got " + ShapeText(nx, x);
     g->m *= x[i];
   }
   if (g->n > INT_MAX || g->k > INT_MAX)
@@ -175,7 +183,13 @@ void Multiply(const Gemm &g, const float *x, const float *w, float *y) {
 
 }  // namespace
 
-extern "C" RFA_EXPORT const char *RfaLinearLastError() { return g_last_error.c_str(); }
+// Copied under the lock into this thread's own string (see RotaryFlashAttentionLastError).
+extern "C" RFA_EXPORT const char *RfaLinearLastError() {
+  thread_local std::string copy;
+  std::lock_guard<std::mutex> lock(g_error_mutex);
+  copy = g_last_error;
+  return copy.c_str();
+}
 
 // y's shape: x.shape[:-1] + (out_features,); -1 stays -1 (dynamic dimensions).
 extern "C" RFA_EXPORT std::vector<int64_t> RfaLinearInferShape(int *ndims, int64_t **shapes, mindspore::AotExtra *) {
@@ -193,6 +207,10 @@ extern "C" RFA_EXPORT int RfaLinear(int nparam, void **params, int *ndims, int64
     Gemm g;
     const std::string err = Validate(ndims, shapes, dtypes, &g);
     if (!err.empty()) return Fail(err);
+    const char *names[3] = {"x", "weight", "y"};
+    const bool has_elements[3] = {g.m > 0 && g.k > 0, g.n > 0 && g.k > 0, g.m > 0 && g.n > 0};
+    for (int i = 0; i < 3; ++i)
+      if (has_elements[i] && !params[i]) return Fail(std::string(names[i]) + ": null data pointer");
     if (g.m > 0 && g.n > 0)
       Multiply(g, static_cast<const float *>(params[0]), static_cast<const float *>(params[1]),
                static_cast<float *>(params[2]));

@@ -2,6 +2,7 @@
 // row) strides for every layout, and the validation shared by all backends (CPU kernel, Ascend
 // tiling). Header-only and free of MindSpore/CANN so it can be unit-tested anywhere.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -11,6 +12,10 @@ namespace rfa {
 
 enum class Layout { BNSD, BSND, BSH, TND };
 enum class DType { F32, F16, BF16 };
+
+// Version of the C layout below (Attrs) and of the direct-call entries' arguments; bump it with any
+// change to either (ms_rope_attention/cpu_direct.py holds the same number).
+constexpr int64_t kAbiVersion = 2;
 
 struct Attrs {
   int64_t head_num = 0;
@@ -66,6 +71,31 @@ inline std::string ShapeText(int ndim, const int64_t *shape) {
   return s + (ndim == 1 ? ",)" : ")");
 }
 
+// The dtype name of tensor `idx` of a launch; "none" for a null name (an absent optional input, or
+// a direct caller's mistake: never dereferenced).
+inline std::string DTypeName(const char *const *dtypes, int idx) {
+  return dtypes && dtypes[idx] ? dtypes[idx] : "none";
+}
+
+// Whether the element count of `shape` fits in int64 with room for the kernels' index arithmetic
+// (below 2^62); dimensions must be >= 0.
+inline bool CountFits(int ndim, const int64_t *shape) {
+  const int64_t limit = int64_t(1) << 62;
+  int64_t count = 1;
+  for (int i = 0; i < ndim; ++i) {
+    if (shape[i] < 0) return false;
+    if (shape[i] != 0 && count > limit / shape[i]) return false;
+    count *= shape[i];
+  }
+  return true;
+}
+
+inline bool CountIsZero(int ndim, const int64_t *shape) {
+  for (int i = 0; i < ndim; ++i)
+    if (shape[i] == 0) return true;
+  return false;
+}
+
 // Raw view of the op's tensors: rank, shape, dtype name and (for the TND offsets) data.
 struct TensorDesc {
   int ndim = 0;
@@ -82,6 +112,8 @@ inline std::string SplitHeads(const char *name, const TensorDesc &t, Layout layo
            ShapeText(t.ndim, t.shape);
   for (int i = 0; i < t.ndim; ++i)
     if (t.shape[i] < 0) return std::string(name) + ": dynamic dimension at run time " + ShapeText(t.ndim, t.shape);
+  if (!CountFits(t.ndim, t.shape))
+    return std::string(name) + ": expected fewer than 2^62 elements, got shape " + ShapeText(t.ndim, t.shape);
   switch (layout) {
     case Layout::BNSD:
       *b = t.shape[0]; *n = t.shape[1]; *s = t.shape[2]; *d = t.shape[3];
@@ -157,6 +189,7 @@ inline std::string BuildProblem(const Attrs &a, const TensorDesc *tensors, const
       return std::string(name) + ": expected shape (max_positions, " + std::to_string(rd) + "), got " + ShapeText(t->ndim, t->shape);
   }
   if (c.shape[0] != s.shape[0]) return "sin: expected the same shape as cos " + ShapeText(c.ndim, c.shape);
+  if (!CountFits(c.ndim, c.shape)) return "cos: expected fewer than 2^62 elements, got shape " + ShapeText(c.ndim, c.shape);
   p->q_heads = qn; p->kv_heads = kn; p->head_dim = qd; p->rotary_dim = rd;
   p->table_rows = c.shape[0];
   p->scale = a.scale > 0 ? a.scale : 1.0f / std::sqrt(static_cast<float>(qd));
@@ -211,15 +244,20 @@ inline std::string BuildProblem(const Attrs &a, const TensorDesc *tensors, const
 }
 
 // Output shapes of the op for given input shapes (the C++ InferShape); disabled outputs are (0,).
+// A dimension past query's rank (a malformed call MindSpore's infer may still make) reads as -1
+// (unknown): never a read past the shape.
 inline std::vector<std::vector<int64_t>> InferShapes(const Attrs &a, int ndims_q, const int64_t *q_shape,
                                                       int ndims_k, const int64_t *k_shape) {
+  ndims_q = q_shape ? std::max(ndims_q, 0) : 0;
+  ndims_k = k_shape ? std::max(ndims_k, 0) : 0;
+  auto q = [&](int i) { return i < ndims_q ? q_shape[i] : int64_t(-1); };
   std::vector<int64_t> out(q_shape, q_shape + ndims_q);
   std::vector<int64_t> lse{0};
   if (a.with_lse) {
-    if (a.layout == Layout::TND) lse = {q_shape[0], ndims_q > 1 ? q_shape[1] : -1};
-    else if (a.layout == Layout::BNSD) lse = {q_shape[0], q_shape[1], q_shape[2]};
-    else if (a.layout == Layout::BSND) lse = {q_shape[0], q_shape[2], q_shape[1]};
-    else lse = {q_shape[0], a.head_num, q_shape[1]};
+    if (a.layout == Layout::TND) lse = {q(0), q(1)};
+    else if (a.layout == Layout::BNSD) lse = {q(0), q(1), q(2)};
+    else if (a.layout == Layout::BSND) lse = {q(0), q(2), q(1)};
+    else lse = {q(0), a.head_num, q(1)};
   }
   std::vector<int64_t> rk{0};
   if (a.with_rotated_key) rk.assign(k_shape, k_shape + ndims_k);
@@ -230,20 +268,38 @@ inline std::vector<std::vector<int64_t>> InferShapes(const Attrs &a, int ndims_q
 // shapes, dtype names, data pointers): inputs, TND offsets (read only once their rank and dtype are
 // right), and the output buffers against InferShapes. Every backend runs it before touching memory.
 constexpr int kInputs = 7, kOutputs = 3;
+// The forward's inputs by position, for messages about a launch's arrays.
+inline const char *InputName(int i) {
+  static const char *const names[kInputs] = {"query", "key", "value", "cos", "sin", "actual_seq_qlen",
+                                             "actual_seq_kvlen"};
+  return i >= 0 && i < kInputs ? names[i] : "input";
+}
 // BuildProblem on the forward's 7 inputs of a launch (the backward's first 7 are the same): the TND
 // offsets' data is read only once their rank and dtype are right.
 inline std::string ProblemOfCall(const Attrs &attrs, const int *ndims, int64_t *const *shapes,
                                  const char *const *dtypes, void *const *params, Problem *problem) {
+  if (!ndims || !shapes || !dtypes || !params) return "launch: null ndims, shapes, dtypes or params array";
   TensorDesc tensors[kInputs];
   for (int i = 0; i < kInputs; ++i) {
+    tensors[i].dtype = DTypeName(dtypes, i);
+    if (tensors[i].dtype == "none") continue;  // an absent optional input: its shape is never read
+    if (ndims[i] < 0 || ndims[i] > 8 || (ndims[i] > 0 && !shapes[i]))
+      return std::string(InputName(i)) + " (input " + std::to_string(i) + "): expected a rank 0..8 with a shape, got rank " +
+             std::to_string(ndims[i]);
     tensors[i].ndim = ndims[i];
     tensors[i].shape = shapes[i];
-    tensors[i].dtype = dtypes[i] ? dtypes[i] : "none";
   }
   const bool offsets_ok = tensors[5].dtype == "int64" && tensors[5].ndim == 1 && tensors[6].dtype == "int64" &&
                           tensors[6].ndim == 1 && params[5] && params[6];
   return BuildProblem(attrs, tensors, offsets_ok ? static_cast<const int64_t *>(params[5]) : nullptr,
                       offsets_ok ? static_cast<const int64_t *>(params[6]) : nullptr, problem);
+}
+
+// Data pointers of the 5 tensor inputs, after their shapes passed: one with elements must have data.
+inline std::string CheckInputData(const int *ndims, int64_t *const *shapes, void *const *params) {
+  for (int i = 0; i < 5; ++i)
+    if (!params[i] && !CountIsZero(ndims[i], shapes[i])) return std::string(InputName(i)) + ": null data pointer";
+  return "";
 }
 
 inline std::string ValidateCall(const Attrs &attrs, const int *ndims, int64_t *const *shapes, const char *const *dtypes,
@@ -254,27 +310,34 @@ inline std::string ValidateCall(const Attrs &attrs, const int *ndims, int64_t *c
   const char *names[kOutputs] = {"attention_out", "softmax_lse", "rotated_key"};
   for (int o = 0; o < kOutputs; ++o) {
     const int idx = kInputs + o;
-    bool same = static_cast<size_t>(ndims[idx]) == expect[o].size();
+    bool same = static_cast<size_t>(ndims[idx]) == expect[o].size() && (ndims[idx] == 0 || shapes[idx]);
     for (int i = 0; same && i < ndims[idx]; ++i) same = shapes[idx][i] == expect[o][i];
-    if (!same) return std::string(names[o]) + ": output buffer has shape " + ShapeText(ndims[idx], shapes[idx]);
+    if (!same)
+      return std::string(names[o]) + ": output buffer has shape " +
+             (shapes[idx] ? ShapeText(ndims[idx], shapes[idx]) : std::string("(null)"));
   }
-  const std::string q_dtype = dtypes[0] ? dtypes[0] : "none", k_dtype = dtypes[1] ? dtypes[1] : "none";
-  if (std::string(dtypes[kInputs]) != q_dtype) return "attention_out: expected query's dtype";
-  if (attrs.with_lse && std::string(dtypes[kInputs + 1]) != "float32") return "softmax_lse: expected float32";
-  if (attrs.with_rotated_key && std::string(dtypes[kInputs + 2]) != k_dtype)
-    return "rotated_key: expected key's dtype";
+  const std::string q_dtype = DTypeName(dtypes, 0), k_dtype = DTypeName(dtypes, 1);
+  if (DTypeName(dtypes, kInputs) != q_dtype) return "attention_out: expected query's dtype";
+  if (attrs.with_lse && DTypeName(dtypes, kInputs + 1) != "float32") return "softmax_lse: expected float32";
+  if (attrs.with_rotated_key && DTypeName(dtypes, kInputs + 2) != k_dtype) return "rotated_key: expected key's dtype";
+  err = CheckInputData(ndims, shapes, params);
+  if (!err.empty()) return err;
+  const bool wanted[kOutputs] = {true, attrs.with_lse, attrs.with_rotated_key};
+  for (int o = 0; o < kOutputs; ++o)
+    if (wanted[o] && !params[kInputs + o] && !CountIsZero(ndims[kInputs + o], shapes[kInputs + o]))
+      return std::string(names[o]) + ": null data pointer";
   return "";
 }
 
 // Whether tensor `idx` of a launch has `expect` shape and dtype `dtype`; "" or an error naming it.
 inline std::string CheckTensor(const char *name, int idx, const int *ndims, int64_t *const *shapes,
                                const char *const *dtypes, const std::vector<int64_t> &expect, const std::string &dtype) {
-  bool same = static_cast<size_t>(ndims[idx]) == expect.size();
+  bool same = static_cast<size_t>(ndims[idx]) == expect.size() && (ndims[idx] == 0 || shapes[idx]);
   for (int i = 0; same && i < ndims[idx]; ++i) same = shapes[idx][i] == expect[i];
-  const std::string got = dtypes[idx] ? dtypes[idx] : "none";
+  const std::string got = DTypeName(dtypes, idx);
   if (!same || got != dtype)
     return std::string(name) + ": expected shape " + ShapeText(static_cast<int>(expect.size()), expect.data()) +
-           " and dtype " + dtype + ", got " + ShapeText(ndims[idx], shapes[idx]) + " " + got;
+           " and dtype " + dtype + ", got " + (shapes[idx] ? ShapeText(ndims[idx], shapes[idx]) : "(null)") + " " + got;
   return "";
 }
 
@@ -289,13 +352,15 @@ inline std::string ValidateGradCall(const Attrs &attrs, const int *ndims, int64_
                                     bool *has_drk) {
   std::string err = ProblemOfCall(attrs, ndims, shapes, dtypes, params, problem);
   if (!err.empty()) return err;
+  err = CheckInputData(ndims, shapes, params);
+  if (!err.empty()) return err;
   Attrs all = attrs;
   all.with_lse = all.with_rotated_key = true;
   const auto fwd = InferShapes(all, ndims[0], shapes[0], ndims[1], shapes[1]);
   const std::vector<int64_t> v_shape(shapes[2], shapes[2] + ndims[2]);
-  const std::string qd = dtypes[0] ? dtypes[0] : "none";
+  const std::string qd = DTypeName(dtypes, 0);
   auto absent = [&](int idx) {
-    const std::string d = dtypes[idx] ? dtypes[idx] : "none";
+    const std::string d = DTypeName(dtypes, idx);
     return d == "none" || (ndims[idx] == 1 && shapes[idx][0] == 0) || !params[idx];
   };
   *has_dlse = !absent(10);

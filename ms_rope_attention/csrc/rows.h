@@ -26,25 +26,42 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Row r of an item whose KV range was split over `nsplit` tasks, merged by log-sum-exp (base 2):
 // `o` (Dp floats) gets the splits' unnormalised O rows, each weighted by 2^(m_s - m), and (*m, *l)
-// the merged running max and sum. A split that saw no key (max -inf) takes no part; a row no split
-// saw comes out as zeros with (-inf, 0). `partials` has O/M/L(item, split) as the forward's and
-// decode's partial results do.
+// the merged running max and sum. A split that saw no key (sum exactly 0) takes no part; a row no
+// split saw comes out as zeros with (-inf, 0). A split whose scores were NaN (NaN in the row's query
+// or its table row, or in a key it sees) has a NaN sum, and NaN then reaches o and l whatever the
+// maxima are (its max may be -inf: NaN never wins a comparison). `partials` has O/M/L(item, split)
+// as the forward's and decode's partial results do.
 template <class Partials>
 inline void MergeSplitRow(Partials &partials, int64_t item, int64_t nsplit, int64_t r, int64_t Dp, float *o,
                           float *m, float *l) {
   *m = kNegInf;
-  for (int64_t s = 0; s < nsplit; ++s) *m = std::max(*m, partials.M(item, s)[r]);
   *l = 0.f;
+  bool seen = false;
+  for (int64_t s = 0; s < nsplit; ++s)
+    if (partials.L(item, s)[r] != 0.f) {
+      seen = true;
+      *m = std::max(*m, partials.M(item, s)[r]);
+    }
   std::memset(o, 0, Dp * sizeof(float));
-  if (*m == kNegInf) return;
+  if (!seen) return;
   for (int64_t s = 0; s < nsplit; ++s) {
+    const float ls = partials.L(item, s)[r];
+    if (ls == 0.f) continue;
     const float ms = partials.M(item, s)[r];
-    if (ms == kNegInf) continue;
-    const float w = std::exp2(ms - *m);
-    *l += partials.L(item, s)[r] * w;
+    const float w = ms == *m ? 1.0f : std::exp2(ms - *m);  // -inf - -inf would be NaN: a NaN split's max
+    *l += ls * w;
     const float *po = partials.O(item, s) + r * Dp;
     for (int64_t d = 0; d < Dp; ++d) o[d] += po[d] * w;
   }
+}
+
+// 1 / l for a finished row: 0 for a row that saw no key (its output is 0, never NaN); NaN stays NaN.
+inline float InverseSum(float l) { return l == 0.f ? 0.f : 1.0f / l; }
+
+// A finished row's log-sum-exp in natural-log units from its base-2 max and sum: -inf for a row
+// that saw no key; NaN for a NaN row, as the reference's.
+inline float RowLse(float m, float l) {
+  return l == 0.f ? kNegInf : (m + std::log2(l)) * 0.6931471805599453f;
 }
 
 // n elements of dtype t at element offset `off` of `base`, as float32.
@@ -168,13 +185,23 @@ struct AlignedFree {
 };
 
 // 64-byte aligned float scratch grown on demand and kept across calls (OpenMP keeps its threads,
-// so a thread_local one is reused by every launch).
+// so a thread_local one is reused by every launch). Builds with RFA_EXACT_SCRATCH (the sanitizer
+// builds) allocate exactly what each call asks for, so an earlier, larger call cannot hide a later
+// call's overrun from AddressSanitizer.
 struct Scratch {
   std::unique_ptr<float, AlignedFree> mem;
   size_t capacity = 0;
   float *Get(size_t floats) {
     floats = floats < 16 ? 16 : floats;  // never a zero-byte request: empty problems get a valid pointer
-    if (floats > capacity) {
+#ifdef RFA_EXACT_SCRATCH
+    const bool grow = floats != capacity;
+#else
+    const bool grow = floats > capacity;
+#endif
+    if (grow) {
+      mem.reset();
+      capacity = 0;
+      if (floats > std::numeric_limits<size_t>::max() / sizeof(float)) return nullptr;
       void *p = nullptr;
       if (posix_memalign(&p, 64, floats * sizeof(float)) != 0) return nullptr;
       mem.reset(static_cast<float *>(p));
@@ -182,6 +209,55 @@ struct Scratch {
     }
     return mem.get();
   }
+};
+
+// The regions a worker carves from one scratch block, listed once: the block's size and every
+// region's offset come from the same list, so a region added or resized can never run past the end
+// (each region starts 64-byte aligned). Fixed capacity: no allocation inside an OpenMP region.
+class ScratchRegions {
+ public:
+  // `*region` will point at `floats` floats of the block; false when the list is full or the size
+  // is negative or overflows (Carve then refuses).
+  ScratchRegions &Add(float **region, int64_t floats) {
+    if (count_ == kMax || floats < 0 || floats > kMaxFloats - total_) {
+      bad_ = true;
+      return *this;
+    }
+    regions_[count_++] = {region, floats};
+    total_ += RoundUp(floats, kAlign);
+    return *this;
+  }
+  int64_t Floats() const { return total_; }
+  // Points every region into `scratch` (grown to Floats()); false when the list was refused or the
+  // allocation failed (no region is set then).
+  bool Carve(Scratch *scratch) const {
+    if (bad_) return false;
+    float *base = scratch->Get(static_cast<size_t>(total_));
+    if (!base) return false;
+    const float *end = base + total_;
+    for (int i = 0; i < count_; ++i) {
+      *regions_[i].ptr = base;
+      base += RoundUp(regions_[i].floats, kAlign);
+    }
+#ifdef RFA_EXACT_SCRATCH
+    if (base > end) std::abort();  // cannot happen by construction; the sanitizer builds make sure
+#endif
+    (void)end;
+    return true;
+  }
+
+ private:
+  static constexpr int kMax = 16;
+  static constexpr int64_t kAlign = 16;  // floats: 64 bytes
+  static constexpr int64_t kMaxFloats = std::numeric_limits<int64_t>::max() / 8;
+  struct Region {
+    float **ptr;
+    int64_t floats;
+  };
+  Region regions_[kMax] = {};
+  int count_ = 0;
+  int64_t total_ = 0;
+  bool bad_ = false;
 };
 
 }  // namespace cpu

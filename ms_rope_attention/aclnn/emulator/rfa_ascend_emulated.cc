@@ -158,6 +158,7 @@ RFA_EXPORT int RotaryFlashAttentionRun(const rfa::Attrs *attrs, int *ndims, int6
                                        void **params, int64_t rows, int64_t kv_block, int64_t pack_bytes,
                                        int rotate) {
   try {
+    if (!attrs) return Fail("attrs: null pointer");
     if (!rotate) return Fail("rotate: the emulated Ascend kernel always rotates");
     if (pack_bytes > 0) return Fail("pack_bytes: a CPU kernel tiling knob, not the Ascend kernel's");
     rfa::Problem problem;
@@ -187,6 +188,7 @@ RFA_EXPORT int RotaryFlashAttentionRun(const rfa::Attrs *attrs, int *ndims, int6
 RFA_EXPORT int RotaryFlashAttentionGradRun(const rfa::Attrs *attrs, int *ndims, int64_t **shapes, const char **dtypes,
                                            void **params, int64_t block_q, int64_t block_k, int64_t splits) {
   try {
+    if (!attrs) return Fail("attrs: null pointer");
     if (splits > 0) return Fail("splits: a CPU kernel tiling knob, not the Ascend kernel's");
     rfa::Problem problem;
     bool has_dlse = false, has_drk = false;
