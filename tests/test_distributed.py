@@ -18,7 +18,6 @@ from models.llama import generate as generate_cli
 from models.llama import train as train_cli
 
 CHECKS = Path(__file__).resolve().parent / "distributed" / "parallel_checks.py"
-FAILING = Path(__file__).resolve().parent / "distributed" / "failing_rank.py"
 LAUNCH_CHECKS = ["cp-graph-gqa-fp32", "cp-pynative-gqa-fp32", "cp-graph-partial-interleaved", "cp-pynative-mha-partial",
                  "cp-graph-fp16", "cp-graph-mqa-batch1-long", "tp-graph-attention-block", "tp-pynative-attention-block",
                  "tp-plain-allreduce-gives-wrong-gradients", "cp-llama-training-step-graph",

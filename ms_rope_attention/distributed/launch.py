@@ -4,31 +4,47 @@
     python -m ms_rope_attention.distributed.launch --workers 2 -m models.llama.train --data-parallel ...
 
 runs ``msrun --worker_num=N --local_worker_num=N --master_addr=127.0.0.1 --master_port=<free>
---join=True --log_dir=DIR script.py ...`` with MindSpore's cluster timeouts shortened (a rank that
-fails takes the others down within seconds; msrun waits 30 s by default), then prints each worker's
-log and exits with msrun's status. ``--join=True`` matters: without it msrun returns at once, status
-0, whatever the workers do. The script calls ``mindspore.communication.init()`` before anything else
-(msrun's scheduler process runs it up to there).
+--join=True --log_dir=DIR --tail_worker_log=N script.py ...`` with MindSpore's cluster timeouts
+shortened (a rank that fails takes the others down within seconds; msrun waits 30 s by default),
+then prints each worker's log and exits with msrun's status. ``--join=True`` matters: without it
+msrun returns at once, status 0, whatever the workers do. The script calls
+``mindspore.communication.init()`` before anything else (msrun's scheduler process runs it up to
+there).
+
+The launcher owns every process of the job, because msrun does not: it starts each worker in a
+session of its own (``os.setsid``) and kills them only from its SIGINT handler (at once, SIGKILL) or
+when one of them fails, so killing msrun orphans the workers and the scheduler. See ``launch``.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import secrets
+import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 # Cluster building polls every 1 s instead of 3-5 s, and a node lost for 10 s ends the job.
 FAST_CLUSTER = {"MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1", "MS_NODE_TIMEOUT": "10"}
+# Set to a fresh random value in the environment of each launch's msrun: every process of the job inherits it.
+JOB_VARIABLE = "MS_ROPE_ATTENTION_LAUNCH"
+TIMEOUT_STATUS = 124  # as coreutils' timeout; a job stopped by a signal ends with 128 + its number
+TAIL_LINES = 40
 
 
 @dataclass
 class Launch:
     returncode: int
     logs: list[str]  # each worker's output, in rank order
+    log_dir: Path | None = None  # where the logs stay; None when a successful launch removed its temporary folder
 
     def results(self) -> list[list[str]]:
         """Each worker's ``RESULT ...`` lines (the convention of the project's msrun checks)."""
@@ -41,42 +57,207 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def processes_with(variable: str, value: str) -> dict[int, dict[str, str]]:
+    """The live processes (Linux ``/proc``) whose environment at start-up sets ``variable=value``:
+    pid -> that environment. Exited ones (zombies included) no longer show theirs, so they are not listed."""
+    mark = f"{variable}={value}".encode()
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                assignments = f.read().split(b"\0")
+        except OSError:  # gone, or not ours
+            continue
+        if mark in assignments:
+            found[int(entry)] = dict(a.decode(errors="replace").partition("=")[::2] for a in assignments if a)
+    return found
+
+
+class _Job:
+    """One msrun and every process it starts, found by a token in their environment.
+
+    The token (``MS_ROPE_ATTENTION_LAUNCH=<random>``, set only in msrun's environment) is inherited by the
+    scheduler, each worker, msrun's ``tail`` processes and whatever a worker starts, across ``setsid`` and
+    before any of them runs a line of Python; a process cannot lose it short of exec'ing with a new
+    environment. So a scan of ``/proc`` finds the whole job at any moment, also a worker that hangs or dies
+    before it could have reported its pid (a pid file written by the job would miss those), and also
+    processes msrun started after the scan began: ``kill`` scans until none is left. The workers are the
+    job's session leaders other than msrun (msrun's ``setsid``); msrun itself starts in a new session so
+    that a terminal's Ctrl-C reaches only the launcher, which decides what each process gets."""
+
+    def __init__(self, command: list[str], env: dict[str, str], log_dir: Path):
+        self.token = secrets.token_hex(16)
+        self.ranks: dict[int, int] = {}  # worker pid -> rank, for the failure report
+        with open(log_dir / "msrun.log", "wb") as out:
+            self.msrun = subprocess.Popen(command, env={**env, JOB_VARIABLE: self.token}, stdout=out,
+                                          stderr=subprocess.STDOUT, start_new_session=True)
+
+    def workers(self) -> dict[int, dict[str, str]]:
+        found = processes_with(JOB_VARIABLE, self.token)
+        workers = {}
+        for pid, environment in found.items():
+            try:
+                if pid != self.msrun.pid and os.getsid(pid) == pid:
+                    workers[pid] = environment
+            except ProcessLookupError:
+                pass
+        for pid, environment in workers.items():
+            if "MS_NODE_ID" in environment:
+                self.ranks[pid] = int(environment["MS_NODE_ID"])
+        return workers
+
+    def signal_workers(self, signum: int) -> None:
+        """``signum`` to each worker's process group, as a terminal would send it; not to msrun, whose SIGINT
+        handler SIGKILLs the workers at once, nor to the scheduler, whose loss would end the workers."""
+        for pid in self.workers():
+            try:
+                os.killpg(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        """SIGKILL to msrun's process group (msrun, the scheduler, msrun's tails), to each remaining process's
+        group and to the process itself, until no process of the job is left (5 s at most)."""
+        own_group = os.getpgrp()
+        for _ in range(50):
+            left = list(processes_with(JOB_VARIABLE, self.token))
+            if self.msrun.poll() is None:
+                left.append(self.msrun.pid)
+            if not left:
+                return
+            for pid in left:
+                try:
+                    group = os.getpgid(pid)
+                    if group != own_group:
+                        os.killpg(group, signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.1)
+        raise RuntimeError(f"launch: processes {left} of the job survived SIGKILL for 5 s")
+
+
+def _tail(path: Path, lines: int = TAIL_LINES) -> str:
+    if not path.exists():
+        return f"({path} was not written)\n"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) + "\n"
+
+
+def _report(job: _Job, log_dir: Path, workers: int, status: int, stopped: str | None) -> None:
+    """What failed, on stderr: msrun's and the scheduler's log tails, and the failed workers' (every
+    worker's when the job was stopped, or when msrun named none)."""
+    failed = {}  # rank -> exit code, from msrun's line for the worker that exited non-zero
+    if not stopped:
+        msrun_log = (log_dir / "msrun.log").read_text(errors="replace")
+        for pid, code in re.findall(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)", msrun_log):
+            if int(pid) in job.ranks:
+                failed[job.ranks[int(pid)]] = int(code)
+    why = stopped or "; ".join(f"rank {rank} exited with status {code}" for rank, code in sorted(failed.items()))
+    parts = [f"launch: the job failed, status {status} ({why or 'msrun failed'}); its logs are kept in {log_dir}",
+             f"---- msrun ({log_dir / 'msrun.log'}) ----\n" + _tail(log_dir / "msrun.log"),
+             f"---- scheduler ({log_dir / 'scheduler.log'}) ----\n" + _tail(log_dir / "scheduler.log")]
+    for rank in sorted(failed) or range(workers):
+        parts.append(f"---- rank {rank} ({log_dir / f'worker_{rank}.log'}) ----\n" + _tail(log_dir / f"worker_{rank}.log"))
+    print("\n".join(parts), file=sys.stderr, flush=True)
+
+
+def _wait(job: _Job, workers: int, timeout: float, grace: float, received: list[int]) -> str | None:
+    """Until msrun ends, the timeout passes or a signal arrives (in ``received``); then the signal to the
+    workers and up to ``grace`` seconds for msrun to end. Why the job was stopped, or None if it ended."""
+    deadline = time.monotonic() + timeout
+    while job.msrun.poll() is None and not received and time.monotonic() < deadline:
+        if len(job.ranks) < workers:
+            job.workers()
+        time.sleep(0.1)
+    if job.msrun.returncode is not None:
+        return None
+    job.signal_workers(received[0] if received else signal.SIGTERM)
+    seen, deadline = len(received), time.monotonic() + grace
+    while job.msrun.poll() is None and len(received) == seen and time.monotonic() < deadline:  # a 2nd signal: no grace
+        time.sleep(0.1)
+    return f"stopped on {signal.Signals(received[0]).name}" if received else f"stopped after the {timeout:g} s timeout"
+
+
 RUN_MODULE = Path(__file__).resolve().parent / "run_module.py"
 
 
-def launch(script, args=(), *, workers: int = 2, log_dir=None, timeout: float = 900, env=None, module=None) -> Launch:
+def launch(script, args=(), *, workers: int = 2, log_dir=None, timeout: float = 900, grace: float = 30,
+           env=None, module=None) -> Launch:
     """Runs ``script`` (or, with ``module``, ``python -m module``) on ``workers`` local ranks under
-    msrun; their logs come back in rank order."""
+    msrun; their logs come back in rank order.
+
+    After ``timeout`` seconds, or on SIGINT or SIGTERM to this process, the job is stopped: each worker's
+    process group gets the signal (SIGTERM on a timeout), so ranks that handle it can save; after at most
+    ``grace`` seconds every process of the job still alive is SIGKILLed (see ``_Job``). Whatever the end,
+    no process of the job outlives the call. Signals are caught only in the main thread, and not those the
+    caller ignores; the previous handlers are restored and then given the signal, so Ctrl-C still raises
+    KeyboardInterrupt here. A stopped job's status is ``TIMEOUT_STATUS`` or 128 + the signal's number.
+
+    On failure the report (``_report``) goes to stderr and the logs stay in their folder (``Launch.log_dir``);
+    the temporary folder the launcher made when ``log_dir`` is None is removed after a success."""
     if module is not None:
         script, args = RUN_MODULE, [module, *args]
     if workers < 1:
         raise ValueError(f"workers: expected a positive int, got {workers!r}")
-    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="msrun-"))
+    if not timeout > 0:
+        raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
+    if not grace >= 0:
+        raise ValueError(f"grace: expected a number of seconds >= 0, got {grace!r}")
+    temporary = log_dir is None
+    log_dir = Path(tempfile.mkdtemp(prefix="msrun-") if temporary else log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "mindspore.parallel.cluster.run", f"--worker_num={workers}",
                f"--local_worker_num={workers}", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-               "--join=True", f"--log_dir={log_dir}", str(script), *map(str, args)]
-    # msrun starts its workers with the `python` of PATH: this interpreter's comes first.
+               "--join=True", f"--log_dir={log_dir}", f"--tail_worker_log={workers}", str(script), *map(str, args)]
+    # --tail_worker_log names no rank, so msrun starts no `tail -f` per worker to copy its log to its console
+    # (msrun.log here): the launcher reads the log files. msrun starts its workers with the `python` of PATH: this
+    # interpreter's comes first.
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     run_env = {**os.environ, **FAST_CLUSTER, "PATH": path, **(env or {})}
+
+    received: list[int] = []
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(signum) not in (signal.SIG_IGN, None):
+                previous[signum] = signal.signal(signum, lambda signum, frame: received.append(signum))
     try:
-        code = subprocess.run(command, env=run_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              timeout=timeout).returncode
-    except subprocess.TimeoutExpired:
-        code = -1
+        job = _Job(command, run_env, log_dir)
+        try:
+            stopped = _wait(job, workers, timeout, grace, received)
+        finally:
+            job.kill()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    status = job.msrun.wait()
+    if stopped:
+        status = 128 + received[0] if received else TIMEOUT_STATUS
     logs = [(log_dir / f"worker_{rank}.log").read_text(errors="replace")
             if (log_dir / f"worker_{rank}.log").exists() else "" for rank in range(workers)]
-    return Launch(code, logs)
+    if status != 0:
+        _report(job, log_dir, workers, status, stopped)
+    elif temporary:
+        shutil.rmtree(log_dir)
+    if received:
+        signal.raise_signal(received[0])
+    return Launch(status, logs, None if status == 0 and temporary else log_dir)
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      prog="python -m ms_rope_attention.distributed.launch",
-                                     usage="%(prog)s [--workers N] [--log-dir DIR] [--timeout S] "
+                                     usage="%(prog)s [--workers N] [--log-dir DIR] [--timeout S] [--grace S] "
                                            "(script.py | -m module) [args ...]")
     parser.add_argument("--workers", type=int, default=2, help="ranks on this machine")
-    parser.add_argument("--log-dir", help="where msrun writes worker_<rank>.log (default: a new temporary folder)")
+    parser.add_argument("--log-dir", help="where msrun writes worker_<rank>.log (default: a new temporary folder, "
+                                          "removed after a success)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds before the job is stopped")
+    parser.add_argument("--grace", type=float, default=30,
+                        help="seconds the ranks get, after a timeout, SIGINT or SIGTERM, before they are killed")
     # The launcher's own options come first; everything from the script (or -m) on is the job's.
     split = 0
     while split < len(argv) and argv[split] != "-m" and argv[split].startswith("-"):
@@ -92,8 +273,11 @@ def main(argv=None) -> int:
         script, args = job[0], job[1:]
     else:
         parser.error("give a script, or -m and a module")
-    result = launch(script, args, workers=options.workers, log_dir=options.log_dir, timeout=options.timeout,
-                    module=module)
+    try:
+        result = launch(script, args, workers=options.workers, log_dir=options.log_dir, timeout=options.timeout,
+                        grace=options.grace, module=module)
+    except KeyboardInterrupt:  # the job is stopped and reported; no traceback of the launcher's
+        return 128 + signal.SIGINT
     for rank, log in enumerate(result.logs):
         print(f"==== rank {rank} ====\n{log}")
     return result.returncode

@@ -1,0 +1,44 @@
+"""Run by tests/test_launch.py under msrun: ``faulty_ranks.py MODE DIR``. Every process the script
+starts in (msrun's scheduler and each worker) first writes its pid to DIR/<pid>, before MindSpore is
+imported, so the test can check by pid that none survives the launch. Then, by MODE:
+
+- ok: the ranks run 3 small AllReduces and exit 0;
+- exit-early: rank 1 raises before its first collective while rank 0 waits in one;
+- die-mid-run: the ranks loop the AllReduce and rank 1 SIGKILLs itself after 3 iterations;
+- hang: every rank prints ``RESULT sleeping`` and sleeps, alive; a SIGINT or SIGTERM is written to
+  DIR/signals (``<rank> <signal>``) and otherwise ignored, so only a kill ends the rank.
+"""
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+mode, out = sys.argv[1], Path(sys.argv[2])
+(out / str(os.getpid())).write_text(os.environ.get("MS_ROLE", ""))
+
+import mindspore as ms  # noqa: E402
+import numpy as np  # noqa: E402
+from mindspore.communication import get_rank, init  # noqa: E402
+
+ms.set_device("CPU")
+init()
+rank = get_rank()
+if mode == "exit-early" and rank == 1:
+    raise RuntimeError("rank 1 fails on purpose")
+if mode == "hang":
+    def record(signum, frame):
+        with open(out / "signals", "a") as f:
+            f.write(f"{rank} {signal.Signals(signum).name}\n")
+
+    signal.signal(signal.SIGINT, record)
+    signal.signal(signal.SIGTERM, record)
+    print("RESULT sleeping", flush=True)
+    while True:
+        time.sleep(60)
+all_reduce = ms.ops.AllReduce()
+for iteration in range(3 if mode == "ok" else 1000):
+    if mode == "die-mid-run" and rank == 1 and iteration == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    all_reduce(ms.Tensor(np.ones(4, np.float32)))
+    print(f"rank {rank} iteration {iteration}", flush=True)

@@ -1,0 +1,130 @@
+"""The launcher owns its processes: msrun runs each worker in a session of its own, so whatever ends
+a job (a rank that fails before or after its first collective, the timeout, SIGTERM or Ctrl-C to the
+launcher) must leave no process behind. tests/distributed/faulty_ranks.py makes each fault on 2 CPU
+ranks; every process it starts in writes its pid, and each test checks by pid that all are gone
+within a few seconds of the end, within a stated bound on the job's time."""
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from ms_rope_attention.distributed.launch import TIMEOUT_STATUS, launch, processes_with
+
+ROOT = Path(__file__).resolve().parents[1]
+FAULTY = ROOT / "tests" / "distributed" / "faulty_ranks.py"
+# The scheduler gives up on a lost rank after 3 s instead of the launcher's 10 (its wait ends a failed job).
+QUICK_LOSS = {"MS_NODE_TIMEOUT": "3"}
+GRACE = 2
+
+
+@pytest.fixture
+def job(tmp_path, monkeypatch):
+    """The pid folder the faulty ranks write to, and a temporary folder of its own for the launcher's logs."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    (tmp_path / "pids").mkdir()
+    return tmp_path
+
+
+def _pids(job):
+    """{pid: role} of every process the script started in (the scheduler and each worker)."""
+    return {int(p.name): p.read_text() for p in (job / "pids").iterdir() if p.name.isdigit()}
+
+
+def _running(pid):
+    """Alive and not a zombie (an exited child its new parent has yet to reap runs nothing)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _assert_none_left(job, mark):
+    """Within 5 s: the scheduler and both workers wrote their pids, none of them runs, and no process
+    carries the job's environment mark (msrun included)."""
+    pids = _pids(job)
+    assert sorted(pids.values()) == ["MS_SCHED", "MS_WORKER", "MS_WORKER"], pids
+    deadline = time.monotonic() + 5
+    while (left := [pid for pid in pids if _running(pid)] + list(processes_with("FAULTY_RANKS", mark))) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"still running: {left} of {pids}"
+
+
+def _launch(job, mode, **options):
+    start = time.monotonic()
+    run = launch(FAULTY, [mode, job / "pids"], workers=2, env={"FAULTY_RANKS": job.name, **options.pop("env", {})},
+                 **options)
+    return run, time.monotonic() - start
+
+
+def test_a_job_that_succeeds_removes_its_log_folder(job):
+    """The control: no fault, status 0, no process left, and the launcher's temporary log folder is gone."""
+    run, _ = _launch(job, "ok")
+    assert run.returncode == 0, run.logs
+    assert "rank 1 iteration 2" in run.logs[1] and run.log_dir is None
+    assert not list(job.glob("msrun-*"))
+    _assert_none_left(job, job.name)
+
+
+def test_a_rank_that_fails_before_its_first_collective_ends_the_job(job, capsys):
+    """Rank 1 raises after init() while rank 0 waits in an AllReduce: non-zero within 60 s, nothing left;
+    stderr names the rank, shows its traceback and the scheduler's log, and the logs stay where it says."""
+    run, took = _launch(job, "exit-early", env=QUICK_LOSS, timeout=60)
+    assert run.returncode != 0 and took < 60
+    _assert_none_left(job, job.name)
+    err = capsys.readouterr().err
+    assert "rank 1 exited with status 1" in err and "RuntimeError: rank 1 fails on purpose" in err, err
+    assert f"---- scheduler ({run.log_dir / 'scheduler.log'})" in err and f"kept in {run.log_dir}" in err
+    assert (run.log_dir / "worker_1.log").exists() and run.log_dir.parent == job
+
+
+def test_a_rank_killed_after_several_collectives_ends_the_job(job, capsys):
+    """The ranks loop an AllReduce; rank 1 SIGKILLs itself after 3: non-zero within 60 s, nothing left."""
+    run, took = _launch(job, "die-mid-run", env=QUICK_LOSS, timeout=60)
+    assert run.returncode != 0 and took < 60
+    assert "rank 1 iteration 2" in run.logs[1] and "rank 1 iteration 3" not in run.logs[1]
+    _assert_none_left(job, job.name)
+    assert "rank 1 exited with status -9" in capsys.readouterr().err
+
+
+def test_a_job_that_hangs_is_stopped_at_its_timeout(job, capsys):
+    """Every rank alive and asleep: at the 20 s timeout each gets SIGTERM, ignores it, and is killed
+    after the 2 s grace; status TIMEOUT_STATUS within 20 + 2 + 10 s, nothing left."""
+    run, took = _launch(job, "hang", timeout=20, grace=GRACE)
+    assert run.returncode == TIMEOUT_STATUS and 20 + GRACE <= took < 20 + GRACE + 10, (run.returncode, took)
+    assert run.results() == [["RESULT sleeping"]] * 2, run.logs
+    assert sorted((job / "pids" / "signals").read_text().splitlines()) == ["0 SIGTERM", "1 SIGTERM"]
+    _assert_none_left(job, job.name)
+    assert "stopped after the 20 s timeout" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("signum,status", [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, 128 + signal.SIGINT)])
+def test_a_signal_to_the_launcher_stops_the_job(job, signum, status):
+    """The launcher's CLI in a process of its own, its ranks asleep: the signal reaches each rank, which
+    ignores it; the launcher ends within the 2 s grace + 10 s (SIGTERM kills it, as it would have without
+    the job; Ctrl-C exits 130) and leaves nothing."""
+    logs = job / "logs"
+    launcher = subprocess.Popen([sys.executable, "-m", "ms_rope_attention.distributed.launch", "--log-dir", str(logs),
+                                 "--grace", str(GRACE), str(FAULTY), "hang", str(job / "pids")],
+                                env={**os.environ, "FAULTY_RANKS": job.name}, cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not all("RESULT sleeping" in _text(logs / f"worker_{rank}.log") for rank in (0, 1)):
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()
+        time.sleep(0.2)
+    launcher.send_signal(signum)
+    start = time.monotonic()
+    assert launcher.wait(timeout=GRACE + 10) == status
+    assert time.monotonic() - start >= GRACE
+    assert sorted((job / "pids" / "signals").read_text().splitlines()) == [f"{r} {signum.name}" for r in (0, 1)]
+    _assert_none_left(job, job.name)
+    assert f"stopped on {signum.name}" in launcher.stderr.read().decode()
+
+
+def _text(path):
+    return path.read_text(errors="replace") if path.exists() else ""
