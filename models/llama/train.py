@@ -21,16 +21,21 @@ Under msrun (``python -m ms_rope_attention.distributed.launch --workers 4 -m mod
 summed over the ranks holding the same weights with MindSpore's ``DistributedGradReducer`` (each
 rank's weighted by its share of the batch's scored tokens, so the step equals one process's on the
 whole batch); gradient clipping takes the norm of the whole model. Rank 0 writes the checkpoints
-(weights and optimizer state gathered whole, so a run resumes under any split). Checkpoints (``--save-every`` and at the end, and
-on Ctrl-C, so no finished step is lost) are Hugging Face safetensors directories that
-``models.llama.generate --checkpoint`` loads, plus the optimizer state for ``--resume``.
+(weights and optimizer state gathered whole, so a run resumes under any split). Checkpoints (``--save-every``, at
+the end, and on SIGINT / SIGTERM: the ranks stop after the same step and save it) are Hugging Face
+safetensors directories that ``models.llama.generate --checkpoint`` loads, plus the optimizer state
+for ``--resume``; they are written so that a kill never breaks one (models/llama/run_directory.py).
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
+import os
 import shutil
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -41,11 +46,16 @@ from mindspore import Tensor, nn, ops
 from .config import LlamaConfig, preset
 from .model import IGNORE_INDEX, LlamaForCausalLM, LlamaForTraining
 from .parallel import ContextParallelTraining, context_parallel_batch, gathered_state, scatter_state
+from . import run_directory
 from .tokenizer import Tokenizer
-from .weights import load_weights, model_state, read_config, save_hf_checkpoint
+from .weights import CheckpointError, load_weights, model_state, read_config, save_hf_checkpoint
 
 _MOMENTS = ("adam_m.", "adam_v.")  # AdamWeightDecay's moment parameters: prefix + the weight's name
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
+TRAINER_STATE = "trainer.json"
+# The arguments that decide which batches the steps consume (with the data file's sha256): a resume
+# replays the finished steps' batches to skip them, so they must not change.
+REPLAY_ARGS = ("seq_len", "batch_size", "packing", "accumulate", "seed", "model", "checkpoint")
 
 
 class ByteTokenizer(Tokenizer):
@@ -67,8 +77,10 @@ def make_tokenizer(config: LlamaConfig, checkpoint: str | None) -> Tokenizer:
                      f"(this model has {config.vocab_size})")
 
 
-def read_documents(path: str | Path, tokenizer: Tokenizer, seq_len: int, eos_id: int | None) -> list[list[int]]:
-    """Token ids of every document; a clear error for an empty file, a bad jsonl line, or a document
+def read_documents(path: str | Path, tokenizer: Tokenizer, seq_len: int, eos_id: int | None,
+                   vocab_size: int) -> list[list[int]]:
+    """Token ids of every document; a clear error for an empty file, a bad jsonl line, a token id
+    outside the model's vocabulary (a tokenizer that does not match the model), or a document
     longer than the context."""
     path = Path(path)
     if not path.is_file():
@@ -86,6 +98,10 @@ def read_documents(path: str | Path, tokenizer: Tokenizer, seq_len: int, eos_id:
             else:
                 text = line.rstrip("\n")
             ids = tokenizer.encode(text) + ([eos_id] if eos_id is not None else [])
+            outside = [i for i in ids if not 0 <= i < vocab_size]
+            if outside:
+                raise ValueError(f"data: {path}:{number}: token id {outside[0]} is outside the model's vocabulary "
+                                 f"0..{vocab_size - 1}: the tokenizer does not match the model")
             if len(ids) > seq_len:
                 raise ValueError(f"data: {path}:{number}: {len(ids)} tokens, longer than the context --seq-len "
                                  f"{seq_len}; split the line or raise --seq-len")
@@ -230,6 +246,7 @@ class Trainer:
             self.step_fn.set_inputs(Tensor(shape=[None], dtype=ms.int32), Tensor(shape=[None], dtype=ms.int32),
                                     Tensor(shape=[None], dtype=ms.int64))
         self.step = 0
+        self.saved_step = None  # the step of the checkpoint this run last wrote or resumed from
 
     def _inputs(self, ids, labels, ends):
         """The step's inputs for this rank's share of a batch."""
@@ -269,28 +286,38 @@ class Trainer:
             return tensor.astype(ms.float32).asnumpy()
         return tp.gather(name.split(".", 1)[1], tensor, self.lm.config)
 
-    def save(self, out: Path, config: LlamaConfig, checkpoint: str | None) -> Path:
-        """out/step-N: HF safetensors + config (for generate) + optimizer state; out/latest names it.
-        Every rank gathers the weights and moments of its tensor-parallel group; rank 0 writes."""
-        target = out / f"step-{self.step}"
+    def save(self, out: Path, config: LlamaConfig, checkpoint: str | None, replay: dict) -> Path:
+        """out/step-N: HF safetensors + config (for generate) + optimizer state + trainer.json (the
+        step, the arguments, ``replay``); out/latest names it (atomically: run_directory.save). A
+        step already saved is not saved again. Every rank gathers the weights and moments of its
+        tensor-parallel group; rank 0 writes."""
+        name = f"step-{self.step}"
+        if self.saved_step == self.step:
+            return out / name
+        self.saved_step = self.step
         weights = gathered_state(self.lm) if self.lm.tensor_parallel else model_state(self.lm)
         moments = {name: self._whole_moment(name, p) for name, p in self.optimizer.parameters_dict().items()
                    if name.startswith(_MOMENTS)}
         if self.mesh.world_rank != 0:
-            return target
-        save_hf_checkpoint(weights, config, target)
+            return out / name
         state = [{"name": "global_step", "data": self.optimizer.global_step}]
         state += [{"name": name, "data": Tensor(value)} for name, value in moments.items()]
-        ms.save_checkpoint(state, str(target / "optimizer.ckpt"))
-        (target / "trainer.json").write_text(json.dumps({"step": self.step, "args": vars(self.args)}, indent=2))
-        for name in TOKENIZER_FILES if checkpoint else ():
-            if (Path(checkpoint) / name).exists():
-                shutil.copy(Path(checkpoint) / name, target / name)
-        (out / "latest").write_text(target.name)
-        return target
+        record = {"step": self.step, "args": vars(self.args), "replay": replay}
+
+        def write(directory: Path) -> None:
+            save_hf_checkpoint(weights, config, directory)
+            ms.save_checkpoint(state, str(directory / "optimizer.ckpt"))
+            (directory / TRAINER_STATE).write_text(json.dumps(record, indent=2))
+            for file in TOKENIZER_FILES if checkpoint else ():
+                if (Path(checkpoint) / file).exists():
+                    shutil.copy(Path(checkpoint) / file, directory / file)
+
+        return run_directory.save(out, name, write)
 
     def restore(self, directory: Path) -> None:
-        """Weights and optimizer state from a checkpoint written under any split (each rank its part)."""
+        """Weights and optimizer state from a checkpoint written under any split (each rank its part);
+        a moment or ``global_step`` missing from optimizer.ckpt is an error naming them (MindSpore
+        itself only warns, and the optimizer would restart them from zero)."""
         load_weights(self.lm, directory, "hf", progress=False)
         state = {name: value for name, value in ms.load_checkpoint(str(directory / "optimizer.ckpt")).items()
                  if name == "global_step" or name.startswith(_MOMENTS)}
@@ -301,8 +328,88 @@ class Trainer:
                 if index is not None:
                     state[name] = ms.Parameter(Tensor(value.asnumpy()[index]), name=name)
         # The learning rate is not in the file: the schedule follows this run's --steps; global_step carries on.
-        ms.load_param_into_net(self.optimizer, state, strict_load=True)
-        self.step = json.loads((directory / "trainer.json").read_text())["step"]
+        not_loaded, unused = ms.load_param_into_net(self.optimizer, state, strict_load=True)
+        missing = [name for name in not_loaded if name == "global_step" or name.startswith(_MOMENTS)]
+        if missing or unused:
+            problem = f"lacks {', '.join(missing)}" if missing else f"has {', '.join(unused)}, not in this model"
+            raise CheckpointError(f"{directory / 'optimizer.ckpt'}: {problem}")
+        self.step = self.saved_step = trainer_state(directory)["step"]
+
+
+def trainer_state(directory: Path) -> dict:
+    """A checkpoint's trainer.json; a clear error naming the file when it is missing or unreadable."""
+    path = directory / TRAINER_STATE
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; {directory} is not a checkpoint of models.llama.train") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: not readable ({exc})") from None
+
+
+def replay_state(args) -> dict:
+    """What decides the batches of every step: ``REPLAY_ARGS`` and the sha256 of the data file."""
+    with open(args.data, "rb") as handle:
+        digest = hashlib.file_digest(handle, "sha256").hexdigest()
+    return {"data_sha256": digest, **{name: getattr(args, name) for name in REPLAY_ARGS}}
+
+
+def resume_problems(saved: dict, args, replay: dict) -> list[str]:
+    """Why the run saved as ``saved`` (a trainer.json) cannot go on as ``args`` asks: the replay
+    values that changed, or a run already finished."""
+    before = saved.get("replay", {})
+    problems = []
+    if before.get("data_sha256") != replay["data_sha256"]:
+        problems.append(f"--data {args.data} is not the file the run trained on (its sha256 differs)")
+    problems += [f"--{name.replace('_', '-')} {replay[name]} differs from the run's {before.get(name)}"
+                 for name in REPLAY_ARGS if before.get(name) != replay[name]]
+    if not problems and saved["step"] >= args.steps:
+        problems.append(f"the run is finished (step {saved['step']} of --steps {args.steps}); raise --steps to go on")
+    return problems
+
+
+class StopRequest:
+    """SIGINT and SIGTERM ask the run to stop: a handler sets a flag, read at the next step boundary,
+    so a signal never cuts a step in half (weights, optimizer state and step counter stay one
+    state); a second signal aborts at once (KeyboardInterrupt; the checkpoints stay whole). Under
+    msrun the ranks agree through a one-element all-reduce over the world at every boundary, so all
+    stop after the same step, even when the signal reached only some of them. (Both signals are
+    handled alike: once a graph has run, MindSpore's own SIGINT handler re-raises SIGINT as SIGTERM.)"""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, distributed: bool):
+        from ms_rope_attention.distributed import GroupCollective
+
+        self.world = GroupCollective() if distributed else None
+        self.received = False
+        self.previous = {}
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():  # where Python runs signal handlers
+            self.previous = {number: signal.signal(number, self._handle) for number in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
+
+    def _handle(self, number, frame) -> None:
+        if self.received:
+            raise KeyboardInterrupt
+        self.received = True
+
+    def _sum(self, value: float) -> float:
+        return float(self.world.all_reduce(Tensor(np.float32(value))).asnumpy())
+
+    def agreed(self) -> bool:
+        """Whether any rank received a signal (every rank calls this at the same step)."""
+        return self.received if self.world is None else self._sum(self.received) > 0
+
+    def barrier(self) -> None:
+        """Every rank waits here until all arrive (rank 0 has written what it saved before)."""
+        if self.world is not None:
+            self._sum(0.0)
 
 
 def build_model(config: LlamaConfig, args, mesh) -> LlamaForCausalLM:
@@ -326,28 +433,42 @@ def build_model(config: LlamaConfig, args, mesh) -> LlamaForCausalLM:
     return lm
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m models.llama.train")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="Hugging Face or Meta checkpoint directory to fine-tune")
     source.add_argument("--model", help="a preset with random weights (tiny, 7b, ...)")
     parser.add_argument("--data", required=True, help=".txt (a document per line) or .jsonl ({\"text\": ...})")
-    parser.add_argument("--out", default="runs/llama", help="checkpoint directory")
-    parser.add_argument("--resume", action="store_true", help="continue from OUT/latest")
-    parser.add_argument("--steps", type=int, default=200, help="optimizer steps in all")
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=4, help="rows (fixed) or row-equivalents of tokens (varlen)")
+    parser.add_argument("--out", default="runs/llama", help="checkpoint directory (a new run needs it empty)")
+    reuse = parser.add_mutually_exclusive_group()
+    reuse.add_argument("--resume", action="store_true", help="continue from OUT/latest")
+    reuse.add_argument("--overwrite", action="store_true", help="delete OUT's checkpoints and start a new run")
+    parser.add_argument("--steps", type=positive_int, default=200, help="optimizer steps in all")
+    parser.add_argument("--seq-len", type=positive_int, default=128)
+    parser.add_argument("--batch-size", type=positive_int, default=4,
+                        help="rows (fixed) or row-equivalents of tokens (varlen)")
     parser.add_argument("--packing", default="fixed", choices=["fixed", "varlen"])
-    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--accumulate", type=positive_int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--min-lr-ratio", type=float, default=0.1)
     parser.add_argument("--weight-decay", type=float, default=0.01)
     parser.add_argument("--clip", type=float, default=1.0, help="global gradient norm (0 = off)")
-    parser.add_argument("--save-every", type=int, default=100)
+    parser.add_argument("--save-every", type=positive_int, default=100, help="steps between checkpoints")
     parser.add_argument("--amp", default="O0", choices=["O0", "O1", "O2", "O3"], help="mixed precision level")
     parser.add_argument("--backend", default="auto", choices=["auto", "fused", "unfused"])
-    parser.add_argument("--layers", type=int, help="with --model: number of layers")
+    parser.add_argument("--layers", type=positive_int, help="with --model: number of layers")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mode", default="graph", choices=["graph", "pynative"])
     parser.add_argument("--device", default="CPU")
@@ -358,6 +479,8 @@ def main(argv=None) -> None:
     parser.add_argument("--context-parallel", type=int, default=1, metavar="C",
                         help="under msrun: split every sequence over C ranks (--packing fixed)")
     args = parser.parse_args(argv)
+    if args.checkpoint:  # recorded for --resume: the same checkpoint from any working directory
+        args.checkpoint = os.path.abspath(args.checkpoint)
     ms.set_device(args.device)
     mesh = None
     if args.data_parallel or args.tensor_parallel > 1 or args.context_parallel > 1:
@@ -375,15 +498,20 @@ def main(argv=None) -> None:
         config = config.replace(num_hidden_layers=args.layers)
     tokenizer = make_tokenizer(config, args.checkpoint)
     eos = None if isinstance(tokenizer, ByteTokenizer) else config.eos_token_ids[0]
-    docs = read_documents(args.data, tokenizer, args.seq_len, eos)
+    docs = read_documents(args.data, tokenizer, args.seq_len, eos, config.vocab_size)
+    out, replay = Path(args.out), replay_state(args)
+    try:
+        resume_from = run_directory.prepare(out, resume=args.resume, overwrite=args.overwrite,
+                                            writer=mesh is None or mesh.world_rank == 0)
+        problems = resume_problems(trainer_state(resume_from), args, replay) if resume_from else []
+    except (run_directory.RunDirectoryError, CheckpointError) as exc:
+        parser.error(str(exc))
+    if problems:
+        parser.error(f"--resume from {resume_from}: " + "; ".join(problems))
     lm = build_model(config, args, mesh)
     trainer = Trainer(lm, args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if args.resume:
-        if not (out / "latest").exists():
-            raise SystemExit(f"--resume: no checkpoint in {out} (no 'latest' file)")
-        trainer.restore(out / (out / "latest").read_text().strip())
+    if resume_from:
+        trainer.restore(resume_from)
     stream = batches(docs, args.packing, args.batch_size, args.seq_len, args.seed)
     for _ in range(trainer.step * args.accumulate):  # the batches the finished steps consumed
         next(stream)
@@ -391,7 +519,7 @@ def main(argv=None) -> None:
     from tqdm import tqdm
 
     bar = tqdm(total=args.steps, initial=trainer.step, desc=f"train ({lm.backend})", unit="step")
-    try:
+    with StopRequest(distributed=mesh is not None) as stop:
         while trainer.step < args.steps:
             micro = [next(stream) for _ in range(args.accumulate)]
             tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels, _ in micro)
@@ -400,13 +528,16 @@ def main(argv=None) -> None:
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
             bar.update(1)
             if trainer.step % args.save_every == 0 or trainer.step == args.steps:
-                trainer.save(out, config, args.checkpoint)
-    except KeyboardInterrupt:
-        saved = trainer.save(out, config, args.checkpoint)
-        bar.close()
-        raise SystemExit(f"interrupted: step {trainer.step} saved to {saved}; continue with --resume")
+                saved = trainer.save(out, config, args.checkpoint, replay)
+            if trainer.step < args.steps and stop.agreed():
+                saved = trainer.save(out, config, args.checkpoint, replay)
+                stop.barrier()
+                bar.close()
+                by = "a signal" if stop.received else "another rank's signal"
+                raise SystemExit(f"interrupted by {by}: step {trainer.step} saved to {saved}; continue with --resume")
+        stop.barrier()  # no rank ends before rank 0 has written the last checkpoint
     bar.close()
-    print(f"final loss {loss:.4f}; checkpoint {out / (out / 'latest').read_text()}")
+    print(f"final loss {loss:.4f}; checkpoint {saved}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,229 @@
+"""models.llama.train when things go wrong: a save killed at each point, SIGINT mid-step and right
+after a periodic save, refused reuses of --out and refused resumes; then, on 2 ranks under msrun, a
+SIGTERM that reaches one rank only and a rank 0 whose save is slow. Every killed run is resumed and
+must end with the weights of one uninterrupted run."""
+import json
+import os
+import signal
+from pathlib import Path
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import nn
+from safetensors.numpy import load_file
+
+from ms_rope_attention.distributed.launch import launch
+from models.llama import train as train_cli
+from models.llama.weights import CheckpointError, load_checkpoint
+
+STEPS = 4
+FAULTED = Path(__file__).resolve().parent / "distributed" / "faulted_training.py"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """64 short documents: 21 rows of 64 bytes, 10 batches of 2 rows an epoch."""
+    animals, verbs = ("cat", "dog", "bird", "fox"), ("sat on", "ran to", "saw", "chased")
+    path = tmp_path_factory.mktemp("data") / "animals.txt"
+    path.write_text("\n".join(f"the {a} {v} the {b}" for a in animals for v in verbs for b in animals) + "\n")
+    return path
+
+
+def _args(data, out, *extra, steps=STEPS, save_every=1):
+    return ["--model", "tiny", "--data", str(data), "--out", str(out), "--seq-len", "64", "--batch-size", "2",
+            "--steps", str(steps), "--save-every", str(save_every), *extra]
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory):
+    """The uninterrupted run: a checkpoint after every step."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    train_cli.main(_args(data, out))
+    return out
+
+
+def _assert_same_weights(checkpoint, reference_checkpoint, tolerance=0.0):
+    """Every tensor within ``tolerance`` of the reference's largest value (0: bitwise equal)."""
+    want, got = load_file(reference_checkpoint / "model.safetensors"), load_file(checkpoint / "model.safetensors")
+    assert want.keys() == got.keys()
+    for name in want:
+        assert np.abs(got[name] - want[name]).max() <= tolerance * np.abs(want[name]).max(), name
+
+
+def _assert_whole(out):
+    """Every step-N directory is a complete checkpoint: weights, optimizer state and trainer.json."""
+    for directory in out.glob("step-*"):
+        if directory.name.removeprefix("step-").isdigit():
+            load_checkpoint(directory)
+            assert set(ms.load_checkpoint(str(directory / "optimizer.ckpt"))) > {"global_step"}
+            assert json.loads((directory / "trainer.json").read_text())["step"] == int(directory.name[5:])
+
+
+def _dies_after(real, call, written):
+    """``real`` whose ``call``-th call (1-based) is killed halfway through: the file ``written(*args)``
+    is left cut to half its size, and OSError raised."""
+    calls = []
+
+    def dying(*args, **kwargs):
+        calls.append(1)
+        result = real(*args, **kwargs)
+        if len(calls) == call:
+            path = Path(written(*args))
+            os.truncate(path, path.stat().st_size // 2)
+            raise OSError(f"killed while writing {path.name}")
+        return result
+    return dying
+
+
+def _fail_latest_rename(monkeypatch, call):
+    """The ``call``-th rename onto ``latest`` fails (a kill before it): the temporary file stays."""
+    real, calls = os.replace, []
+
+    def replace(src, dst):
+        if Path(dst).name == "latest":
+            calls.append(1)
+            if len(calls) == call:
+                raise OSError("killed before renaming latest")
+        return real(src, dst)
+    monkeypatch.setattr(os, "replace", replace)
+
+
+@pytest.mark.parametrize("fault", ["weights", "optimizer", "latest"])
+def test_a_save_killed_at_any_point_loses_only_that_save(fault, data, reference, tmp_path, monkeypatch):
+    """The save of step 2 dies while writing model.safetensors, optimizer.ckpt, or before `latest`
+    names it: every step-N directory left is whole, `latest` still names step-1, and the resumed run
+    ends with the uninterrupted run's weights."""
+    out = tmp_path / "run"
+    if fault == "weights":
+        monkeypatch.setattr(train_cli, "save_hf_checkpoint", _dies_after(
+            train_cli.save_hf_checkpoint, 2, lambda state, config, directory: Path(directory) / "model.safetensors"))
+    elif fault == "optimizer":
+        monkeypatch.setattr(ms, "save_checkpoint", _dies_after(ms.save_checkpoint, 2, lambda state, path: path))
+    else:
+        _fail_latest_rename(monkeypatch, 2)
+    with pytest.raises(OSError, match="killed"):
+        train_cli.main(_args(data, out))
+    monkeypatch.undo()
+    _assert_whole(out)
+    assert (out / "latest").read_text() == "step-1"
+    train_cli.main(_args(data, out, "--resume"))
+    _assert_same_weights(out / f"step-{STEPS}", reference / f"step-{STEPS}")
+    assert not list(out.glob("*.tmp-*"))
+
+
+def _sigint(monkeypatch, owner, name, call):
+    """``owner.name``'s ``call``-th call sends this process SIGINT as it returns."""
+    real, calls = getattr(owner, name), []
+
+    def signalling(*args, **kwargs):
+        result = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == call:
+            os.kill(os.getpid(), signal.SIGINT)
+        return result
+    monkeypatch.setattr(owner, name, signalling)
+
+
+def test_sigint_between_the_optimizer_and_the_step_counter_saves_that_step(data, reference, tmp_path, monkeypatch,
+                                                                           capsys):
+    """SIGINT as the optimizer's second update returns, before the step counter counts it: the run
+    stops after step 2 and saves it, weights, optimizer global_step and trainer.json alike."""
+    out = tmp_path / "run"
+    _sigint(monkeypatch, nn.AdamWeightDecay, "__call__", 2)
+    with pytest.raises(SystemExit, match="interrupted by a signal: step 2 saved to"):
+        train_cli.main(_args(data, out, save_every=100))
+    monkeypatch.undo()
+    assert (out / "latest").read_text() == "step-2"
+    _assert_same_weights(out / "step-2", reference / "step-2")
+    assert ms.load_checkpoint(str(out / "step-2" / "optimizer.ckpt"))["global_step"].asnumpy().tolist() == [2]
+    assert json.loads((out / "step-2" / "trainer.json").read_text())["step"] == 2
+    train_cli.main(_args(data, out, "--resume", save_every=100))
+    _assert_same_weights(out / f"step-{STEPS}", reference / f"step-{STEPS}")
+
+
+def test_sigint_right_after_a_periodic_save_does_not_save_again(data, reference, tmp_path, monkeypatch):
+    """Ctrl-C as the periodic save of step 2 returns: the checkpoint `latest` names is not written
+    again (a save there that died halfway would break the only complete checkpoint)."""
+    out = tmp_path / "run"
+    _sigint(monkeypatch, train_cli.Trainer, "save", 1)
+    monkeypatch.setattr(train_cli, "save_hf_checkpoint", _dies_after(
+        train_cli.save_hf_checkpoint, 2, lambda state, config, directory: Path(directory) / "model.safetensors"))
+    with pytest.raises(SystemExit, match="step 2 saved"):
+        train_cli.main(_args(data, out, save_every=2))
+    monkeypatch.undo()
+    _assert_whole(out)
+    train_cli.main(_args(data, out, "--resume", save_every=2))
+    _assert_same_weights(out / f"step-{STEPS}", reference / f"step-{STEPS}")
+
+
+def _refused(argv, capsys) -> str:
+    """The argparse-style error (status 2) of ``models.llama.train argv``."""
+    with pytest.raises(SystemExit) as exit:
+        train_cli.main(argv)
+    assert exit.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_a_second_run_into_one_out_is_refused_without_overwrite(data, tmp_path, capsys):
+    out = tmp_path / "run"
+    train_cli.main(_args(data, out, steps=2))
+    assert "--out " + str(out) + ": not empty (latest, step-1, step-2); continue its run with --resume, or give " \
+           "--overwrite" in _refused(_args(data, out, steps=2), capsys)
+    train_cli.main(_args(data, out, "--overwrite", steps=1))
+    assert sorted(p.name for p in out.iterdir()) == ["latest", "step-1"]
+    assert "argument --overwrite: not allowed with argument --resume" in _refused(
+        _args(data, out, "--resume", "--overwrite"), capsys)
+
+
+def test_resume_refuses_changed_replay_arguments_and_a_finished_run(data, tmp_path, capsys):
+    out = tmp_path / "run"
+    train_cli.main(_args(data, out, steps=2))
+    error = _refused(_args(data, out, "--resume", "--accumulate", "2", "--seed", "1"), capsys)
+    assert f"--resume from {out / 'step-2'}: --accumulate 2 differs from the run's 1; --seed 1 differs from the " \
+           f"run's 0" in error
+    edited = tmp_path / "edited.txt"
+    edited.write_text(data.read_text().replace("cat", "cow"))
+    assert f"--data {edited} is not the file the run trained on" in _refused(_args(edited, out, "--resume"), capsys)
+    assert "the run is finished (step 2 of --steps 2); raise --steps" in _refused(
+        _args(data, out, "--resume", steps=2), capsys)
+    (out / "step-2" / "trainer.json").unlink()
+    assert f"{out / 'step-2' / 'trainer.json'}: missing" in _refused(_args(data, out, "--resume"), capsys)
+
+
+def test_resume_refuses_an_optimizer_state_without_a_moment(data, tmp_path):
+    out = tmp_path / "run"
+    train_cli.main(_args(data, out, steps=1))
+    path = out / "step-1" / "optimizer.ckpt"
+    state = ms.load_checkpoint(str(path))
+    dropped = next(name for name in state if name.startswith("adam_m."))
+    os.remove(path)
+    ms.save_checkpoint([{"name": name, "data": value} for name, value in state.items() if name != dropped], str(path))
+    with pytest.raises(CheckpointError, match=f"optimizer.ckpt: lacks {dropped}$"):
+        train_cli.main(_args(data, out, "--resume"))
+
+
+def _launch(data, out, faults, *extra, steps):
+    args = ["--data-parallel", "--warmup", "0", "--min-lr-ratio", "1.0",
+            *_args(data, out, *extra, steps=steps, save_every=100)]
+    return launch(FAULTED, args, workers=2, timeout=300, env={"FAULTS": faults})
+
+
+def test_data_parallel_run_stops_on_one_ranks_sigterm_and_resumes(data, tmp_path):
+    """2 ranks, rank 0's saves slowed by 2 s (the other rank reaches the end first: it must not read
+    what rank 0 has not written), 2 steps; resumed, rank 1 alone gets SIGTERM during step 3: both
+    stop after step 3, rank 0 saves it. Resumed again to 4: the weights after steps 2, 3 and 4 equal
+    one process's."""
+    one = tmp_path / "one"
+    train_cli.main(["--warmup", "0", "--min-lr-ratio", "1.0", *_args(data, one)])
+    out = tmp_path / "dp"
+    run = _launch(data, out, "slow-save", steps=2)
+    assert run.returncode == 0, "\n".join(log[-3000:] for log in run.logs)
+    run = _launch(data, out, "sigterm-rank-1-at-3", "--resume", steps=STEPS)
+    assert run.returncode != 0 and (out / "latest").read_text() == "step-3", "\n".join(log[-3000:] for log in run.logs)
+    assert "interrupted by another rank's signal: step 3 saved" in run.logs[0]
+    assert "interrupted by a signal: step 3 saved" in run.logs[1]
+    run = _launch(data, out, "", "--resume", steps=STEPS)
+    assert run.returncode == 0, "\n".join(log[-3000:] for log in run.logs)
+    for step in (2, 3, STEPS):
+        _assert_same_weights(out / f"step-{step}", one / f"step-{step}", 1e-4)  # the ranks' sums round apart
