@@ -170,3 +170,27 @@ def test_keys_a_row_cannot_see_never_reach_it(mode, backend, poison, rng):
         lse_hidden = (slice(None), slice(None), slice(0, 37)) if layout == "BSND" else hidden
         np.testing.assert_array_equal(lse.asnumpy()[lse_hidden], clean_lse.asnumpy()[lse_hidden])
         assert not np.isfinite(out.asnumpy()[seeing]).all()
+
+
+@pytest.mark.parametrize("poison", ["query", "cos"])
+def test_nan_in_a_short_query_reaches_its_rows(mode, poison):
+    """Issue 37's cases, on the decode path (q_len 5 <= 16): BNSD q, k, v (1, 4, 5, 8), causal; NaN
+    at q[0, 1, 2, 3] makes that row's 8 outputs NaN, NaN at cos[4, 0] the 32 outputs of position 4
+    (every head); every other output equals the clean call's, bitwise."""
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((1, 4, 5, 8)).astype(np.float32) for _ in range(3))
+    cos, sin = (t.astype(np.float32) for t in mra.rope_tables(8, 5))
+    net = OpNet(head_num=4)
+    clean = net(*(Tensor(t) for t in (q, k, v, cos, sin)))[0].asnumpy()
+    bad = np.zeros(q.shape, bool)
+    if poison == "query":
+        q = q.copy()
+        q[0, 1, 2, 3] = np.nan
+        bad[0, 1, 2] = True
+    else:
+        cos = cos.copy()
+        cos[4, 0] = np.nan
+        bad[:, :, 4] = True
+    out = net(*(Tensor(t) for t in (q, k, v, cos, sin)))[0].asnumpy()
+    assert np.isnan(out[bad]).all() and np.isnan(out).sum() == bad.sum()
+    np.testing.assert_array_equal(out[~bad], clean[~bad])
