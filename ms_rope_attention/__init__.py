@@ -9,9 +9,9 @@ Public API:
 - ``fuse(net)`` / ``unfuse(net)``: the fused op inside existing MindFormers, Hugging Face (mindnlp)
   models (``ms_rope_attention.fusion``), with a ``FuseReport``.
 """
-from .functional import RotaryFlashAttentionOp, RotaryFusionFallbackError, rotary_flash_attention
+from .functional import RotaryFusionFallbackError, rotary_flash_attention
 from .fusion import FuseError, FuseReport, fuse, unfuse
-from .nn import RotaryFlashAttention
+from .nn import RotaryFlashAttention, RotaryFlashAttentionOp
 from .rope import rope_tables, shared_rope_tables
 
 __all__ = ["rotary_flash_attention", "RotaryFlashAttention", "RotaryFlashAttentionOp", "RotaryFusionFallbackError",

@@ -19,10 +19,9 @@ from pathlib import Path
 import mindspore as ms
 from mindspore import ops
 
-from .cpu_direct import expected_shapes
 from .flash_backward import SWITCH, chosen_backward, flash_attention_bprop
-from .gradients import fused_bprop, unfused_autodiff_bprop
-from .op_info import build_reg_info, load_contract
+from .gradients import FusedKernel, fused_bprop, unfused_autodiff_bprop
+from .op_info import build_reg_info, load_contract, output_shapes
 
 ACLNN_HEADER = "aclnn_rotary_flash_attention.h"
 GRAD_ACLNN_HEADER = "aclnn_rotary_flash_attention_grad.h"
@@ -53,6 +52,11 @@ def package_status() -> str | None:
     return missing and f"Ascend op package not installed ({missing}); build it with {BUILD_SCRIPT}"
 
 
+def unavailable() -> str | None:
+    """The dispatch's question: why the fused op cannot run here (None: it can)."""
+    return package_status()
+
+
 def _kernel_bprop(attrs: dict, grads_used: tuple[bool, bool]):
     """(the fused backward's bprop, its ``Custom`` primitive), which fails here, when the op is built,
     if the installed package has no backward op: choosing it must not fall back silently."""
@@ -68,34 +72,27 @@ def _kernel_bprop(attrs: dict, grads_used: tuple[bool, bool]):
     return fused_bprop(grad_op, *grads_used, unproven), grad_op
 
 
-def make_ascend_op(attrs: dict, grads_used: tuple[bool, bool], forwards, strict: bool,
-                   parallel: tuple[int, int] | None = None) -> ops.Custom:
-    """The aot ``Custom`` primitive bound to the installed aclnn op, for one attribute set, with the
-    backward ``flash_backward.RFA_ASCEND_BACKWARD`` chooses: the autodiff of one of ``forwards``
+def make_kernel(attrs, forwards) -> FusedKernel:
+    """The aot ``Custom`` primitive bound to the installed aclnn op, for one ``attrs.OpAttrs``, with
+    the backward ``flash_backward.RFA_ASCEND_BACKWARD`` chooses: the autodiff of one of ``forwards``
     (``gradients.AutodiffForwards``; default MindSpore's FlashAttention, no S x S matrix), announced
-    once as a fallback (``strict`` raises instead), or the fused backward kernel, announced once as
-    not run on hardware (not a fallback: ``strict`` allows it). ``op.backward_name`` says which.
-    ``parallel=(dp, tp)``: with the semi-auto layouts of ``distributed.sharding`` (the backward
-    kernel's primitive too; the autodiffs have none of their own)."""
-    layout, head_num = attrs.get("input_layout", "BNSD"), attrs.get("head_num") or None
-    with_lse, with_rk = attrs.get("with_softmax_lse", False), attrs.get("with_rotated_key", False)
+    once as a fallback (strict raises instead), or the fused backward kernel, announced once as not
+    run on hardware (not a fallback: strict allows it). ``backward_name`` says which."""
+    values, grads_used = attrs.kernel_attrs(), (attrs.with_softmax_lse, attrs.with_rotated_key)
+    strict = attrs.strict or attrs.backend == "fused"
 
     def out_shape(q, k, *rest):
-        return expected_shapes(q, k, layout, head_num, with_lse, with_rk)
+        return output_shapes(q, k, values)
 
     backward, grad_op = chosen_backward(), None
     if backward == "kernel":
-        bprop, grad_op = _kernel_bprop(attrs, grads_used)
+        bprop, grad_op = _kernel_bprop(values, grads_used)
     elif backward == "flash_attention_score":
-        bprop = flash_attention_bprop(forwards.flash_attention, forwards.unfused, grads_used, layout, head_num, strict)
+        bprop = flash_attention_bprop(forwards.flash_attention, forwards.unfused, grads_used, attrs.input_layout,
+                                      attrs.head_num, strict)
     else:
-        bprop = unfused_autodiff_bprop(forwards.unfused, grads_used[0],
-                                       f"{SWITCH}=unfused", strict)
+        bprop = unfused_autodiff_bprop(forwards.unfused, grads_used[0], f"{SWITCH}=unfused", strict)
     op = ops.Custom(load_contract().op_name, out_shape=out_shape,
                     out_dtype=lambda q, k, *rest: (q, ms.float32, k), func_type="aot", bprop=bprop,
-                    reg_info=build_reg_info("Ascend", attrs))
-    op.backward_name = backward
-    if parallel is not None:
-        from .distributed.sharding import shard_fused  # the distributed package only when asked for
-        shard_fused(op, grad_op, attrs, grads_used, *parallel)
-    return op
+                    reg_info=build_reg_info("Ascend", values))
+    return FusedKernel(op, grad_op, backward)

@@ -8,7 +8,7 @@ Every error names the argument and what was expected.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from .op_info import load_contract
 
@@ -35,9 +35,9 @@ def _known(dim) -> bool:
     return dim is not None and dim >= 0
 
 
-@dataclass(frozen=True)
-class Geometry:
-    """What the checks learned about the problem (``None`` where a dimension is dynamic)."""
+class Geometry(NamedTuple):
+    """What the checks learned about the problem (``None`` where a dimension is dynamic). A tuple,
+    so that it crosses ``ops.constexpr`` into graph code (``Geometry(*values)`` there)."""
 
     batch: int | None
     q_heads: int | None
@@ -49,8 +49,11 @@ class Geometry:
     scale: float | None
 
 
-def check_attrs(head_num, input_layout, rotary_mode, rotary_dim, scale, causal) -> None:
-    """Attribute checks that need no shapes (run once, in ``__init__`` or eagerly)."""
+def check_attrs(attrs) -> None:
+    """Attribute checks that need no shapes (run once, in ``__init__`` or eagerly), on an
+    ``attrs.OpAttrs``."""
+    head_num, input_layout, rotary_mode = attrs.head_num, attrs.input_layout, attrs.rotary_mode
+    rotary_dim, scale, causal = attrs.rotary_dim, attrs.scale, attrs.causal
     if not isinstance(input_layout, str) or input_layout not in LAYOUTS:
         raise ValueError(f"input_layout: expected one of {list(LAYOUTS)}, got {input_layout!r}")
     if isinstance(rotary_mode, bool) or rotary_mode not in ROTARY_MODES:
@@ -78,7 +81,7 @@ def check_flags(**flags) -> None:
             raise TypeError(f"{name}: expected a bool, got {value!r}")
 
 
-def _split_heads(name, shape, layout, head_num):
+def split_heads(name, shape, layout, head_num):
     """(batch, seq, heads, head_dim) of one q/k/v tensor of the layout's rank (``check_inputs``
     checks the ranks first); None for dynamic dims."""
     dims = tuple(d if _known(d) else None for d in shape)
@@ -96,12 +99,8 @@ def _split_heads(name, shape, layout, head_num):
     return dims[0], dims[1], head_num, hidden // head_num
 
 
-def check_inputs(q_shape, k_shape, v_shape, cos_shape, sin_shape, q_dtype, k_dtype, v_dtype, cos_dtype,
-                 sin_dtype, head_num, input_layout, rotary_mode, rotary_dim, scale, causal,
-                 actual_seq_qlen, actual_seq_kvlen) -> Geometry:
-    """Check every static property of a call; returns the resolved geometry. ``actual_seq_qlen`` /
-    ``actual_seq_kvlen`` are None (absent) or (dtype, rank) of the offsets tensors."""
-    check_attrs(head_num, input_layout, rotary_mode, rotary_dim, scale, causal)
+def _check_dtypes(q_dtype, k_dtype, v_dtype, cos_dtype, sin_dtype) -> None:
+    """q/k/v in the kernel's dtypes and alike; cos/sin floating and alike (cast if need be)."""
     for name, dtype in (("query", q_dtype), ("key", k_dtype), ("value", v_dtype)):
         if dtype_name(dtype) not in TENSOR_DTYPES:
             raise TypeError(f"{name}: expected dtype in {list(TENSOR_DTYPES)}, got {dtype_name(dtype)}")
@@ -114,6 +113,50 @@ def check_inputs(q_shape, k_shape, v_shape, cos_shape, sin_shape, q_dtype, k_dty
     if dtype_name(sin_dtype) != dtype_name(cos_dtype):
         raise TypeError(f"sin: expected the same dtype as cos ({dtype_name(cos_dtype)}), got {dtype_name(sin_dtype)}")
 
+
+def _check_offsets(layout, actual_seq_qlen, actual_seq_kvlen) -> None:
+    """The TND offsets: both present, 1-D int64, exactly for TND."""
+    if layout == "TND":
+        if actual_seq_qlen is None or actual_seq_kvlen is None:
+            raise ValueError("actual_seq_qlen, actual_seq_kvlen: both required for input_layout='TND' "
+                             "(cumulative end offsets of each sequence)")
+        for name, (dtype, rank) in (("actual_seq_qlen", actual_seq_qlen), ("actual_seq_kvlen", actual_seq_kvlen)):
+            if dtype_name(dtype) != "int64" or rank != 1:
+                raise TypeError(f"{name}: expected a 1-D int64 tensor of cumulative end offsets, got a rank-{rank} "
+                                f"{dtype_name(dtype)} tensor")
+    elif actual_seq_qlen is not None or actual_seq_kvlen is not None:
+        raise ValueError(f"actual_seq_qlen, actual_seq_kvlen: only for input_layout='TND', got {layout!r}")
+
+
+def _check_tables(rotary_dim, head_dim, kv_len, layout, cos_shape, sin_shape):
+    """cos/sin: rank 2, (max_positions, rotary_dim), equal shapes, enough positions; returns the
+    resolved rotary_dim (None when head_dim is dynamic)."""
+    rd = rotary_dim if rotary_dim is not None else head_dim
+    if rd is not None and head_dim is not None and rd > head_dim:
+        raise ValueError(f"rotary_dim: {rd} exceeds head_dim {head_dim}")
+    for name, shape in (("cos", cos_shape), ("sin", sin_shape)):
+        shape = tuple(shape)
+        if len(shape) != 2:
+            raise ValueError(f"{name}: expected a rank-2 table (max_positions, rotary_dim), got shape {shape}")
+        if rd is not None and _known(shape[1]) and shape[1] != rd:
+            hint = "" if rotary_dim is not None else f" (pass rotary_dim={shape[1]} for partial rotary)"
+            raise ValueError(f"{name}: expected shape (max_positions, {rd}), got {shape}{hint}")
+    if all(_known(d) for d in tuple(cos_shape) + tuple(sin_shape)) and tuple(cos_shape) != tuple(sin_shape):
+        raise ValueError(f"sin: expected the same shape as cos {tuple(cos_shape)}, got {tuple(sin_shape)}")
+    if layout != "TND" and kv_len is not None and _known(cos_shape[0]) and cos_shape[0] < kv_len:
+        raise ValueError(f"cos: table has {cos_shape[0]} positions, kv_len {kv_len} needs at least {kv_len}")
+    return rd
+
+
+def check_inputs(attrs, tensors, offsets) -> Geometry:
+    """Check every static property of a call; returns the resolved geometry. ``attrs``: an
+    ``attrs.OpAttrs``; ``tensors``: (shape, dtype) of query, key, value, cos and sin; ``offsets``:
+    for actual_seq_qlen and actual_seq_kvlen, None (absent) or the (dtype, rank) of the tensor."""
+    check_attrs(attrs)
+    head_num, input_layout, rotary_dim, scale = attrs.head_num, attrs.input_layout, attrs.rotary_dim, attrs.scale
+    (q_shape, q_dtype), (k_shape, k_dtype), (v_shape, v_dtype), (cos_shape, cos_dtype), (sin_shape, sin_dtype) = tensors
+    actual_seq_qlen, actual_seq_kvlen = offsets
+    _check_dtypes(q_dtype, k_dtype, v_dtype, cos_dtype, sin_dtype)
     layout = input_layout
     for name, tensor_shape in (("query", q_shape), ("key", k_shape), ("value", v_shape)):
         if len(tuple(tensor_shape)) != _RANKS[layout]:
@@ -132,9 +175,9 @@ def check_inputs(q_shape, k_shape, v_shape, cos_shape, sin_shape, q_dtype, k_dty
         kv_head_num = k_shape[-1] // head_dim
         if kv_head_num < 1:
             raise ValueError(f"key: expected at least one head, got hidden size {k_shape[-1]} (BSH)")
-    qb, qs, qn, qd = _split_heads("query", q_shape, layout, head_num)
-    kb, ks, kn, kd = _split_heads("key", k_shape, layout, kv_head_num)
-    vb, vs, vn, vd = _split_heads("value", v_shape, layout, kv_head_num)
+    qb, qs, qn, qd = split_heads("query", q_shape, layout, head_num)
+    kb, ks, kn, kd = split_heads("key", k_shape, layout, kv_head_num)
+    split_heads("value", v_shape, layout, kv_head_num)
     if tuple(k_shape) != tuple(v_shape) and all(_known(d) for d in tuple(k_shape) + tuple(v_shape)):
         raise ValueError(f"value: expected the same shape as key {tuple(k_shape)}, got {tuple(v_shape)}")
     for name, heads, shape in (("query", qn, q_shape), ("key", kn, k_shape)):
@@ -154,32 +197,8 @@ def check_inputs(q_shape, k_shape, v_shape, cos_shape, sin_shape, q_dtype, k_dty
     if layout != "TND" and qs is not None and ks is not None and qs > ks:
         raise ValueError(f"query: q_len {qs} must be <= kv_len {ks} (queries sit at the end of the "
                          "key sequence, bottom-right aligned)")
-
-    if layout == "TND":
-        if actual_seq_qlen is None or actual_seq_kvlen is None:
-            raise ValueError("actual_seq_qlen, actual_seq_kvlen: both required for input_layout='TND' "
-                             "(cumulative end offsets of each sequence)")
-        for name, (dtype, rank) in (("actual_seq_qlen", actual_seq_qlen), ("actual_seq_kvlen", actual_seq_kvlen)):
-            if dtype_name(dtype) != "int64" or rank != 1:
-                raise TypeError(f"{name}: expected a 1-D int64 tensor of cumulative end offsets, got a rank-{rank} "
-                                f"{dtype_name(dtype)} tensor")
-    elif actual_seq_qlen is not None or actual_seq_kvlen is not None:
-        raise ValueError(f"actual_seq_qlen, actual_seq_kvlen: only for input_layout='TND', got {layout!r}")
-
-    rd = rotary_dim if rotary_dim is not None else qd
-    if rd is not None and qd is not None and rd > qd:
-        raise ValueError(f"rotary_dim: {rd} exceeds head_dim {qd}")
-    for name, shape in (("cos", cos_shape), ("sin", sin_shape)):
-        shape = tuple(shape)
-        if len(shape) != 2:
-            raise ValueError(f"{name}: expected a rank-2 table (max_positions, rotary_dim), got shape {shape}")
-        if rd is not None and _known(shape[1]) and shape[1] != rd:
-            hint = "" if rotary_dim is not None else f" (pass rotary_dim={shape[1]} for partial rotary)"
-            raise ValueError(f"{name}: expected shape (max_positions, {rd}), got {shape}{hint}")
-    if all(_known(d) for d in tuple(cos_shape) + tuple(sin_shape)) and tuple(cos_shape) != tuple(sin_shape):
-        raise ValueError(f"sin: expected the same shape as cos {tuple(cos_shape)}, got {tuple(sin_shape)}")
-    if layout != "TND" and ks is not None and _known(cos_shape[0]) and cos_shape[0] < ks:
-        raise ValueError(f"cos: table has {cos_shape[0]} positions, kv_len {ks} needs at least {ks}")
+    _check_offsets(layout, actual_seq_qlen, actual_seq_kvlen)
+    rd = _check_tables(rotary_dim, qd, ks, layout, cos_shape, sin_shape)
     resolved_scale = scale if scale is not None else (1.0 / math.sqrt(qd) if qd else None)
     return Geometry(batch=qb, q_heads=qn, kv_heads=kn, q_len=qs, kv_len=ks, head_dim=qd, rotary_dim=rd,
                     scale=resolved_scale)

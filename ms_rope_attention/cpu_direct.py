@@ -9,6 +9,7 @@ import ctypes
 import numpy as np
 
 from .cpu_kernel import isa_library, library
+from .op_info import output_shapes
 
 LAYOUTS = {"BNSD": 0, "BSND": 1, "BSH": 2, "TND": 3}
 
@@ -40,20 +41,6 @@ def encode(x, dtype):
 
 def decode(x, dtype):
     return (from_bf16_bits(x) if dtype == "bfloat16" else x).astype(np.float64)
-
-
-def expected_shapes(q_shape, k_shape, layout, head_num, with_lse, with_rk):
-    if not with_lse:
-        lse = (0,)
-    elif layout == "TND":
-        lse = (q_shape[0], q_shape[1])
-    elif layout == "BNSD":
-        lse = (q_shape[0], q_shape[1], q_shape[2])
-    elif layout == "BSND":
-        lse = (q_shape[0], q_shape[2], q_shape[1])
-    else:
-        lse = (q_shape[0], head_num, q_shape[1])
-    return tuple(q_shape), lse, tuple(k_shape) if with_rk else (0,)
 
 
 def _empty_outputs(shapes, dtypes):
@@ -89,7 +76,9 @@ def prepare(q, k, v, cos, sin, aq=None, ak=None, *, head_num=None, input_layout=
     attrs = Attrs(head_num or 0, LAYOUTS[input_layout], rotary_mode, rotary_dim or 0, scale or 0.0, causal,
                   with_lse, with_rotated_key, key_rotated)
     inputs, dtypes = _forward_inputs(q, k, v, cos, sin, aq, ak, dtype, table_dtype)
-    shapes = out_shapes or expected_shapes(q.shape, k.shape, input_layout, head_num, with_lse, with_rotated_key)
+    shapes = out_shapes or output_shapes(q.shape, k.shape, {"input_layout": input_layout, "head_num": head_num or 0,
+                                                           "with_softmax_lse": with_lse,
+                                                           "with_rotated_key": with_rotated_key})
     outputs = _empty_outputs(shapes, [dtype, "float32", dtype])
     arrays, shape_bufs, call = _launch(inputs + outputs, dtypes + [dtype, "float32", dtype])
     args = (ctypes.byref(attrs),) + call

@@ -16,7 +16,7 @@ import mindspore as ms
 from mindspore import context, nn, ops
 from mindspore.ops.primitive import jit_context
 
-from .gradients import fused_bprop, unfused_autodiff_bprop
+from .gradients import FusedKernel, fused_bprop, unfused_autodiff_bprop
 from .op_info import build_reg_info
 
 KERNEL_SYMBOL = "RotaryFlashAttention"
@@ -207,28 +207,33 @@ class GraphLaunchedCustom(ops.Custom):
         return outputs
 
 
-def make_cpu_op(attrs: dict, grads_used: tuple[bool, bool], forwards, strict: bool,
-                parallel: tuple[int, int] | None = None) -> ops.Custom:
-    """The aot ``Custom`` primitive for one attribute set (attribute names as in the contract),
-    differentiable through the fused backward kernel (the same library, its ``Grad`` entry).
-    ``grads_used``: whether the caller uses the softmax_lse / rotated_key outputs, i.e. whether
-    their gradients reach the backward. ``forwards`` (``gradients.AutodiffForwards``)/``strict``: the
-    announced fallback gradient, the unfused autodiff, used only without a fused backward. ``parallel=(dp, tp)``: both primitives with the
-    semi-auto layouts of ``distributed.sharding`` (which a CPU, refusing semi-auto, ignores)."""
+def unavailable() -> str | None:
+    """None when a kernel build for this CPU can be loaded, else why not (the dispatch's fallback reason)."""
+    try:
+        select_library()
+    except (RuntimeError, OSError) as exc:
+        return f"CPU kernel unavailable ({exc})"
+    return None
+
+
+def make_kernel(attrs, forwards) -> FusedKernel:
+    """The aot ``Custom`` primitive for one ``attrs.OpAttrs``, differentiable through the fused
+    backward kernel (the same library, its ``Grad`` entry). softmax_lse / rotated_key have
+    gradients exactly when the op returns them. ``forwards`` (``gradients.AutodiffForwards``): the
+    announced fallback gradient, the unfused autodiff, used only without a fused backward."""
     _, path = select_library()
     _open(str(path))  # fail here, not inside MindSpore, if the library cannot be loaded
+    values, grads_used = attrs.kernel_attrs(), (attrs.with_softmax_lse, attrs.with_rotated_key)
     grad_op = None
     if FUSED_BACKWARD:
         grad_op = GraphLaunchedCustom(f"{path}:{GRAD_KERNEL_SYMBOL}", out_shape=None, out_dtype=None, func_type="aot",
-                             reg_info=build_reg_info("CPU", attrs, any_dtype=True, backward=True))
+                                      reg_info=build_reg_info("CPU", values, any_dtype=True, backward=True))
         bprop = fused_bprop(grad_op, *grads_used)
     else:
-        bprop = unfused_autodiff_bprop(forwards.unfused, grads_used[0], "no fused backward kernel on CPU", strict)
+        bprop = unfused_autodiff_bprop(forwards.unfused, grads_used[0], "no fused backward kernel on CPU",
+                                       attrs.strict or attrs.backend == "fused")
     # Shapes and dtypes come from the library's C++ InferShape/InferType (out_shape/out_dtype None): a
     # Python callable would make GRAPH_MODE with dynamic shapes and MindIR export fail.
     op = GraphLaunchedCustom(f"{path}:{KERNEL_SYMBOL}", out_shape=None, out_dtype=None, func_type="aot",
-                             bprop=bprop, reg_info=build_reg_info("CPU", attrs, any_dtype=True))
-    if parallel is not None:
-        from .distributed.sharding import shard_fused  # the distributed package only when asked for
-        shard_fused(op, grad_op, attrs, grads_used, *parallel)
-    return op
+                             bprop=bprop, reg_info=build_reg_info("CPU", values, any_dtype=True))
+    return FusedKernel(op, grad_op, "kernel" if grad_op is not None else "unfused")

@@ -57,6 +57,16 @@ class AutodiffForwards(NamedTuple):
     flash_attention: Callable
 
 
+class FusedKernel(NamedTuple):
+    """What a device's kernel factory returns for one attribute set: the ``forward`` primitive
+    (its bprop attached), the gradient primitive ``grad`` its bprop calls (None when the backward
+    is an autodiff) and ``backward_name``, which backward that is ('kernel', 'unfused' or
+    'flash_attention_score'). The factory shards nothing: ``layouts.shard`` does, when asked."""
+    forward: object
+    grad: object
+    backward_name: str
+
+
 class RotaryFusionFallbackError(RuntimeError):
     """Raised under ``strict=True`` instead of falling back to the unfused path."""
 

@@ -12,7 +12,8 @@ import pytest
 from mindspore import Tensor, ops
 
 import ms_rope_attention as mra
-from ms_rope_attention import ascend_kernel, flash_backward, functional, gradients
+from ms_rope_attention import ascend_kernel, dispatch, flash_backward, functional, gradients
+from ms_rope_attention.attrs import OpAttrs
 from ms_rope_attention.op_info import load_contract
 
 
@@ -79,9 +80,9 @@ def model_flash_attention_score(query, key, value, head_num, real_shift=None, dr
 def ascend_dispatch(monkeypatch):
     """The dispatch as on an Ascend machine with the op package installed (the forward's; the
     backward kernel's header is ``grad_package``'s)."""
-    monkeypatch.setattr(functional, "_device", lambda: "Ascend")
+    monkeypatch.setattr(dispatch, "device", lambda: "Ascend")
     monkeypatch.setattr(ascend_kernel, "package_status", lambda: None)
-    monkeypatch.setattr(functional, "_backends", {})
+    monkeypatch.setattr(dispatch, "_backends", {})
     monkeypatch.setattr(gradients, "_announced", set())
     monkeypatch.setattr(ops, "flash_attention_score", model_flash_attention_score)
     monkeypatch.delenv(flash_backward.SWITCH, raising=False)
@@ -106,8 +107,12 @@ def grad_package(ascend_dispatch, tmp_path, monkeypatch):
     monkeypatch.setenv(flash_backward.SWITCH, "kernel")
 
 
+def _ascend_kernel(**attrs):
+    return functional.backend_for(OpAttrs(**{"head_num": 4, **attrs})).kernel
+
+
 def _ascend_op(**attrs):
-    return functional.backend_for(functional.OpAttrs(**{"head_num": 4, **attrs})).fused
+    return _ascend_kernel(**attrs).forward
 
 
 def _grad_primitive(op):
@@ -117,10 +122,10 @@ def _grad_primitive(op):
 
 def test_ascend_builds_the_flash_attention_backward_by_default(ascend_dispatch, monkeypatch):
     assert flash_backward.chosen_backward() == "flash_attention_score"
-    assert _ascend_op().backward_name == "flash_attention_score"
+    assert _ascend_kernel().backward_name == "flash_attention_score"
     monkeypatch.setenv(flash_backward.SWITCH, "unfused")
-    monkeypatch.setattr(functional, "_backends", {})
-    assert _ascend_op().backward_name == "unfused"
+    dispatch.clear()
+    assert _ascend_kernel().backward_name == "unfused"
 
 
 def test_an_unknown_backward_is_refused_naming_the_three(ascend_dispatch, monkeypatch):
@@ -179,8 +184,8 @@ def test_flash_attention_backward_equals_the_fused_cpu_backward(name, ascend_dis
     said = [r.getMessage() for r in caplog.records if "rotary_fusion_fallback" in r.getMessage()]
     assert len(said) == 1 and "MindSpore's FlashAttention backward on the rotated q/k" in said[0], said
 
-    monkeypatch.setattr(functional, "_device", lambda: "CPU")
-    monkeypatch.setattr(functional, "_backends", {})
+    monkeypatch.setattr(dispatch, "device", lambda: "CPU")
+    dispatch.clear()
 
     def loss(q, k, v):
         result = mra.rotary_flash_attention(q, k, v, cos, sin, heads, input_layout=layout, rotary_mode=mode,
@@ -219,7 +224,7 @@ def test_where_flash_attention_cannot_the_unfused_autodiff_runs_and_says_why(why
         got = op.bprop(q, k, v, cos, sin, None, None, out, (d_out, d_lse, ops.zeros((0,), q.dtype)))[:3]
     said = [r.getMessage() for r in caplog.records if "rotary_fusion_fallback" in r.getMessage()]
     assert len(said) == 1 and why in said[0] and "the unfused autodiff (S x S scores per head)" in said[0], said
-    unfused = functional._unfused_forward(functional.OpAttrs(heads, with_softmax_lse=lse))
+    unfused = functional.autodiff_forwards(OpAttrs(head_num=heads, with_softmax_lse=lse)).unfused
     sens = (d_out, d_lse, ops.zeros((0,), q.dtype))
     want = ops.GradOperation(get_all=True, sens_param=True)(unfused)(q, k, v, cos, sin, None, None, sens)[:3]
     for g, w in zip(got, want):
@@ -243,8 +248,9 @@ def test_kernel_choice_builds_the_grad_primitive_of_the_contract(grad_package):
     """RFA_ASCEND_BACKWARD=kernel: the bprop calls an aot Custom named by the contract's backward
     op, registered for Ascend with its inputs, outputs and the forward's attribute values (softmax_lse
     emitted, which it takes), shaped and typed as query, key, value."""
-    op = _ascend_op(**KERNEL_ATTRS)
-    assert op.backward_name == "kernel"
+    kernel = _ascend_kernel(**KERNEL_ATTRS)
+    op = kernel.forward
+    assert kernel.backward_name == "kernel"
     grad, contract = _grad_primitive(op), load_contract().backward
     assert (grad.func, grad.func_type) == ("RotaryFlashAttentionGrad", "aot") and grad.func == contract.op_name
     info = grad.reg_info
@@ -319,7 +325,7 @@ def test_kernel_choice_without_the_grad_op_installed_is_refused_when_the_op_buil
                                                r"\(aclnn_rotary_flash_attention_grad\.h not found; searched .*"
                                                r"rope_attention\).*ms_rope_attention/aclnn/build\.sh"):
             _ascend_op()
-    assert not [r for r in caplog.records if "rotary_fusion" in r.getMessage()] and not functional._backends
+    assert not [r for r in caplog.records if "rotary_fusion" in r.getMessage()] and not dispatch._backends
 
 
 def test_kernel_primitive_is_sharded_as_the_cpu_gradient_primitive(grad_package, monkeypatch):
@@ -332,5 +338,5 @@ def test_kernel_primitive_is_sharded_as_the_cpu_gradient_primitive(grad_package,
         return grad.attrs["in_layout"], grad.attrs["out_layout"]
 
     ascend = grad_layouts()
-    monkeypatch.setattr(functional, "_device", lambda: "CPU")
+    monkeypatch.setattr(dispatch, "device", lambda: "CPU")
     assert ascend == grad_layouts() and len(ascend[0]) == 9

@@ -61,12 +61,12 @@ def test_backward_on_npu_matches_the_cpu_kernel(mode_name, layout, backward, rng
     from mindspore import Tensor
 
     import ms_rope_attention as mra
-    from ms_rope_attention import functional
+    from ms_rope_attention import dispatch, functional
     from cases import Case
     from conftest import round_to, to_numpy, to_tensor, tolerance
 
     monkeypatch.setenv("RFA_ASCEND_BACKWARD", backward)
-    monkeypatch.setattr(functional, "_backends", {})
+    monkeypatch.setattr(dispatch, "_backends", {})
     ms.set_context(mode=ms.GRAPH_MODE if mode_name == "graph" else ms.PYNATIVE_MODE)
     dtype = "float16"
     case = Case(layout=layout, heads=8, kv_heads=2, head_dim=128, q_len=300, kv_len=300, q_lens=[1, 300, 77],
@@ -78,7 +78,7 @@ def test_backward_on_npu_matches_the_cpu_kernel(mode_name, layout, backward, rng
 
     op = mra.RotaryFlashAttentionOp(case.heads, layout)
     assert op.backend_name == "fused:Ascend", op.fallback_reason
-    assert functional.backend_for(op.attrs).fused.backward_name == backward
+    assert functional.backend_for(op.attrs).kernel.backward_name == backward
 
     class Loss(ms.nn.Cell):
         def __init__(self):

@@ -234,9 +234,9 @@ def test_qualified_dtype_names_are_read_as_their_dtype():
     assert checks.dtype_name(ms.float32) == "float32" and checks.dtype_name(np.dtype("float16")) == "float16"
     f32 = _QualifiedDtype("float32")
     shape, table = (1, 2, 5, 16), (64, 16)
-    geometry = checks.check_inputs(shape, shape, shape, table, table, f32, f32, f32, f32, f32, None, "BNSD", 0, None,
-                                   None, True, None, None)
+    from ms_rope_attention.attrs import OpAttrs
+    tensors = [(shape, f32)] * 3 + [(table, f32)] * 2
+    geometry = checks.check_inputs(OpAttrs(), tensors, (None, None))
     assert geometry.head_dim == 16
     with pytest.raises(TypeError, match=r"query: expected dtype in .*, got int32"):
-        checks.check_inputs(shape, shape, shape, table, table, _QualifiedDtype("int32"), f32, f32, f32, f32, None,
-                            "BNSD", 0, None, None, True, None, None)
+        checks.check_inputs(OpAttrs(), [(shape, _QualifiedDtype("int32"))] + tensors[1:], (None, None))

@@ -6,6 +6,7 @@ Bytecode capture runs with fullgraph=False: MindSpore 2.10's bytecode capture wi
 refuses to call any function imported from another module ("Unsupported function"; measured with a
 module holding only ``def ident(t): return t``), so no library's functional op can be called there."""
 import logging
+import types
 
 import mindspore as ms
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 from mindspore import Tensor, nn
 
 import ms_rope_attention as mra
-from ms_rope_attention import functional, gradients
+from ms_rope_attention import dispatch, functional, gradients
 from cases import Case
 from reference import reference
 
@@ -105,8 +106,8 @@ def test_bad_input_is_a_compile_time_error_in_graph_code(rng):
 
 def test_fallback_rule_holds_in_graph_code(monkeypatch, caplog, rng):
     ms.set_context(mode=ms.GRAPH_MODE)
-    monkeypatch.setattr(functional, "_fused_factory", lambda device: (None, "test: kernel missing"))
-    monkeypatch.setattr(functional, "_backends", {})
+    monkeypatch.setitem(dispatch.FACTORIES, "CPU", types.SimpleNamespace(unavailable=lambda: "test: kernel missing"))
+    monkeypatch.setattr(dispatch, "_backends", {})
     monkeypatch.setattr(gradients, "_announced", set())
     args = inputs(rng)
 

@@ -12,7 +12,7 @@ import pytest
 from mindspore import Tensor, nn, ops
 
 import ms_rope_attention as mra
-from ms_rope_attention import cpu_kernel, functional, gradients
+from ms_rope_attention import cpu_kernel, dispatch, functional, gradients
 from cases import Case
 from conftest import round_to, to_tensor
 from reference import reference, reference_grad
@@ -226,7 +226,7 @@ def test_backward_fallback_is_announced_and_strict_raises(monkeypatch, caplog, r
     ms.set_context(mode=ms.PYNATIVE_MODE)
     monkeypatch.setattr(cpu_kernel, "FUSED_BACKWARD", False)
     monkeypatch.setattr(gradients, "_announced", set())
-    monkeypatch.setattr(functional, "_backends", {})  # backends built before had the fused backward
+    monkeypatch.setattr(dispatch, "_backends", {})  # backends built before had the fused backward
     case = Case(layout="BSND", q_len=6, kv_len=6)
     with caplog.at_level(logging.WARNING, logger="ms_rope_attention"):
         check_grads(case, rng, backend="auto", use_lse=True, use_rk=True)

@@ -1,6 +1,7 @@
 """The MindSpore-facing op (functional and Cells) on both backends, in PyNative and GRAPH_MODE,
 against the float64 reference."""
 import logging
+import types
 
 import mindspore as ms
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 from mindspore import Tensor, nn
 
 import ms_rope_attention as mra
-from ms_rope_attention import functional, gradients
+from ms_rope_attention import dispatch, functional, gradients
 from cases import Case
 from conftest import MS_DTYPES, round_to, to_numpy, to_tensor, tolerance
 from reference import reference
@@ -114,9 +115,9 @@ def test_graph_mode_dynamic_sequence_compiles_once(rng):
 
 def test_fallback_is_loud_and_strict_raises(monkeypatch, caplog):
     ms.set_context(mode=ms.PYNATIVE_MODE)
-    monkeypatch.setattr(functional, "_fused_factory", lambda device: (None, "test: kernel missing"))
+    monkeypatch.setitem(dispatch.FACTORIES, "CPU", types.SimpleNamespace(unavailable=lambda: "test: kernel missing"))
     monkeypatch.setattr(gradients, "_announced", set())
-    monkeypatch.setattr(functional, "_backends", {})
+    monkeypatch.setattr(dispatch, "_backends", {})
     with caplog.at_level(logging.WARNING, logger="ms_rope_attention"):
         cell = mra.RotaryFlashAttention(head_num=2, head_dim=8)
         mra.RotaryFlashAttention(head_num=2, head_dim=8)

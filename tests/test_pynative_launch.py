@@ -7,7 +7,8 @@ import pytest
 from mindspore import Tensor, nn
 
 from ms_rope_attention import rope_tables, rotary_flash_attention
-from ms_rope_attention.functional import OpAttrs, backend_for
+from ms_rope_attention.attrs import OpAttrs
+from ms_rope_attention.functional import backend_for
 
 pytestmark = pytest.mark.usefixtures("pynative")
 

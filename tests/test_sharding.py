@@ -1,4 +1,4 @@
-"""Semi-auto parallel layouts of the fused op's primitives (ms_rope_attention/distributed/sharding.py).
+"""Semi-auto parallel layouts of the fused op's primitives (ms_rope_attention/layouts.py).
 
 A CPU refuses semi-auto parallel, so what is checked here is what can be: the layouts MindSpore
 stores on the real primitives (the Ascend aot primitive, constructible without an NPU, and the CPU
@@ -14,7 +14,8 @@ import pytest
 from mindspore import Tensor, nn, ops
 
 import ms_rope_attention as mra
-from ms_rope_attention.distributed import sharding
+from ms_rope_attention import functional, layouts
+from ms_rope_attention.attrs import OpAttrs
 from ms_rope_attention.op_info import load_contract
 
 R = -1  # "None" in a tensor map: replicated along that dimension
@@ -50,12 +51,6 @@ BACKWARD = {
 }
 
 
-def _attrs(layout, with_rotated_key=False):
-    """What functional.py hands the primitive builders (the fused forward always emits the lse)."""
-    return {"head_num": 4, "input_layout": layout, "rotary_mode": 0, "rotary_dim": 0, "scale": 0.0, "causal": True,
-            "with_softmax_lse": True, "with_rotated_key": with_rotated_key, "key_rotated": False}
-
-
 def _stored(primitive, name, dp, tp):
     """The tensor maps of the primitive's stored ``in_layout``/``out_layout``, after checking that
     every entry is on the (dp, tp) device matrix with the aliases dp, tp."""
@@ -85,14 +80,13 @@ def _assert_layouts(primitive, expected, dp, tp):
 
 @pytest.mark.parametrize("key", list(FORWARD), ids=str)
 def test_ascend_forward_primitive_layouts(key):
-    from ms_rope_attention.ascend_kernel import make_ascend_op
+    from ms_rope_attention import ascend_kernel
 
     layout, dp, tp, with_rotated_key = key
-    attrs = mra.functional.OpAttrs(4, layout, with_rotated_key=with_rotated_key)
-    forwards = mra.gradients.AutodiffForwards(mra.functional._unfused_forward(attrs),
-                                              mra.functional._flash_attention_forward(attrs))
-    primitive = make_ascend_op(_attrs(layout, with_rotated_key), (False, with_rotated_key), forwards, False,
-                               parallel=(dp, tp))
+    attrs = OpAttrs(head_num=4, input_layout=layout, with_rotated_key=with_rotated_key)
+    kernel = ascend_kernel.make_kernel(attrs, functional.autodiff_forwards(attrs))
+    layouts.shard(kernel, attrs, dp, tp)
+    primitive = kernel.forward
     assert primitive.name == "Custom" and primitive.attrs["func_type"] == "aot"
     _assert_layouts(primitive, FORWARD[key], dp, tp)
 
@@ -120,12 +114,12 @@ def test_layout_counts_follow_the_contract():
     assert (len(contract.backward.inputs), len(grad_required), len(contract.backward.outputs)) == (12, 8, 3)
     for layout in ("BNSD", "TND"):
         extra = 2 if layout == "TND" else 0  # the offsets, passed exactly for TND
-        ins, outs = sharding.primitive_layouts({"input_layout": layout})
+        ins, outs = layouts.primitive_layouts({"input_layout": layout})
         assert (len(ins), len(outs)) == (len(required) + extra, len(contract.outputs))
-        ins, outs = sharding.primitive_layouts({"input_layout": layout}, backward=True)
+        ins, outs = layouts.primitive_layouts({"input_layout": layout}, backward=True)
         assert (len(ins), len(outs)) == (len(grad_required) + extra, len(contract.backward.outputs))
-        used = sharding.optional_inputs(layout, ["softmax_lse", "rotated_key"])
-        ins, _ = sharding.primitive_layouts({"input_layout": layout}, backward=True, present=used)
+        used = layouts.optional_inputs(layout, ["softmax_lse", "rotated_key"])
+        ins, _ = layouts.primitive_layouts({"input_layout": layout}, backward=True, present=used)
         assert len(ins) == len(grad_required) + extra + 2
 
 
@@ -134,9 +128,9 @@ def test_a_contract_tensor_without_a_rule_is_refused(monkeypatch):
     contract = load_contract()
     mask = {"name": "attention_mask", "dtypes": ["bool"], "doc": "a new input"}
     grown = dataclasses.replace(contract, inputs=contract.inputs + (mask,))
-    monkeypatch.setattr(sharding, "load_contract", lambda: grown)
+    monkeypatch.setattr(layouts, "load_contract", lambda: grown)
     with pytest.raises(ValueError, match="attention_mask"):
-        sharding.primitive_layouts({"input_layout": "BNSD"}, 2, 1)
+        layouts.primitive_layouts({"input_layout": "BNSD"}, 2, 1)
 
 
 @pytest.mark.parametrize("layout, dp, tp, message", [
@@ -149,15 +143,15 @@ def test_a_contract_tensor_without_a_rule_is_refused(monkeypatch):
 ])
 def test_refused_splits(layout, dp, tp, message):
     with pytest.raises(ValueError, match=message):
-        sharding.primitive_layouts({"input_layout": layout}, dp, tp)
+        layouts.primitive_layouts({"input_layout": layout}, dp, tp)
     with pytest.raises(ValueError, match=message):
-        sharding.check_shard_shapes(layout, dp, tp, (2, 4, 8, 16), (2, 2, 8, 16), 4)
+        layouts.check_shard_shapes(layout, dp, tp, (2, 4, 8, 16), (2, 2, 8, 16), 4)
 
 
 def test_refused_present_inputs():
     with pytest.raises(ValueError, match=r"present: \['d_softmax_lse'\] are not optional inputs of RotaryFlash"
                                          r"Attention \(those are \['actual_seq_kvlen', 'actual_seq_qlen'\]\)"):
-        sharding.primitive_layouts({"input_layout": "BNSD"}, present={"d_softmax_lse"})
+        layouts.primitive_layouts({"input_layout": "BNSD"}, present={"d_softmax_lse"})
 
 
 @pytest.mark.parametrize("layout, dp, tp, q_shape, k_shape, message", [
@@ -169,13 +163,13 @@ def test_refused_present_inputs():
 ])
 def test_refused_shapes(layout, dp, tp, q_shape, k_shape, message):
     with pytest.raises(ValueError, match=message):
-        sharding.check_shard_shapes(layout, dp, tp, q_shape, k_shape, q_shape[-1] // 16 if layout == "BSH" else None)
+        layouts.check_shard_shapes(layout, dp, tp, q_shape, k_shape, q_shape[-1] // 16 if layout == "BSH" else None)
 
 
 def test_divisible_and_dynamic_shapes_pass():
-    sharding.check_shard_shapes("BNSD", 2, 2, (4, 8, 8, 16), (4, 2, 8, 16))
-    sharding.check_shard_shapes("BSH", 2, 1, (4, 8, 64), (4, 8, 32), 4)
-    sharding.check_shard_shapes("BSND", 2, 2, (-1, -1, 8, 16), (-1, -1, 2, 16))  # dynamic batch: known at run time
+    layouts.check_shard_shapes("BNSD", 2, 2, (4, 8, 8, 16), (4, 2, 8, 16))
+    layouts.check_shard_shapes("BSH", 2, 1, (4, 8, 64), (4, 8, 32), 4)
+    layouts.check_shard_shapes("BSND", 2, 2, (-1, -1, 8, 16), (-1, -1, 2, 16))  # dynamic batch: known at run time
 
 
 def _inputs(layout, rng):
@@ -214,7 +208,7 @@ def test_sharded_op_runs_as_the_unsharded_one_outside_a_parallel_context(layout,
         assert np.abs(a.asnumpy()).max() > 0
         np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())
     # The layouts live on the Cell's own primitives: the dispatch's shared primitive has none.
-    shared = mra.functional.backend_for(plain.attrs).fused
+    shared = functional.backend_for(plain.attrs).fused
     assert "in_layout" not in shared.attrs and "self_define_shard" not in shared.attrs
 
 

@@ -171,6 +171,8 @@ class LlamaAttention(nn.Cell):
       ``aq``/``akv`` describing every slot as its filled rows then a query-less gap (``KVCache``).
     Every key is rotated exactly once, and no step copies the cache."""
 
+    fused_site = True  # fuse() leaves it alone: it already runs the fused op
+
     def __init__(self, config: LlamaConfig, cos_sin, layout: str, backend: str, dtype, cp=None, tp=None):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,

@@ -22,7 +22,7 @@ from .collectives import GatherChunks, GroupCollective, group_geometry
 from .context_parallel import ContextParallelRotaryAttention, load_balanced_chunks, load_balanced_merge
 from .mesh import Axis, ParallelMesh
 from .ring import merge_by_lse, ring_attention_blocks
-from .sharding import check_shard_shapes, optional_inputs, primitive_layouts, shard_primitive
+from ..layouts import check_shard_shapes, optional_inputs, primitive_layouts, shard_primitive
 from .tensor_parallel import CopyToTensorParallel, GatherFromTensorParallel, ReduceFromTensorParallel
 
 __all__ = ["Axis", "ContextParallelRotaryAttention", "CopyToTensorParallel", "GatherChunks", "GatherFromTensorParallel",

@@ -138,6 +138,25 @@ def opdef_source(backward: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
+def output_shapes(query_shape, key_shape, attr_values: dict[str, Any]) -> tuple[tuple, tuple, tuple]:
+    """The shapes of attention_out, softmax_lse and rotated_key for a call with these query/key
+    shapes and attribute values (the contract's names; missing ones take its defaults): the rule
+    the kernels' InferShape implements. A disabled output is (0,)."""
+    values = {**load_contract().attr_defaults, **attr_values}
+    q, layout = tuple(query_shape), values["input_layout"]
+    if not values["with_softmax_lse"]:
+        lse = (0,)
+    elif layout == "TND":
+        lse = (q[0], q[1])
+    elif layout == "BNSD":
+        lse = (q[0], q[1], q[2])
+    elif layout == "BSND":
+        lse = (q[0], q[2], q[1])
+    else:
+        lse = (q[0], values["head_num"], q[1])
+    return q, lse, tuple(key_shape) if values["with_rotated_key"] else (0,)
+
+
 def build_reg_info(target: str, attr_values: dict[str, Any], *, any_dtype: bool = False, backward: bool = False):
     """The ``CustomRegOp`` op-info for one backend, with the attribute values of one op instance;
     ``backward=True`` for the gradient op.
