@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Lowest first. A module (or a subpackage, all of its modules) may import from its floor and below.
 FLOORS = [
+    ("compatibility", ["_compat"]),
     ("contract", ["op_info", "attrs"]),
     ("checks and math", ["checks", "rope", "unfused", "gradients", "layouts"]),
     ("kernels", ["cpu_kernel", "cpu_direct", "linear", "ascend_emulated", "flash_backward", "ascend_kernel"]),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._compat import drop_compiled_graphs
 from .family import class_path
 from .handwritten import HandWrittenAttention
 from .hf_llama import HuggingFaceLlama
@@ -90,10 +91,7 @@ def _drop_compiled_graphs(net) -> bool:
     current code (a fused or restored construct). True if there was one."""
     dropped = False
     for _, cell in _modules(net):
-        cache = getattr(cell, "compile_cache", None)
-        if cache:
-            cache.clear()
-            dropped = True
+        dropped = drop_compiled_graphs(cell) or dropped
     return dropped
 
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import mindspore as ms
 from mindspore import Parameter, Tensor
-from mindspore.ops.operations import _inner_ops
 
-_MindSporeGenerator = _inner_ops.Generator
+from .._compat import generator_primitive
+
+_MindSporeGenerator, _replace_generator = generator_primitive()
 
 
 class _Generator(_MindSporeGenerator):
@@ -36,4 +37,4 @@ class _Generator(_MindSporeGenerator):
 
 def install() -> None:
     """Idempotent; must run before mindnlp (mindtorch) is imported."""
-    _inner_ops.Generator = _Generator
+    _replace_generator(_Generator)

@@ -109,3 +109,18 @@ def test_outputs_carry_mindtorchs_device_tag():
     cache = transformers.DynamicCache()
     keys, _ = cache.update(rotated_key, v, 0)
     assert keys.shape == (1, 2, 5, 16)
+
+
+def test_the_private_interfaces_compat_reads_are_there():
+    """What ms_rope_attention/_compat.py reads of transformers and mindtorch, pinned to the versions
+    of this environment: the config's attention implementation, and mindtorch's device tag."""
+    from ms_rope_attention import _compat
+
+    model = tiny()
+    assert _compat.attention_implementation(model.config) == model.config._attn_implementation
+    assert model.config._attn_implementation in ("eager", "sdpa")
+    x = torch.ones(2)
+    assert hasattr(x, "_device"), "mindtorch tensors carry a _device tag"
+    out = ms.Tensor(np.ones(2, np.float32))
+    _compat.copy_device_tag([out], x)
+    assert out._device == x._device
