@@ -55,7 +55,7 @@ class BuildKernels(build_ext):
 
 extensions = [
     Extension(f"ms_rope_attention._rfa_cpu_{isa}", sources=SOURCES, depends=[f"{CSRC}/{h}" for h in
-              ("aot_abi.h", "rfa_problem.h", "rfa_cpu_kernel.h", "rows.h", "simd.h")],
+              ("aot_abi.h", "last_error.h", "rfa_problem.h", "rfa_cpu_kernel.h", "rows.h", "simd.h")],
               extra_compile_args=COMMON + flags + SANITIZE, extra_link_args=["-fopenmp"] + SANITIZE[:1],
               language="c++")
     for isa, flags in ISA_FLAGS.items()
@@ -68,7 +68,7 @@ extensions = [
 # editable checkout too.
 extensions.append(Extension(
     "ms_rope_attention._rfa_cpu_linear", sources=[f"{CSRC}/rfa_cpu_linear.cc"],
-    depends=[f"{CSRC}/aot_abi.h", f"{CSRC}/rfa_problem.h"],
+    depends=[f"{CSRC}/aot_abi.h", f"{CSRC}/last_error.h", f"{CSRC}/rfa_problem.h"],
     include_dirs=[scipy_openblas32.get_include_dir()], library_dirs=[scipy_openblas32.get_lib_dir()],
     libraries=[scipy_openblas32.get_library()], runtime_library_dirs=["$ORIGIN/../scipy_openblas32/lib"],
     extra_compile_args=COMMON + SANITIZE, extra_link_args=["-fopenmp"] + SANITIZE[:1],

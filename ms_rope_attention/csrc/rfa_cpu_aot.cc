@@ -15,6 +15,7 @@
 #include <string>
 
 #include "aot_abi.h"
+#include "last_error.h"
 #include "rfa_cpu_kernel.h"
 #include "rfa_problem.h"
 
@@ -31,17 +32,9 @@ struct AttrData : AotKernelData {
   std::string error;  // an attribute error found at Init, reported at launch
 };
 
-std::mutex g_error_mutex;
-std::string g_last_error;
+rfa::LastError g_last_error("RotaryFlashAttention");
 
-int Fail(const std::string &message) {
-  {
-    std::lock_guard<std::mutex> lock(g_error_mutex);
-    g_last_error = message;
-  }
-  std::fprintf(stderr, "[RotaryFlashAttention] error: %s\n", message.c_str());
-  return 1;
-}
+int Fail(const std::string &message) { return g_last_error.Fail(message); }
 
 std::string ReadAttrs(AotExtra *extra, rfa::Attrs *a) {
   a->head_num = extra->GetInt("head_num");
@@ -70,12 +63,7 @@ std::string CheckKnob(const char *name, int64_t value, int64_t most) {
 
 // The message of the last failed call, copied under the lock into this thread's own string: a
 // failure on another thread cannot free the characters the caller is reading.
-extern "C" RFA_EXPORT const char *RotaryFlashAttentionLastError() {
-  thread_local std::string copy;
-  std::lock_guard<std::mutex> lock(g_error_mutex);
-  copy = g_last_error;
-  return copy.c_str();
-}
+extern "C" RFA_EXPORT const char *RotaryFlashAttentionLastError() { return g_last_error.Read(); }
 // The layout of rfa::Attrs and of the direct-call entries; cpu_direct.py and cpu_kernel.py refuse
 // a library whose version differs from theirs.
 extern "C" RFA_EXPORT int64_t RotaryFlashAttentionAbiVersion() { return rfa::kAbiVersion; }

@@ -22,6 +22,7 @@
 #include <cblas.h>  // scipy-openblas32's: every symbol carries its scipy_ prefix
 
 #include "aot_abi.h"
+#include "last_error.h"
 #include "rfa_problem.h"  // rfa::ShapeText
 
 #define RFA_EXPORT __attribute__((visibility("default")))
@@ -32,17 +33,9 @@ using rfa::ShapeText;
 
 // One message for the process, as the attention op keeps it: MindSpore launches on its own threads,
 // and the caller reads the message from another.
-std::mutex g_error_mutex;
-std::string g_last_error;
+rfa::LastError g_last_error("RfaLinear");
 
-int Fail(const std::string &message) {
-  {
-    std::lock_guard<std::mutex> lock(g_error_mutex);
-    g_last_error = message;
-  }
-  std::fprintf(stderr, "[RfaLinear] error: %s\n", message.c_str());
-  return 1;
-}
+int Fail(const std::string &message) { return g_last_error.Fail(message); }
 
 struct Gemm {
   int64_t m = 0, n = 0, k = 0;  // rows of x, out_features, in_features
@@ -184,12 +177,7 @@ void Multiply(const Gemm &g, const float *x, const float *w, float *y) {
 }  // namespace
 
 // Copied under the lock into this thread's own string (see RotaryFlashAttentionLastError).
-extern "C" RFA_EXPORT const char *RfaLinearLastError() {
-  thread_local std::string copy;
-  std::lock_guard<std::mutex> lock(g_error_mutex);
-  copy = g_last_error;
-  return copy.c_str();
-}
+extern "C" RFA_EXPORT const char *RfaLinearLastError() { return g_last_error.Read(); }
 
 // y's shape: x.shape[:-1] + (out_features,); -1 stays -1 (dynamic dimensions).
 extern "C" RFA_EXPORT std::vector<int64_t> RfaLinearInferShape(int *ndims, int64_t **shapes, mindspore::AotExtra *) {
