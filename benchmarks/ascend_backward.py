@@ -86,7 +86,7 @@ def llama_losses(backward: str, steps: int) -> dict:
     from mindspore import Tensor, nn
 
     from models.llama import LlamaForCausalLM, preset
-    from models.llama.model import LlamaForTraining
+    from models.llama.losses import LlamaForTraining
 
     ms.set_seed(0)
     net = LlamaForTraining(LlamaForCausalLM(preset("tiny"), dtype="float16"))

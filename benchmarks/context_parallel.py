@@ -65,7 +65,7 @@ def one_process(length: int) -> dict:
     """A training step on the whole sequence (run by ``harness.run_isolated``, which adds the peak)."""
     import mindspore as ms
 
-    from models.llama.model import LlamaForTraining
+    from models.llama.losses import LlamaForTraining
 
     ms.set_device("CPU")
     ids, labels = _batch(length)
@@ -94,7 +94,7 @@ def context_parallel_rank(length: int, limit_bytes: int) -> None:
     init()
     threading.Thread(target=_watch_memory, args=(limit_bytes,), daemon=True).start()
     from ms_rope_attention.distributed import ParallelMesh
-    from models.llama.parallel import ContextParallelTraining, context_parallel_batch
+    from models.llama.losses import ContextParallelTraining, context_parallel_batch
 
     mesh = ParallelMesh.create(context=2)
     ids, labels = _batch(length)

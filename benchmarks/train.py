@@ -123,7 +123,7 @@ def run_llama_step(backend, model, length, layers, repeats):
     from mindspore import Tensor, nn
 
     from models.llama import LlamaForCausalLM, preset
-    from models.llama.model import LlamaForTraining
+    from models.llama.losses import LlamaForTraining
 
     ms.set_device("CPU")
     ms.set_context(mode=ms.GRAPH_MODE)

@@ -26,11 +26,11 @@ from ms_rope_attention.unfused import apply_rope
 # outside the package, where relative imports fail.
 from models.llama.config import LlamaConfig
 from models.llama.rope_scaling import model_rope_tables
+from models.llama.tensor_parallel import TensorParallel
 
 DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 LAYOUTS = ("BSH", "TND")
 PROJECTIONS = ("auto", "matmul")
-IGNORE_INDEX = -100  # labels that take no part in the loss (as in Hugging Face)
 
 
 def dtype_name(dtype) -> str:
@@ -301,9 +301,9 @@ class LlamaForCausalLM(nn.Cell):
     ``parallel``: this rank's ``ms_rope_attention.distributed.ParallelMesh`` (``mindspore.communication
     .init()`` first), or None for one process. Along its context axis each rank runs its load-balanced
     part of every sequence (``ms_rope_attention.distributed.load_balanced_chunks``, BSH, no cache) and
-    attention gathers K/V across the group (``models.llama.parallel`` trains it). Along its tensor
+    attention gathers K/V across the group (``models.llama.losses.ContextParallelTraining`` trains it). Along its tensor
     axis each rank holds its share of the heads, MLP features and vocabulary
-    (``models.llama.parallel.TensorParallel``); the logits come back whole on every rank, and
+    (``models.llama.tensor_parallel.TensorParallel``); the logits come back whole on every rank, and
     training, generation with the KV cache and ``weights.load_weights`` (the rank's slices only)
     work as on one process. The data axis is the trainer's (each rank its share of a batch).
     """
@@ -328,7 +328,6 @@ class LlamaForCausalLM(nn.Cell):
         self.parallel = parallel
         tp = None
         if parallel is not None and parallel.tensor.size > 1:
-            from models.llama.parallel import TensorParallel
             tp = TensorParallel.of_mesh(config, parallel)
         self.tensor_parallel = tp  # None without a tensor-parallel axis
         # What this rank's KV cache holds per layer (its KV heads).
@@ -385,31 +384,3 @@ class LlamaForCausalLM(nn.Cell):
         if self.vocab_parallel:
             logits = self.gather_vocab(logits)
         return logits.astype(ms.float32)
-
-
-class LlamaForTraining(nn.Cell):
-    """The training forward of a ``LlamaForCausalLM`` (built with ``logits="all"``): mean next-token
-    cross-entropy in float32, no KV cache.
-
-    ``construct(input_ids, labels, actual_seq_qlen=None)``: ``labels`` are aligned with
-    ``input_ids`` (Hugging Face's convention: the logits at token i are scored against labels[i + 1]);
-    ``IGNORE_INDEX`` marks labels that take no part. For a packed TND batch (input_ids (T,), cumulative
-    ends ``actual_seq_qlen``) the first label of every sequence must be ``IGNORE_INDEX``, so no sequence
-    is asked to predict the next one's start.
-    """
-
-    def __init__(self, lm: LlamaForCausalLM):
-        super().__init__(auto_prefix=False)  # parameters keep their Hugging Face names
-        self.lm = lm
-        self.vocab_size = lm.vocab_size
-        self.packed = lm.layout == "TND"
-        self.ignore_index = IGNORE_INDEX  # an attribute: amp O1's rewrite drops module constants
-
-    def construct(self, input_ids, labels, actual_seq_qlen=None):
-        logits = self.lm(input_ids, actual_seq_qlen, actual_seq_qlen)
-        if self.packed:
-            logits, labels = logits[:-1], labels[1:]
-        else:
-            logits, labels = logits[:, :-1], labels[:, 1:]
-        return ops.cross_entropy(logits.reshape(-1, self.vocab_size), labels.reshape(-1).astype(ms.int32),
-                                 ignore_index=self.ignore_index)

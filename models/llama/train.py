@@ -44,11 +44,12 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from .config import LlamaConfig, preset
-from .model import IGNORE_INDEX, LlamaForCausalLM, LlamaForTraining
-from .parallel import ContextParallelTraining, context_parallel_batch, gathered_state, scatter_state
+from .losses import IGNORE_INDEX, ContextParallelTraining, LlamaForTraining, context_parallel_batch
+from .model import LlamaForCausalLM
 from . import run_directory
 from .tokenizer import Tokenizer
-from .weights import CheckpointError, load_weights, model_state, read_config, save_hf_checkpoint
+from .weights import (CheckpointError, gathered_state, load_weights, model_state, read_config, save_hf_checkpoint,
+                      scatter_state)
 
 _MOMENTS = ("adam_m.", "adam_v.")  # AdamWeightDecay's moment parameters: prefix + the weight's name
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")

@@ -304,3 +304,19 @@ def save_hf_checkpoint(state: dict[str, np.ndarray], config: LlamaConfig, direct
         weight_map.update({name: file for name in shard})
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return directory
+
+
+def gathered_state(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
+    """The full float32 weights of a tensor-parallel model (every rank of its tensor-parallel group
+    calls it; every rank gets them), as ``weights.model_state`` gives them for one process."""
+    tp, config = model.tensor_parallel, model.config
+    return {name: tp.gather(name, param, config) for name, param in model.parameters_dict().items()}
+
+
+def scatter_state(model: LlamaForCausalLM, state: dict[str, np.ndarray]) -> None:
+    """Fill a tensor-parallel model with its slices of one process's full weights ``state``."""
+    tp, config = model.tensor_parallel, model.config
+    for name, param in model.parameters_dict().items():
+        index = tp.index(name, config)
+        param.set_data(Tensor(np.ascontiguousarray(state[name] if index is None else state[name][index]),
+                              param.dtype))

@@ -144,8 +144,7 @@ def check_tensor_parallel(name, mode, plain_allreduce=False):
 def check_llama_context_parallel(name, mode):
     """CP=2 training step of the tiny Llama (2 layers, GQA 4/2), batch 2 x 32 tokens."""
     from models.llama import LlamaForCausalLM, preset
-    from models.llama.model import LlamaForTraining
-    from models.llama.parallel import ContextParallelTraining, context_parallel_batch
+    from models.llama.losses import ContextParallelTraining, LlamaForTraining, context_parallel_batch
 
     ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
     ms.set_seed(5)  # the same weights on every rank
@@ -178,9 +177,8 @@ def check_llama_tensor_parallel(name, mode, kv_heads=2):
 
     from models.llama import LlamaForCausalLM, preset
     from models.llama.generate import Generator
-    from models.llama.model import LlamaForTraining
-    from models.llama.parallel import gathered_state
-    from models.llama.weights import load_checkpoint, load_weights, model_state, save_hf_checkpoint
+    from models.llama.losses import LlamaForTraining
+    from models.llama.weights import gathered_state, load_checkpoint, load_weights, model_state, save_hf_checkpoint
 
     ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
     ms.set_seed(9)  # the same one-process weights on every rank
