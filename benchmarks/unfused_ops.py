@@ -22,9 +22,8 @@ def steps(length: int, heads: int, head_dim: int, repeats: int) -> dict:
     from mindspore import Tensor, nn, ops
 
     import ms_rope_attention as mra
-    from ms_rope_attention.rope import rope_tables
-    from ms_rope_attention.unfused import (_BMM, _BMM_TRANSPOSED, _NEG, _mask, _non_finite_keys, _rows_seeing,
-                                           _visible_count, apply_rope)
+    from ms_rope_attention.rope import apply_rope, rope_tables
+    from ms_rope_attention.unfused import _BMM, _BMM_TRANSPOSED, _NEG, _mask, _non_finite_keys, _rows_seeing, _visible_count
 
     ms.set_device("CPU")
     ms.set_context(mode=ms.GRAPH_MODE)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+from mindspore import Tensor, ops
 
 
 def inverse_frequencies(rotary_dim: int, theta: float = 10000.0) -> np.ndarray:
@@ -48,7 +49,39 @@ def shared_rope_tables(rotary_dim: int, max_positions: int, theta: float = 10000
 
     Every layer (and every batch) that uses the same settings gets the same two tensors.
     """
-    from mindspore import Tensor
-
     cos, sin = rope_tables(rotary_dim, max_positions, theta, rotary_mode)
     return Tensor(cos), Tensor(sin)
+
+
+def interleaved_permutation(rotary_dim: int):
+    """(index, sign) with rot(x) = x[..., index] * sign for interleaved pairs (mode 1):
+    rot(x)[2i] = -x[2i+1], rot(x)[2i+1] = x[2i]. (Rotate-half, mode 0, is two slices instead.)"""
+    index = np.arange(rotary_dim).reshape(-1, 2)[:, ::-1].reshape(-1)
+    sign = np.tile([-1.0, 1.0], rotary_dim // 2)
+    return index.astype(np.int32), sign.astype(np.float32)
+
+
+def rotate_half(x):
+    """rot(x) for rotate-half RoPE (mode 0): [-x2, x1] over the last axis, as two slices and a concat
+    (a third faster on MindSpore's CPU backend than a Gather). Functional ops only, so it takes
+    mindtorch's tensors too (their operators refuse untagged intermediates)."""
+    half = x.shape[-1] // 2
+    return ops.cat((ops.neg(x[..., half:]), x[..., :half]), -1)
+
+
+def apply_rope(x, cos_rows, sin_rows, rotary_mode, rotary_dim):
+    """Standalone RoPE: x (..., D) rotated on its first ``rotary_dim`` features, with
+    ``cos_rows``/``sin_rows`` already gathered at each row's position and broadcastable to
+    x[..., :rotary_dim]. The unfused path uses it for Q/K; a model (or a fused third-party forward)
+    for the few new keys of a decode step before appending them to its rotated KV cache."""
+    head_dim = x.shape[-1]
+    part = x[..., :rotary_dim] if rotary_dim < head_dim else x
+    if rotary_mode == 0:
+        rotated_part = rotate_half(part)
+    else:
+        index, sign = interleaved_permutation(rotary_dim)
+        rotated_part = ops.mul(ops.gather(part, Tensor(index), x.ndim - 1), Tensor(sign))
+    rotated = ops.add(ops.mul(part, cos_rows), ops.mul(rotated_part, sin_rows))
+    if rotary_dim < head_dim:
+        rotated = ops.cat((rotated, x[..., rotary_dim:]), -1)
+    return rotated

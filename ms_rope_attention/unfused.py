@@ -7,21 +7,14 @@ kernel avoids.  Computation is float32 whatever the input dtype.
 """
 from __future__ import annotations
 
-import numpy as np
-from mindspore import Tensor, ops
+from mindspore import ops
 import mindspore as ms
+
+from .rope import apply_rope  # it lived here until rope.py took it: still importable from here
 
 _NEG = -1e30  # finite "minus infinity" for masked scores, so no row becomes NaN
 _BMM = ops.BatchMatMul()
 _BMM_TRANSPOSED = ops.BatchMatMul(transpose_b=True)
-
-
-def interleaved_permutation(rotary_dim: int):
-    """(index, sign) with rot(x) = x[..., index] * sign for interleaved pairs (mode 1):
-    rot(x)[2i] = -x[2i+1], rot(x)[2i+1] = x[2i]. (Rotate-half, mode 0, is two slices instead.)"""
-    index = np.arange(rotary_dim).reshape(-1, 2)[:, ::-1].reshape(-1)
-    sign = np.tile([-1.0, 1.0], rotary_dim // 2)
-    return index.astype(np.int32), sign.astype(np.float32)
 
 
 def _to_bnsd(x, layout, heads, head_dim):
@@ -77,27 +70,6 @@ def _rows_seeing(flagged, first, count):
     prefix = ops.cumsum(flagged.astype(ms.float32), axis=2)
     prefix = ops.concat([ops.zeros_like(prefix[:, :, :1]), prefix], axis=2)  # flagged keys before each index
     return (ops.gather(prefix, first + count, 2) - ops.gather(prefix, first, 2)) > 0
-
-
-def apply_rope(x, cos_rows, sin_rows, rotary_mode, rotary_dim):
-    """Standalone RoPE: x (..., D) float32 rotated on its first ``rotary_dim`` features, with
-    ``cos_rows``/``sin_rows`` already gathered at each row's position and broadcastable to
-    x[..., :rotary_dim]. The unfused path uses it for Q/K; a model uses it for the few new keys of
-    a decode step before appending them to its rotated KV cache."""
-    head_dim = x.shape[-1]
-    part = x[..., :rotary_dim] if rotary_dim < head_dim else x
-    if rotary_mode == 0:
-        # rotate-half as two slices and a concat: a third faster on MindSpore's CPU backend than the
-        # permutation as a Gather along the last axis (which mode 1, interleaved pairs, still uses).
-        half = rotary_dim // 2
-        rotated_half = ops.concat([-part[..., half:], part[..., :half]], axis=-1)
-        rotated = part * cos_rows + rotated_half * sin_rows
-    else:
-        index_np, sign_np = interleaved_permutation(rotary_dim)
-        rotated = part * cos_rows + ops.gather(part, Tensor(index_np), x.ndim - 1) * (sin_rows * Tensor(sign_np))
-    if rotary_dim < head_dim:
-        rotated = ops.concat([rotated, x[..., rotary_dim:]], axis=-1)
-    return rotated
 
 
 def _rope(x, cos, sin, positions, rotary_mode, rotary_dim):

@@ -20,7 +20,7 @@ from mindspore.common.initializer import Normal, initializer
 
 from ms_rope_attention import RotaryFlashAttention
 from ms_rope_attention.linear import linear_op
-from ms_rope_attention.unfused import apply_rope
+from ms_rope_attention.rope import apply_rope
 
 # Absolute imports: mindspore.rewrite (amp.auto_mixed_precision O1) regenerates this module's source
 # outside the package, where relative imports fail.

@@ -16,8 +16,9 @@ import mindspore as ms
 import numpy as np
 from mindspore import ops
 
+from .._compat import attention_implementation, copy_device_tag
 from ..functional import rotary_flash_attention
-from ..rope import rope_tables
+from ..rope import apply_rope, rope_tables
 from .family import Family, SiteAnnouncer, class_path, fingerprint
 from .masks import additive_mask_is_causal, bool_mask_is_causal
 
@@ -40,20 +41,6 @@ def site_fingerprint(site) -> str:
     module = _module_of(site)
     forward = type(site).forward
     return fingerprint(getattr(forward, "__wrapped__", forward), module.apply_rotary_pos_emb, module.rotate_half)
-
-
-def _tag(tensor, like):
-    """mindtorch's device tag (its KV cache reads ``.device``), copied from ``like``."""
-    device = getattr(like, "_device", None)
-    if device is not None:
-        tensor._device = device
-    return tensor
-
-
-def _rotate_half(x):
-    """HF's rotate_half in functional MindSpore ops."""
-    half = x.shape[-1] // 2
-    return ops.cat((ops.neg(x[..., half:]), x[..., :half]), -1)
 
 
 def _mask_is_causal(mask, implementation, q_len, past_len) -> bool:
@@ -88,7 +75,7 @@ def _runtime_reason(site, hidden_states, cos, attention_mask, past_len, kwargs):
         return f"partial rotary (cos has {cos.shape[-1]} of head_dim {site.head_dim} columns)"
     if cos.shape[0] > 1 and not bool(ops.all(ops.equal(cos, cos[:1]))):
         return "positions differ across the batch"
-    if not _mask_is_causal(attention_mask, site.config._attn_implementation, hidden_states.shape[1], past_len):
+    if not _mask_is_causal(attention_mask, attention_implementation(site.config), hidden_states.shape[1], past_len):
         return "the mask is not exactly causal (padding, or a custom mask)"
     return None
 
@@ -107,7 +94,8 @@ def _fused_forward(self, hidden_states, position_embeddings, attention_mask, pas
                                          past_key_values=past_key_values, cache_position=cache_position, **kwargs)
 
     def tag(tensor):
-        return _tag(tensor, hidden_states)
+        copy_device_tag((tensor,), hidden_states)
+        return tensor
 
     batch, length = hidden_states.shape[0], hidden_states.shape[1]
     query, key, value = (tag(ops.reshape(proj(hidden_states), (batch, length, -1, self.head_dim)))
@@ -124,7 +112,7 @@ def _fused_forward(self, hidden_states, position_embeddings, attention_mask, pas
     else:
         key = tag(ops.transpose(key, to_bnsd))
         c, s = tag(ops.expand_dims(cos0, 0)), tag(ops.expand_dims(sin0, 0))
-        new_keys = tag(ops.cast(ops.add(ops.mul(key, c), ops.mul(_rotate_half(key), s)), key.dtype))
+        new_keys = tag(ops.cast(apply_rope(key, c, s, 0, self.head_dim), key.dtype))
         keys, values = past_key_values.update(new_keys, tag(ops.transpose(value, to_bnsd)), self.layer_idx,
                                               cache_kwargs)
         # The op reads query i's rotation at table row kv_len - q_len + i: HF's rows go there.
@@ -148,7 +136,7 @@ class HuggingFaceLlama(Family):
         printed = site_fingerprint(site)
         if printed not in TESTED[model]:
             return (f"its code differs from the tested {sorted(TESTED[model].values())} (fingerprint {printed})")
-        implementation = site.config._attn_implementation
+        implementation = attention_implementation(site.config)
         if implementation not in IMPLEMENTATIONS:
             return f"attn_implementation={implementation!r}: only {list(IMPLEMENTATIONS)} are covered"
         window = getattr(site, "sliding_window", None) if model == "qwen2" else \
@@ -177,7 +165,7 @@ class HuggingFaceLlama(Family):
         rng = np.random.default_rng(seed)
         batch, hidden, dim = 2, site.config.hidden_size, site.head_dim
         dtype = site.q_proj.weight.dtype
-        sdpa = site.config._attn_implementation == "sdpa"
+        sdpa = attention_implementation(site.config) == "sdpa"
         cos_table, sin_table = rope_tables(dim, 7)
         cache, outputs = cache_utils.DynamicCache(), []
         for start, stop in ((0, 5), (5, 7)):
