@@ -335,9 +335,7 @@ void RunDecode(const Problem &p, const Buffers &buf, const Tiling &tiling) {
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < ntasks; ++i)
       if (bound) worker.RunTask(plan.tasks[i]);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < ntasks; ++i)
-      if (bound && plan.tasks[i].split == 0) worker.MergeItem(plan.tasks[i]);
+    MergeSplitItems(worker, plan, bound);
   }
   if (!ok) throw std::bad_alloc();
 }

@@ -425,7 +425,6 @@ void Run(const Problem &p, const Buffers &buf, const Tiling &tiling) {
   }
   float *packed = tls_packed.Get(plan.pack_floats);
   if (!packed) throw std::bad_alloc();
-  const int64_t ntasks = static_cast<int64_t>(plan.tasks.size());
   bool ok = true;
 #pragma omp parallel num_threads(threads) reduction(&& : ok)
   {
@@ -446,9 +445,7 @@ void Run(const Problem &p, const Buffers &buf, const Tiling &tiling) {
     }
     if (plan.nsplit > 1) {
 #pragma omp barrier  // the last chunk's tasks are done before their splits are merged
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t i = 0; i < ntasks; ++i)
-        if (bound && plan.tasks[i].split == 0) worker.MergeItem(plan.tasks[i]);
+      MergeSplitItems(worker, plan, bound);
     }
   }
   if (!ok) throw std::bad_alloc();

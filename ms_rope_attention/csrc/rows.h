@@ -55,6 +55,17 @@ inline void MergeSplitRow(Partials &partials, int64_t item, int64_t nsplit, int6
   }
 }
 
+// Inside an OpenMP parallel region (every thread calls it: an orphaned worksharing loop), after the
+// tasks' barrier: the task of split 0 of each item merges that item's splits (worker.MergeItem, which
+// calls MergeSplitRow per row). A thread without scratch (`bound` false) takes no item.
+template <class Worker, class Plan>
+inline void MergeSplitItems(Worker &worker, const Plan &plan, bool bound) {
+  const int64_t ntasks = static_cast<int64_t>(plan.tasks.size());
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t i = 0; i < ntasks; ++i)
+    if (bound && plan.tasks[i].split == 0) worker.MergeItem(plan.tasks[i]);
+}
+
 // 1 / l for a finished row: 0 for a row that saw no key (its output is 0, never NaN); NaN stays NaN.
 inline float InverseSum(float l) { return l == 0.f ? 0.f : 1.0f / l; }
 
