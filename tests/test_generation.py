@@ -8,7 +8,7 @@ from mindspore import Tensor
 
 from ms_rope_attention.cpu_kernel import decode_calls
 
-from models.llama.generate import Generator, Token, _Request
+from models.llama.generate import Generator, Token
 from models.llama.kv_cache import BUCKET, bucket_capacity, token_bucket
 from models.llama.weights import load_checkpoint
 import test_llama
@@ -32,14 +32,11 @@ def test_prefill_steps_and_a_chunk_equal_one_full_forward(checkpoint, backend, m
     (ids,) = ids_of(rng, 30)
     full = bsh_logits(model, ids)
     gen = Generator(model, slots=3)
-    gen._ensure_capacity(len(ids))
-    request = _Request(0, ids[:19], 1, frozenset(), slot=1)
-    gen.slots.take(1)
-    got = [gen._prefill([request])]
-    for pos in range(19, 23):
-        got.append(gen._append([request], [[ids[pos]]]))
-    got.append(gen._append([request], [ids[23:29]]))
-    got.append(gen._append([request], [[ids[29]]]))
+    with gen.open(ids[:3], max_positions=len(ids)) as other, gen.open(ids[:19]) as sequence:  # slots 0 and 1
+        got = [sequence.logits[None]] + [sequence.append([ids[pos]]) for pos in range(19, 23)]
+        got += [sequence.append(ids[23:29]), sequence.append([ids[29]])]
+        assert sequence.length == 30 and other.length == 3
+    assert sequence.closed and gen.slots.free() == [0, 1, 2]
     assert np.abs(np.concatenate(got) - full[18:]).max() <= ATOL
     assert gen.compiles == 3
 
@@ -54,7 +51,7 @@ def test_padded_steps_touch_only_their_rows_and_the_scratch_row(checkpoint, mode
     alone = Generator(model, slots=1)
     expected = [alone.generate([p], 4, eos_ids=()).tokens[0] for p in prompts]
     gen = Generator(model, slots=3)
-    gen._ensure_capacity(16)
+    gen.reserve(16)
     for tensor in (*gen.cache.keys, *gen.cache.values):
         tensor.set_data(Tensor(np.full(tensor.shape, np.nan, np.float32)))
     assert gen.generate(prompts, 4, eos_ids=()).tokens == expected
@@ -207,10 +204,8 @@ def test_float16_cache_of_a_float32_model(checkpoint, graph, rng):
     (ids,) = ids_of(rng, 25)
     full = bsh_logits(model, ids)
     gen = Generator(model, slots=1, cache_dtype="float16")
-    gen._ensure_capacity(len(ids))
-    request = _Request(0, ids[:20], 1, frozenset(), slot=0)
-    gen.slots.take(0)
-    got = [gen._prefill([request])] + [gen._append([request], [[t]]) for t in ids[20:]]
+    with gen.open(ids[:20], max_positions=len(ids)) as sequence:
+        got = [sequence.logits[None]] + [sequence.append([t]) for t in ids[20:]]
     error = np.abs(np.concatenate(got) - full[19:]).max()
     assert 0 < error <= 1e-2
     assert gen.cache.dtype == gen.cache.keys[1].dtype and str(gen.cache.dtype) == "Float16"
@@ -247,6 +242,37 @@ def test_a_fixed_capacity_too_small_is_refused(checkpoint, graph):
         Generator(model, capacity=1000)
     with pytest.raises(ValueError, match=r"slots: expected a positive int, got 0"):
         Generator(model, slots=0)
+
+
+def test_open_sequences_keep_their_slots_and_refuse_what_would_break_them(checkpoint, graph, rng):
+    """A stream and a prefill beside an open sequence use the other slot and leave the sequence's
+    cache as it was (its next logits equal a fresh one's); growing the cache, a third sequence, too
+    many tokens and a closed sequence are refused naming the argument."""
+    model = load_checkpoint(checkpoint[1], max_positions=2048, progress=False)
+    gen = Generator(model, slots=2)
+    prompt, more = ids_of(rng, 9, 4)
+    with gen.open(prompt) as sequence:
+        assert gen.capacity == 512 and sequence.length == 9
+        gen.generate([[5, 6, 7]], 3, eos_ids=())
+        gen.prefill_logits([[8, 9]])
+        kept = sequence.append(more)
+        with pytest.raises(ValueError, match=r"capacity: 600 positions need a larger cache than the 512 of the 1 "
+                                             r"open sequence\(s\)"):
+            gen.open([1], max_positions=600)
+        with gen.open([1, 2]):
+            with pytest.raises(ValueError, match=r"open: all 2 slots hold open sequences"):
+                gen.open([3])
+            with pytest.raises(ValueError, match=r"prompts: 1 prompts in one prefill, 0 slots are free"):
+                gen.prefill_logits([[1]])
+        with pytest.raises(ValueError, match=r"tokens: expected 1..16 token ids"):
+            sequence.append(list(range(17)))
+        with pytest.raises(ValueError, match=r"tokens: expected token ids in \[0, 256\)"):
+            sequence.append([256])
+    with gen.open(prompt) as fresh:
+        assert np.array_equal(fresh.append(more), kept)
+    with pytest.raises(ValueError, match="append: the sequence is closed"):
+        sequence.append([1])
+    assert gen.slots.free() == [0, 1]
 
 
 def test_a_cache_over_the_memory_limit_is_refused_before_it_is_allocated(monkeypatch):

@@ -24,7 +24,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from .kv_cache import KVCache, Slots, bucket_capacity, cache_bytes
+from .kv_cache import STEP_TOKENS, KVCache, Slots, bucket_capacity, cache_bytes
 from .model import DTYPES, LlamaForCausalLM, dtype_name
 
 
@@ -142,6 +142,50 @@ class _Request:
     generated: int = 0
 
 
+class Sequence:
+    """One prompt held in a ``Generator``'s cache (``Generator.open``). ``logits`` are its last token's;
+    ``append`` feeds it 1..16 more tokens (a decode step, a speculative block, a prompt's next chunk)
+    and returns the logits at each. ``close`` (or leaving its ``with`` block) frees the slot."""
+
+    def __init__(self, generator: "Generator", request: _Request, logits: np.ndarray):
+        self._generator, self._request, self.logits = generator, request, logits
+
+    @property
+    def length(self) -> int:
+        """Tokens cached so far (0 once closed)."""
+        return 0 if self.closed else int(self._generator.slots.lengths[self._request.slot])
+
+    @property
+    def closed(self) -> bool:
+        return self._request.slot < 0
+
+    def append(self, tokens) -> np.ndarray:
+        """(len(tokens), vocab) logits, row i at ``tokens[i]``."""
+        if self.closed:
+            raise ValueError("append: the sequence is closed")
+        generator = self._generator
+        ids = np.asarray(tokens)
+        if ids.ndim != 1 or not 1 <= len(ids) <= STEP_TOKENS or ids.dtype.kind not in "iu":
+            raise ValueError(f"tokens: expected 1..{STEP_TOKENS} token ids, got {tokens!r:.80}")
+        if ids.min() < 0 or ids.max() >= generator.model.vocab_size:
+            raise ValueError(f"tokens: expected token ids in [0, {generator.model.vocab_size}), got {tokens!r:.80}")
+        if self.length + len(ids) > generator.capacity:
+            raise ValueError(f"tokens: {self.length} cached + {len(ids)} new tokens pass the cache's "
+                             f"{generator.capacity} positions; open with max_positions= the longest")
+        return generator._append([self._request], [[int(t) for t in ids]])
+
+    def close(self) -> None:
+        if not self.closed:
+            self._generator.slots.release(self._request.slot)
+            self._request.slot = -1
+
+    def __enter__(self) -> "Sequence":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 class Generator:
     """Drives a ``LlamaForCausalLM`` through prefill and decode on an in-place ``KVCache``.
 
@@ -189,7 +233,10 @@ class Generator:
         """Graphs compiled so far, all capacities together."""
         return len(self.compile_log)
 
-    def _ensure_capacity(self, needed: int) -> None:
+    def reserve(self, needed: int) -> None:
+        """Allocates the cache for sequences of ``needed`` positions now (a larger bucket replaces a
+        smaller one; nothing is compiled). Refused while a ``Sequence`` is open: growing drops the
+        cache it lives in."""
         if self.fixed_capacity is not None:
             if needed > self.fixed_capacity:
                 raise ValueError(f"capacity: a prompt and its new tokens need {needed} cache positions, the "
@@ -199,6 +246,10 @@ class Generator:
             capacity = bucket_capacity(needed, self.model.max_positions)
         if capacity <= self.capacity:
             return
+        if self.slots.busy.any():
+            raise ValueError(f"capacity: {needed} positions need a larger cache than the {self.capacity} of the "
+                             f"{int(self.slots.busy.sum())} open sequence(s); open the first with max_positions= "
+                             "the longest, or close them first")
         need = cache_bytes(self.model.cache_config, self.slots_count, capacity, self.cache_dtype)
         if need > self.cache_memory_limit:
             raise ValueError(f"cache_memory_limit: the KV cache of slots={self.slots_count} x capacity={capacity} "
@@ -214,7 +265,7 @@ class Generator:
 
     def _reserve(self, prompts, counts) -> None:
         """The capacity the prompts and their new tokens need (the last new token is never cached)."""
-        self._ensure_capacity(max(len(p) + n - 1 for p, n in zip(prompts, counts)))
+        self.reserve(max(len(p) + n - 1 for p, n in zip(prompts, counts)))
 
     def _check(self, prompts, max_new_tokens) -> list[int]:
         if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -317,9 +368,9 @@ class Generator:
                                 active.remove(request)
                         elif request not in active:
                             active.append(request)
-        finally:  # an abandoned or failed stream leaves no slot taken (rows past a length are never read)
-            for slot in range(self.slots_count):
-                self.slots.release(slot)
+        finally:  # an abandoned or failed stream leaves no slot of its own taken (rows past a length are never read)
+            for request in active + joining:
+                self.slots.release(request.slot)
 
     def warm_up(self, prompts, max_new_tokens=2) -> float:
         """Compile and run both graphs of the capacity these prompts need (once per capacity);
@@ -340,13 +391,37 @@ class Generator:
         if len(prompts) > self.slots_count:
             raise ValueError(f"prompts: {len(prompts)} prompts in one prefill, the generator has "
                              f"{self.slots_count} slots")
-        self._ensure_capacity(max(len(p) for p in prompts))
-        requests = [_Request(i, list(p), 1, frozenset(), slot=i) for i, p in enumerate(prompts)]
+        self.reserve(max(len(p) for p in prompts))
+        free = self.slots.free()
+        if len(prompts) > len(free):
+            raise ValueError(f"prompts: {len(prompts)} prompts in one prefill, {len(free)} slots are free "
+                             f"({self.slots_count - len(free)} hold open sequences)")
+        requests = [_Request(i, list(p), 1, frozenset(), slot=slot) for (i, p), slot in zip(enumerate(prompts), free)]
+        for r in requests:
+            self.slots.take(r.slot)
         try:
             return self._prefill(requests)
         finally:
             for r in requests:
                 self.slots.release(r.slot)
+
+    def open(self, prompt, *, max_positions: int | None = None) -> "Sequence":
+        """Prefills ``prompt`` into a free slot and returns it as a ``Sequence`` that ``append`` extends
+        (the scoring / speculative-decoding primitive under ``stream``); ``max_positions`` (default:
+        the prompt's length) sizes the cache for what it will grow to."""
+        self._check([prompt], 1)
+        self.reserve(max(len(prompt), max_positions or 0))
+        free = self.slots.free()
+        if not free:
+            raise ValueError(f"open: all {self.slots_count} slots hold open sequences or a stream; close one first")
+        request = _Request(0, list(prompt), 1, frozenset(), slot=free[0])
+        self.slots.take(request.slot)
+        try:
+            logits = self._prefill([request])
+        except BaseException:
+            self.slots.release(request.slot)
+            raise
+        return Sequence(self, request, logits[0])
 
     def generate(self, prompts, max_new_tokens=32, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int = 0, eos_ids=None) -> Generation:
