@@ -61,18 +61,23 @@ extensions = [
     for isa, flags in ISA_FLAGS.items()
 ]
 
-# The projections' GEMM (y = x W^T) on OpenBLAS, from the scipy-openblas32 wheel. One build: OpenBLAS
-# picks its kernels for the running CPU. The wheel is a build requirement (headers, link) and an install
-# requirement (the library at run time): the rpath finds it beside this package in site-packages, and
+# The projections' GEMM (y = x W^T, on OpenBLAS and the library's own decode-sized product) and the
+# half-table embedding lookup, once per instruction set like the attention kernel: its own products
+# convert half weights in registers. OpenBLAS (the scipy-openblas32 wheel) picks its kernels for the
+# running CPU itself. The wheel is a build requirement (headers, link) and an install requirement
+# (the library at run time): the rpath finds it beside this package in site-packages, and
 # ms_rope_attention/linear.py loads it by path before this library is opened, which covers an
 # editable checkout too.
-extensions.append(Extension(
-    "ms_rope_attention._rfa_cpu_linear", sources=[f"{CSRC}/rfa_cpu_linear.cc"],
-    depends=[f"{CSRC}/aot_abi.h", f"{CSRC}/last_error.h", f"{CSRC}/rfa_problem.h"],
-    include_dirs=[scipy_openblas32.get_include_dir()], library_dirs=[scipy_openblas32.get_lib_dir()],
-    libraries=[scipy_openblas32.get_library()], runtime_library_dirs=["$ORIGIN/../scipy_openblas32/lib"],
-    extra_compile_args=COMMON + SANITIZE, extra_link_args=["-fopenmp"] + SANITIZE[:1],
-    language="c++"))
+extensions += [
+    Extension(f"ms_rope_attention._rfa_cpu_linear_{isa}",
+              sources=[f"{CSRC}/rfa_cpu_linear.cc", f"{CSRC}/rfa_cpu_embedding.cc"],
+              depends=[f"{CSRC}/{h}" for h in ("aot_abi.h", "last_error.h", "rfa_problem.h", "simd.h", "weight_rows.h")],
+              include_dirs=[scipy_openblas32.get_include_dir()], library_dirs=[scipy_openblas32.get_lib_dir()],
+              libraries=[scipy_openblas32.get_library()], runtime_library_dirs=["$ORIGIN/../scipy_openblas32/lib"],
+              extra_compile_args=COMMON + flags + SANITIZE, extra_link_args=["-fopenmp"] + SANITIZE[:1],
+              language="c++")
+    for isa, flags in ISA_FLAGS.items()
+]
 
 # The Ascend C kernel (aclnn/op_kernel) compiled for the CPU against the AscendC emulation, for the
 # tests only: the real kernel is built by CANN (ms_rope_attention/aclnn/build.sh).

@@ -84,23 +84,24 @@ def built_file(stem: str) -> Path | None:
     return path if path.is_file() else None
 
 
-def built_libraries() -> dict[str, Path]:
-    """ISA name -> built shared library in the kernel directory."""
-    return {isa: path for isa in ISAS if (path := built_file(f"_rfa_cpu_{isa}"))}
+def built_libraries(stem: str = "_rfa_cpu") -> dict[str, Path]:
+    """ISA name -> built shared library ``{stem}_{isa}`` in the kernel directory."""
+    return {isa: path for isa in ISAS if (path := built_file(f"{stem}_{isa}"))}
 
 
-def select_library() -> tuple[str, Path]:
-    """(isa, path) of the best kernel build for this CPU; raises ``RuntimeError`` with the reason."""
-    built = built_libraries()
+def select_library(stem: str = "_rfa_cpu", what: str = "CPU kernel") -> tuple[str, Path]:
+    """(isa, path) of the best build of library ``stem`` for this CPU (``RFA_CPU_ISA`` forces one,
+    for every library alike); raises ``RuntimeError`` with the reason."""
+    built = built_libraries(stem)
     if not built:
-        raise RuntimeError(f"no built CPU kernel in {kernel_dir()} ({NOT_BUILT})")
+        raise RuntimeError(f"no built {what} in {kernel_dir()} ({NOT_BUILT})")
     forced = os.environ.get("RFA_CPU_ISA")
     if forced and forced not in ISAS:
         raise RuntimeError(f"RFA_CPU_ISA: expected one of {list(ISAS)}, got {forced!r}")
     for isa in usable_isas():
         if isa in built and (not forced or isa == forced):
             return isa, built[isa]
-    raise RuntimeError(f"no CPU kernel build usable on this CPU (built: {sorted(built)}, requested: {forced or 'best'})")
+    raise RuntimeError(f"no {what} build usable on this CPU (built: {sorted(built)}, requested: {forced or 'best'})")
 
 
 @functools.lru_cache(maxsize=None)

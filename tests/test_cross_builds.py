@@ -15,8 +15,10 @@ from ms_rope_attention.cpu_kernel import usable_isas
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "ms_rope_attention" / "csrc"
 KERNEL = [CSRC / name for name in ("rfa_cpu_kernel.cc", "rfa_cpu_decode.cc", "rfa_cpu_backward.cc", "rfa_cpu_aot.cc")]
+LINEAR = [CSRC / name for name in ("rfa_cpu_linear.cc", "rfa_cpu_embedding.cc")]
 DRIVER = ROOT / "tests" / "cross" / "kernel_vs_reference.cc"
 HALF_DRIVER = ROOT / "tests" / "cross" / "half_conversion.cc"
+WEIGHTS_DRIVER = ROOT / "tests" / "cross" / "weight_rows.cc"  # the projection library's product
 # The instruction sets of setup.py's builds, as compiler flags.
 ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
              "avx2": ["-mavx2", "-mfma", "-mf16c"], "generic": []}
@@ -33,8 +35,8 @@ def build(compiler: str, out: Path) -> Path:
     return out
 
 
-def build_half(compiler: str, out: Path, flags=()) -> Path:
-    result = subprocess.run([compiler, *FLAGS, *flags, str(HALF_DRIVER), "-o", str(out)], capture_output=True, text=True)
+def build_half(compiler: str, out: Path, flags=(), driver: Path = HALF_DRIVER) -> Path:
+    result = subprocess.run([compiler, *FLAGS, *flags, str(driver), "-o", str(out)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     return out
 
@@ -57,11 +59,19 @@ def test_half_conversion_is_exact_for_every_pattern(tmp_path, isa):
     check_run([str(program)], f"{isa}: 0 of 65536 float16 patterns differ")
 
 
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("isa", usable_isas())
+def test_half_weight_product_matches_reference(tmp_path, isa):
+    program = build_half("g++", tmp_path / f"weights_{isa}", ISA_FLAGS[isa], WEIGHTS_DRIVER)
+    check_run([str(program)], f"{isa}: 0 of 21 product cases failed, 0 of 65536 bfloat16 patterns differ")
+
+
 @pytest.mark.skipif(AARCH64_CXX is None, reason="needs aarch64-linux-gnu-g++ (Debian g++-aarch64-linux-gnu)")
 def test_aarch64_build_compiles_warning_free(tmp_path):
-    for source in KERNEL:
-        result = subprocess.run([AARCH64_CXX, *FLAGS, "-c", str(source), "-o", str(tmp_path / f"{source.stem}.o")],
-                                capture_output=True, text=True)
+    import scipy_openblas32  # the projection library's cblas.h (architecture-independent declarations)
+    for source in KERNEL + LINEAR:
+        result = subprocess.run([AARCH64_CXX, *FLAGS, f"-I{scipy_openblas32.get_include_dir()}", "-c", str(source),
+                                 "-o", str(tmp_path / f"{source.stem}.o")], capture_output=True, text=True)
         assert result.returncode == 0, f"{source.name}: {result.stderr}"
 
 
@@ -72,3 +82,5 @@ def test_aarch64_program_matches_reference_under_qemu(tmp_path):
     check_run([QEMU, "-L", str(SYSROOT), str(program)])
     half = build_half(AARCH64_CXX, tmp_path / "half_aarch64")
     check_run([QEMU, "-L", str(SYSROOT), str(half)], "generic: 0 of 65536 float16 patterns differ")
+    weights = build_half(AARCH64_CXX, tmp_path / "weights_aarch64", driver=WEIGHTS_DRIVER)
+    check_run([QEMU, "-L", str(SYSROOT), str(weights)], "generic: 0 of 21 product cases failed, 0 of 65536 bfloat16")

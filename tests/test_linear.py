@@ -1,24 +1,32 @@
-"""The projections' OpenBLAS GEMM (ms_rope_attention/linear.py, csrc/rfa_cpu_linear.cc): y = x W^T
-against a float64 numpy reference over swept shapes, its refusals, the MindSpore op in both modes
-with a dynamic sequence length, and its gradient.
+"""The projections' GEMM (ms_rope_attention/linear.py, csrc/rfa_cpu_linear.cc, csrc/weight_rows.h):
+y = x W^T with W float32, float16 or bfloat16, against a float64 numpy reference of the same
+(half-rounded) weights over swept shapes on every build this CPU runs; its refusals, the MindSpore
+op in both modes with a dynamic sequence length, and its gradient.
 
-Tolerance (float32 inputs, float32 accumulation over K terms): |y - y64| <= 1e-6 * (|x| |W|^T) + 1e-7,
-about 8 float32 ulps of the sum of the terms' magnitudes."""
+Tolerance (float32 x, exact conversion of W, float32 accumulation over K terms): |y - y64| <= 1e-6 *
+(|x| |W|^T) + 1e-7, about 8 float32 ulps of the sum of the terms' magnitudes, for every W dtype."""
 import os
 import re
 
+import ml_dtypes
 import mindspore as ms
 import numpy as np
 import pytest
 from mindspore import Tensor, nn, ops
 
 from ms_rope_attention import linear
+from ms_rope_attention.cpu_kernel import built_libraries, usable_isas
+
+ISAS = [isa for isa in usable_isas() if isa in built_libraries(linear.STEM)]
+WEIGHT_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
 SHAPES = [  # (x shape, out_features)
     ((1, 1), 1), ((1, 4096), 7), ((7, 13), 5), ((3, 5, 17), 9), ((2, 1, 3, 33), 65), ((129, 257), 130),
     ((0, 8), 4), ((4, 8), 0),
-    # decode-sized rows (M <= 8, the library's own product): K and N off its vector and block sizes
-    ((2, 4103), 11), ((8, 4096), 4097), ((5, 3), 1), ((1, 8, 9), 6), ((9, 64), 8),
+    # decode-sized rows (M <= 8 float32, <= 16 half: the library's own product): K and N off its
+    # vector and block sizes
+    ((2, 4103), 11), ((8, 4096), 4097), ((5, 3), 1), ((1, 8, 9), 6), ((9, 64), 8), ((16, 72), 13), ((17, 40), 7),
+    ((3, 33), 4099),
 ]
 
 
@@ -28,14 +36,26 @@ def reference(x, w):
     return y, 1e-6 * bound + 1e-7
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
 @pytest.mark.parametrize("x_shape, out_features", SHAPES)
-def test_kernel_equals_float64_reference(x_shape, out_features, rng):
+def test_kernel_equals_float64_reference(x_shape, out_features, weight_dtype, isa, rng):
     x = rng.standard_normal(x_shape).astype(np.float32)
-    w = rng.standard_normal((out_features, x_shape[-1])).astype(np.float32)
-    y = linear.multiply(x, w)
+    w = rng.standard_normal((out_features, x_shape[-1])).astype(np.float32).astype(WEIGHT_DTYPES[weight_dtype])
+    y = linear.multiply(x, w, isa=isa)
     expected, tol = reference(x, w)
     assert y.shape == expected.shape
     assert np.all(np.abs(y - expected) <= tol)
+
+
+@pytest.mark.parametrize("weight_dtype", ["float16", "bfloat16"])
+def test_prefill_sized_half_product_spans_several_panels(weight_dtype, rng):
+    """More W rows than one 32 MiB float32 panel holds (K = 8192: 1024 rows a panel), so the panel
+    loop and its last, partial panel are exercised."""
+    x = rng.standard_normal((24, 8192)).astype(np.float32)
+    w = rng.standard_normal((2100, 8192)).astype(np.float32).astype(WEIGHT_DTYPES[weight_dtype])
+    expected, tol = reference(x, w)
+    assert np.all(np.abs(linear.multiply(x, w) - expected) <= tol)
 
 
 def test_empty_sum_is_zero(rng):
@@ -54,7 +74,9 @@ def test_non_finite_inputs_propagate(rng):
 
 @pytest.mark.parametrize("x, w, out_shape, message", [
     (np.zeros((2, 3), np.float64), np.zeros((4, 3), np.float32), None, "x: expected float32, got float64"),
-    (np.zeros((2, 3), np.float32), np.zeros((4, 3), np.float16), None, "weight: expected float32, got float16"),
+    (np.zeros((2, 3), np.float32), np.zeros((4, 3), np.float64), None,
+     "weight: expected float32, float16 or bfloat16, got float64"),
+    (np.zeros((2, 3), np.float16), np.zeros((4, 3), np.float16), None, "x: expected float32, got float16"),
     (np.zeros((2, 3), np.float32), np.zeros((4, 3), np.float32), (2, 4), None),
     (np.zeros((2, 3), np.float32), np.zeros((4, 3), np.float32), (2, 5), "y: expected shape x.shape[:-1] + (out_features,), got y (2, 5)"),
     (np.zeros((2, 3), np.float32), np.zeros((4, 3), np.float32), (1, 2, 4), "y: expected shape"),
@@ -77,6 +99,15 @@ def test_openblas_runs_on_this_process_cores():
     assert linear.blas_threads() == expected
 
 
+@pytest.mark.parametrize("weight_dtype", ["float16", "bfloat16"])
+def test_half_weights_keep_non_finite_values(weight_dtype, rng):
+    x = rng.standard_normal((2, 16)).astype(np.float32)
+    w = rng.standard_normal((5, 16)).astype(np.float32)
+    w[1, 3], w[3, 0] = np.inf, np.nan
+    y = linear.multiply(x, w.astype(WEIGHT_DTYPES[weight_dtype]))
+    assert np.isinf(y[:, 1]).all() and np.isnan(y[:, 3]).all() and np.isfinite(y[:, [0, 2, 4]]).all()
+
+
 class Projection(nn.Cell):
     def __init__(self, weight):
         super().__init__()
@@ -87,12 +118,13 @@ class Projection(nn.Cell):
         return self.op(x, self.weight)
 
 
-def test_op_in_both_modes_with_a_dynamic_sequence_length(mode, rng):
-    w = rng.standard_normal((24, 40)).astype(np.float32)
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
+def test_op_in_both_modes_with_a_dynamic_sequence_length(mode, weight_dtype, rng):
+    w = rng.standard_normal((24, 40)).astype(np.float32).astype(WEIGHT_DTYPES[weight_dtype])
     net = Projection(w)
     if mode == "graph":
         net.set_inputs(Tensor(shape=[2, None, 40], dtype=ms.float32))
-    for length in (1, 5, 17):
+    for length in (1, 5, 17, 40):
         x = rng.standard_normal((2, length, 40)).astype(np.float32)
         y = net(Tensor(x)).asnumpy()
         expected, tol = reference(x, w)
@@ -111,3 +143,17 @@ def test_gradients_equal_float64_reference(mode, rng):
     expected_dw = dy64.T @ x.reshape(-1, 16).astype(np.float64)
     assert np.abs(dx.asnumpy() - expected_dx).max() <= 1e-5 * max(1.0, np.abs(expected_dx).max())
     assert np.abs(dw.asnumpy() - expected_dw).max() <= 1e-5 * max(1.0, np.abs(expected_dw).max())
+
+
+@pytest.mark.parametrize("weight_dtype", ["float16", "bfloat16"])
+def test_gradients_with_half_weights(weight_dtype, rng):
+    """dx in float32 from the exact weights; dW in the weight's dtype."""
+    w = rng.standard_normal((10, 16)).astype(np.float32).astype(WEIGHT_DTYPES[weight_dtype])
+    x = rng.standard_normal((3, 16)).astype(np.float32)
+    dy = rng.standard_normal((3, 10)).astype(np.float32)
+    net = Projection(w)
+    grad = ops.GradOperation(get_all=True, get_by_list=True, sens_param=True)(net, net.trainable_params())
+    (dx,), (dw,) = grad(Tensor(x), Tensor(dy))
+    expected_dx = dy.astype(np.float64) @ w.astype(np.float64)
+    assert np.abs(dx.asnumpy() - expected_dx).max() <= 1e-5 * max(1.0, np.abs(expected_dx).max())
+    assert str(dw.dtype).lower() == weight_dtype

@@ -1,0 +1,121 @@
+// Weights in a checkpoint's own precision (float32, float16 or bfloat16) read as float32: the
+// decode-sized product y = x W^T that streams W once and converts it in registers, and the row
+// conversion the prefill-sized product packs its float32 panels with. Arithmetic and accumulation
+// are float32 whatever W's dtype: float16 / bfloat16 -> float32 is exact, so a half weight computes
+// the float32 model of the same (half-rounded) checkpoint.
+//
+// Header-only on simd.h, so every instruction-set build of the projection library and the
+// cross-built test program (tests/cross/weight_rows.cc, aarch64 under qemu) compile the same code.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "simd.h"
+
+namespace rfa {
+namespace weights {
+
+using simd::Half;
+using simd::vf;
+constexpr int kLanes = simd::kLanes;
+
+// bfloat16 as its bits: a type of its own so the templates below tell it from float16.
+struct BFloat16 {
+  uint16_t bits;
+};
+
+inline vf LoadAsFloat(const float *p) { return simd::Load(p); }
+inline vf LoadAsFloat(const Half *p) { return simd::HalfVector(p); }
+inline vf LoadAsFloat(const BFloat16 *p) { return simd::BFloat16Vector(&p->bits); }
+
+inline float AsFloat(float v) { return v; }
+inline float AsFloat(Half v) {
+  float f;
+  simd::HalfToFloat(&v, &f, 1);
+  return f;
+}
+inline float AsFloat(BFloat16 v) {
+  const uint32_t w = static_cast<uint32_t>(v.bits) << 16;
+  float f;
+  std::memcpy(&f, &w, 4);
+  return f;
+}
+
+// n weights of one row as float32 (the panel a float32 GEMM then reads).
+inline void RowToFloat(const float *src, float *dst, int64_t n) { std::memcpy(dst, src, static_cast<size_t>(n) * 4); }
+inline void RowToFloat(const Half *src, float *dst, int64_t n) { simd::HalfToFloat(src, dst, n); }
+inline void RowToFloat(const BFloat16 *src, float *dst, int64_t n) {
+  simd::BFloat16ToFloat(&src->bits, dst, n);
+}
+
+// y[:, r:r+4] = x W[r:r+4]^T for the four consecutive rows of W at w0 (each k long): dotted with two
+// rows of x at a time, x staying in cache.
+template <typename W>
+void FourRows(int64_t m, int64_t n, int64_t k, const float *x, const W *w0, float *y, int64_t r) {
+  const int64_t kv = k / kLanes * kLanes;
+  const W *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
+  int64_t i = 0;
+  for (; i + 2 <= m; i += 2) {
+    const float *xa = x + i * k, *xb = xa + k;
+    vf a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
+    for (int64_t j = 0; j < kv; j += kLanes) {
+      const vf u = simd::Load(xa + j), v = simd::Load(xb + j);
+      const vf r0 = LoadAsFloat(w0 + j), r1 = LoadAsFloat(w1 + j), r2 = LoadAsFloat(w2 + j), r3 = LoadAsFloat(w3 + j);
+      a0 += r0 * u; a1 += r1 * u; a2 += r2 * u; a3 += r3 * u;
+      b0 += r0 * v; b1 += r1 * v; b2 += r2 * v; b3 += r3 * v;
+    }
+    float s[8] = {simd::ReduceSum(a0), simd::ReduceSum(a1), simd::ReduceSum(a2), simd::ReduceSum(a3),
+                  simd::ReduceSum(b0), simd::ReduceSum(b1), simd::ReduceSum(b2), simd::ReduceSum(b3)};
+    for (int64_t j = kv; j < k; ++j) {
+      const float c0 = AsFloat(w0[j]), c1 = AsFloat(w1[j]), c2 = AsFloat(w2[j]), c3 = AsFloat(w3[j]);
+      s[0] += c0 * xa[j]; s[1] += c1 * xa[j]; s[2] += c2 * xa[j]; s[3] += c3 * xa[j];
+      s[4] += c0 * xb[j]; s[5] += c1 * xb[j]; s[6] += c2 * xb[j]; s[7] += c3 * xb[j];
+    }
+    std::memcpy(y + i * n + r, s, 16);
+    std::memcpy(y + (i + 1) * n + r, s + 4, 16);
+  }
+  for (; i < m; ++i) {
+    const float *xa = x + i * k;
+    vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (int64_t j = 0; j < kv; j += kLanes) {
+      const vf u = simd::Load(xa + j);
+      a0 += LoadAsFloat(w0 + j) * u; a1 += LoadAsFloat(w1 + j) * u;
+      a2 += LoadAsFloat(w2 + j) * u; a3 += LoadAsFloat(w3 + j) * u;
+    }
+    float s[4] = {simd::ReduceSum(a0), simd::ReduceSum(a1), simd::ReduceSum(a2), simd::ReduceSum(a3)};
+    for (int64_t j = kv; j < k; ++j) {
+      s[0] += AsFloat(w0[j]) * xa[j]; s[1] += AsFloat(w1[j]) * xa[j];
+      s[2] += AsFloat(w2[j]) * xa[j]; s[3] += AsFloat(w3[j]) * xa[j];
+    }
+    std::memcpy(y + i * n + r, s, 16);
+  }
+}
+
+// y[:, n0:n1] = x W[n0:n1]^T for x (m, k) and W (n, k) row-major, y (m, n). Blocks of four rows of
+// W are each read once from memory and converted in registers, so the product runs at the speed W
+// is read: the decode step's bound, which fewer bytes per weight (a half W) lowers. (Converting each
+// block once into a float32 buffer that the pairs of x rows then read was tried: at M = 8 and 16 it
+// ran at float32's speed or slower, the in-register form up to 1.8x faster than float32.)
+template <typename W>
+void SmallRowsProduct(int64_t m, int64_t n, int64_t k, const float *x, const W *w, float *y, int64_t n0, int64_t n1) {
+  int64_t r = n0;
+  for (; r + 4 <= n1; r += 4) FourRows(m, n, k, x, w + r * k, y, r);
+  for (; r < n1; ++r)  // the last rows of the slice, fewer than four
+    for (int64_t i = 0; i < m; ++i) {
+      float s = 0.f;
+      for (int64_t j = 0; j < k; ++j) s += AsFloat(w[r * k + j]) * x[i * k + j];
+      y[i * n + r] = s;
+    }
+}
+
+// The slice [n0, n1) of W's rows thread t of `threads` takes: whole blocks of four rows each, the
+// last thread the rest.
+inline void ThreadRows(int64_t n, int threads, int t, int64_t *n0, int64_t *n1) {
+  const int64_t per = (n / threads + 3) / 4 * 4;
+  *n0 = std::min(n, t * per);
+  *n1 = t + 1 == threads ? n : std::min(n, *n0 + per);
+}
+
+}  // namespace weights
+}  // namespace rfa
