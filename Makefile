@@ -43,7 +43,7 @@ SANITIZE_ENV = ASAN_OPTIONS=detect_leaks=0:halt_on_error=1 UBSAN_OPTIONS=halt_on
 	RFA_CPU_KERNEL_DIR=$(CURDIR)/build/sanitize/ms_rope_attention
 sanitize: $(STAMP)
 	RFA_SANITIZE=1 $(PY) setup.py -q build_ext --build-lib build/sanitize --build-temp build/sanitize-tmp
-	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel_sweep.py tests/test_kernel_nonfinite.py tests/test_kernel.py tests/test_kernel_decode.py tests/test_kernel_backward.py tests/test_linear.py
+	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel_sweep.py tests/test_kernel_nonfinite.py tests/test_kernel.py tests/test_kernel_decode.py tests/test_kernel_backward.py tests/test_linear.py tests/test_embedding.py
 	$(SANITIZE_ENV) RFA_CPU_ISA=generic $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel.py tests/test_kernel_decode.py tests/test_kernel_backward.py
 
 # The main job: Llama2-7B-dimension time to first token, this project's fused op and unfused path
@@ -55,10 +55,14 @@ sanitize: $(STAMP)
 bench: $(STAMP) $(PEERS) $(MINDFORMERS)
 	$(PY) benchmarks/ttft.py
 	$(PY) benchmarks/decode.py --contexts 512 2048 --batches 1
+	$(PY) benchmarks/half_weights.py --contexts 512 --rounds 1
 
 bench-full: $(STAMP) $(PEERS) $(MINDFORMERS)
 	$(PY) benchmarks/ttft.py --lengths 512 1024 2048 4096 8192 16384 --rounds 3
 	$(PY) benchmarks/decode.py
+	$(PY) benchmarks/half_weights.py --contexts 512 2048 --rounds 2
+	$(PY) benchmarks/half_weights.py --layers 32 --contexts 512 2048 --rounds 1 --no-gemm \
+		--systems fused-half hf-static-float16 hf-static-bfloat16 --out benchmarks/results/full-depth
 
 # The peers the TTFT benchmark measures beside this project: Hugging Face transformers on PyTorch (in
 # .venv), and MindFormers in a virtual environment of its own (it pins transformers 4.57; see

@@ -193,7 +193,8 @@ class Generator:
     sequence that finishes frees its slot for the next. ``capacity`` fixes the tokens per slot;
     by default it is the smallest bucket (512 * 2^k, up to the model's positions) that the prompts
     need, and it only grows, so each graph compiles at most once per bucket. ``cache_dtype``
-    (default: the model's) may be float16 for a float32 model: half the bytes read per step.
+    (default: the model's ``cache_dtype``: its activations', float16 with half weights) may be
+    float16 for a float32 model: half the bytes read per step.
     ``cache_memory_limit`` (bytes; default ``CACHE_MEMORY_FRACTION`` of the memory available when
     the generator is made) bounds every cache it allocates: a larger one is a ValueError before
     anything is allocated, instead of a failure inside MindSpore or the OOM killer."""
@@ -211,7 +212,7 @@ class Generator:
         self.model, self.slots_count, self.fixed_capacity = model, slots, capacity
         self.cache_memory_limit = (int(CACHE_MEMORY_FRACTION * available_memory()) if cache_memory_limit is None
                                    else cache_memory_limit)
-        self.cache_dtype = DTYPES[dtype_name(cache_dtype)] if cache_dtype is not None else model.dtype
+        self.cache_dtype = DTYPES[dtype_name(cache_dtype)] if cache_dtype is not None else model.cache_dtype
         self.cache = self.prefill = self.step = None
         self._earlier_compiles = []  # compile_log of the graphs of smaller capacities, released when the cache grew
         self.slots = Slots(slots)
@@ -459,7 +460,11 @@ def main(argv=None) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                        help="the activations' dtype")
+    parser.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                        help="the projections' and embedding's: 'auto' keeps a half checkpoint's own precision "
+                             "on the CPU (with --model and no checkpoint: --dtype's)")
     parser.add_argument("--backend", default="auto", choices=["auto", "fused", "unfused"])
     parser.add_argument("--mode", default="graph", choices=["graph", "pynative"])
     parser.add_argument("--device", default="CPU")
@@ -498,9 +503,11 @@ def main(argv=None) -> None:
         parser.error("give --prompt or --ids")
     kwargs = dict(dtype=args.dtype, backend=args.backend, parallel=mesh)
     if args.checkpoint:
-        model = load_checkpoint(args.checkpoint, **kwargs)
+        model = load_checkpoint(args.checkpoint, weight_dtype=args.weight_dtype, **kwargs)
     else:
-        model = LlamaForCausalLM(config.replace(num_hidden_layers=args.layers) if args.layers else config, **kwargs)
+        weight_dtype = None if args.weight_dtype == "auto" else args.weight_dtype
+        model = LlamaForCausalLM(config.replace(num_hidden_layers=args.layers) if args.layers else config,
+                                 weight_dtype=weight_dtype, **kwargs)
     limit = None if args.cache_memory_limit is None else max(1, int(args.cache_memory_limit * GIB))
     generator = Generator(model, slots=min(8, len(prompts)), cache_memory_limit=limit)
     result = generator.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

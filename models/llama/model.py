@@ -14,11 +14,14 @@ over the cache with ``key_rotated=True``: every key is rotated exactly once.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
 from ms_rope_attention import RotaryFlashAttention
+from ms_rope_attention.embedding import embedding_op
 from ms_rope_attention.linear import linear_op
 from ms_rope_attention.rope import apply_rope
 
@@ -44,18 +47,33 @@ def dtype_name(dtype) -> str:
 
 def check_device_dtype(dtype: str) -> None:
     """MindSpore 2.10 has no CPU kernels for bfloat16 Reshape, StridedSlice, Stack, Gather or MatMul,
-    so a bfloat16 *model* cannot run on CPU (the fused attention op itself does take bfloat16)."""
+    so bfloat16 *activations* cannot run on CPU (the fused attention op itself does take bfloat16);
+    bfloat16 *weights* can, since the projection and embedding ops convert them."""
     if dtype == "bfloat16" and ms.get_context("device_target") == "CPU":
-        raise ValueError("dtype: 'bfloat16' needs a device with bfloat16 MatMul/Reshape/Gather kernels; "
-                         "MindSpore 2.10's CPU backend has none: use 'float32' or 'float16' on CPU")
+        raise ValueError("dtype: 'bfloat16' activations need a device with bfloat16 MatMul/Reshape/Gather kernels; "
+                         "MindSpore 2.10's CPU backend has none: on CPU keep dtype='float32' (or 'float16') and "
+                         "weight_dtype='bfloat16' to hold a bfloat16 checkpoint in its own precision")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The model's two dtypes: its activations' (and norms') and its projection / embedding / LM-head
+    weights'. They differ for a half checkpoint kept in its own precision on the CPU (float32
+    activations, float16 / bfloat16 weights: the float32 model of the half-rounded weights, in half
+    the memory and, at decode, half the time)."""
+
+    activations: object
+    weights: object
 
 
 class Linear(nn.Cell):
     """y = x W^T, W stored (out, in) as in Hugging Face checkpoints; no bias (Llama has none).
 
-    On the CPU, float32 activations go through OpenBLAS (``ms_rope_attention.linear``), faster there
-    than MindSpore's MatMul; other devices and dtypes (amp's float16) take MatMul. ``weight_hook``: a
-    Cell the weight passes through first (a replicated tensor-parallel weight's gradient sum)."""
+    On the CPU, float32 activations go through ``ms_rope_attention.linear`` (OpenBLAS, and its own
+    product for decode-sized inputs), faster there than MindSpore's MatMul, with the weight in float32
+    or kept in the checkpoint's float16 / bfloat16; other devices and dtypes (amp's float16) take
+    MatMul. ``weight_hook``: a Cell the weight passes through first (a replicated tensor-parallel
+    weight's gradient sum)."""
 
     def __init__(self, in_features: int, out_features: int, dtype, weight_hook: nn.Cell | None = None):
         super().__init__()
@@ -68,7 +86,7 @@ class Linear(nn.Cell):
 
     def construct(self, x):
         weight = self.weight if self.weight_hook is None else self.weight_hook(self.weight)
-        if self.use_blas and x.dtype == ms.float32 and weight.dtype == ms.float32:
+        if self.use_blas and x.dtype == ms.float32:
             return self.blas(x, weight)
         # The static feature count (not -1) keeps the last dim static under dynamic batch/sequence
         # shapes, so the attention op still knows its head counts at compile time.
@@ -80,24 +98,45 @@ class Linear(nn.Cell):
 
 class Embedding(nn.Cell):
     """Token embeddings; with ``tp`` (vocab-parallel) the rank holds a slice of the vocabulary, looks
-    up the ids that fall in it (zeros elsewhere) and the ranks' rows are summed."""
+    up the ids that fall in it (zeros elsewhere) and the ranks' rows are summed. A table in another
+    dtype than the float32 activations (a half checkpoint kept as it is) is read on the CPU by
+    ``ms_rope_attention.embedding``, which converts the rows it copies."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, dtype, tp=None):
+    def __init__(self, vocab_size: int, hidden_size: int, precision: Precision, tp=None):
         super().__init__()
         rows = vocab_size // tp.size if tp else vocab_size
-        self.weight = Parameter(initializer(Normal(0.02), (rows, hidden_size), dtype), name="weight")
+        dtype, weight_dtype = precision.activations, precision.weights
+        self.weight = Parameter(initializer(Normal(0.02), (rows, hidden_size), weight_dtype), name="weight")
         self.parallel, self.rows, self.start = tp is not None, rows, tp.rank * rows if tp else 0
+        self.lookup = None
+        if weight_dtype != dtype:
+            self.lookup = (embedding_op() if ms.get_context("device_target") == "CPU" and dtype == ms.float32
+                           else _GatherAs(dtype))
         if tp:
             from ms_rope_attention.distributed import ReduceFromTensorParallel
             self.g = ReduceFromTensorParallel(tp.rank, tp.size, tp.group)
 
+    def _rows(self, ids):
+        return ops.gather(self.weight, ids, 0) if self.lookup is None else self.lookup(ids, self.weight)
+
     def construct(self, ids):
         if not self.parallel:
-            return ops.gather(self.weight, ids, 0)
+            return self._rows(ids)
         local = ids - self.start
         inside = (local >= 0) & (local < self.rows)
-        x = ops.gather(self.weight, ops.where(inside, local, ops.zeros_like(local)), 0)
+        x = self._rows(ops.where(inside, local, ops.zeros_like(local)))
         return self.g(x * inside.expand_dims(-1).astype(x.dtype))
+
+
+class _GatherAs(nn.Cell):
+    """The embedding rows cast to the activations' dtype (devices other than the CPU)."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def construct(self, ids, table):
+        return ops.gather(table, ids, 0).astype(self.dtype)
 
 
 class RMSNorm(nn.Cell):
@@ -145,9 +184,10 @@ class LlamaMLP(nn.Cell):
     """SwiGLU: down(silu(gate(x)) * up(x)); with ``tp`` the rank's share of the features, between
     Megatron's f and g."""
 
-    def __init__(self, config: LlamaConfig, dtype, tp=None):
+    def __init__(self, config: LlamaConfig, precision: Precision, tp=None):
         super().__init__()
         features = config.intermediate_size // tp.size if tp else config.intermediate_size
+        dtype = precision.weights
         self.gate_proj = Linear(config.hidden_size, features, dtype)
         self.up_proj = Linear(config.hidden_size, features, dtype)
         self.down_proj = Linear(features, config.hidden_size, dtype)
@@ -173,8 +213,10 @@ class LlamaAttention(nn.Cell):
 
     fused_site = True  # fuse() leaves it alone: it already runs the fused op
 
-    def __init__(self, config: LlamaConfig, cos_sin, layout: str, backend: str, dtype, cp=None, tp=None):
+    def __init__(self, config: LlamaConfig, cos_sin, layout: str, backend: str, precision: Precision, cp=None,
+                 tp=None):
         super().__init__()
+        dtype = precision.weights
         self.heads, self.kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
                                                     config.dim_per_head)
         if tp:  # the rank's heads (Megatron: q/k/v column-parallel, o row-parallel)
@@ -248,12 +290,12 @@ class LlamaAttention(nn.Cell):
 
 
 class LlamaDecoderLayer(nn.Cell):
-    def __init__(self, config: LlamaConfig, cos_sin, layout, backend, dtype, cp=None, tp=None):
+    def __init__(self, config: LlamaConfig, cos_sin, layout, backend, precision: Precision, cp=None, tp=None):
         super().__init__()
-        self.self_attn = LlamaAttention(config, cos_sin, layout, backend, dtype, cp, tp)
-        self.mlp = LlamaMLP(config, dtype, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(config, cos_sin, layout, backend, precision, cp, tp)
+        self.mlp = LlamaMLP(config, precision, tp)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, precision.activations)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, precision.activations)
 
     def construct(self, x, aq, akv, cache, positions):
         x = x + self.self_attn(self.input_layernorm(x), aq, akv, cache, positions)
@@ -261,12 +303,12 @@ class LlamaDecoderLayer(nn.Cell):
 
 
 class LlamaModel(nn.Cell):
-    def __init__(self, config: LlamaConfig, cos_sin, layout, backend, dtype, cp=None, tp=None):
+    def __init__(self, config: LlamaConfig, cos_sin, layout, backend, precision: Precision, cp=None, tp=None):
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, tp)
-        self.layers = nn.CellList([LlamaDecoderLayer(config, cos_sin, layout, backend, dtype, cp, tp)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, precision, tp)
+        self.layers = nn.CellList([LlamaDecoderLayer(config, cos_sin, layout, backend, precision, cp, tp)
                                    for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, precision.activations)
         self.num_layers = config.num_hidden_layers
 
     def construct(self, input_ids, aq, akv, cache, positions):
@@ -298,6 +340,11 @@ class LlamaForCausalLM(nn.Cell):
     ``projections``: "auto" (OpenBLAS for float32 on the CPU, MatMul otherwise) or "matmul" (MindSpore's
     MatMul everywhere: the benchmarks' A/B of the two GEMMs).
 
+    ``weight_dtype``: the projections', embedding's and LM head's dtype, ``dtype``'s by default. A
+    float16 / bfloat16 ``weight_dtype`` with float32 ``dtype`` keeps a half checkpoint as it is on the
+    CPU: float32 activations and arithmetic on exactly its weights, in half the memory (what
+    ``weights.load_checkpoint`` does by default). Training wants float32 master weights.
+
     ``parallel``: this rank's ``ms_rope_attention.distributed.ParallelMesh`` (``mindspore.communication
     .init()`` first), or None for one process. Along its context axis each rank runs its load-balanced
     part of every sequence (``ms_rope_attention.distributed.load_balanced_chunks``, BSH, no cache) and
@@ -310,9 +357,10 @@ class LlamaForCausalLM(nn.Cell):
 
     def __init__(self, config: LlamaConfig, *, dtype="float32", layout: str = "BSH", backend: str = "auto",
                  logits: str = "all", max_positions: int | None = None, projections: str = "auto",
-                 parallel=None):
+                 parallel=None, weight_dtype=None):
         super().__init__()
         dtype = dtype_name(dtype)
+        weight_dtype = dtype if weight_dtype is None else dtype_name(weight_dtype)
         if layout not in LAYOUTS:
             raise ValueError(f"layout: expected one of {list(LAYOUTS)}, got {layout!r}")
         if logits not in ("all", "last"):
@@ -335,20 +383,22 @@ class LlamaForCausalLM(nn.Cell):
         self.hidden_size, self.vocab_size = config.hidden_size, config.vocab_size
         self.layout = layout
         self.max_positions = max_positions or config.max_position_embeddings
-        ms_dtype = DTYPES[dtype]
+        precision = Precision(DTYPES[dtype], DTYPES[weight_dtype])
         cos, sin = model_rope_tables(config, self.max_positions)
         cos_sin = (Tensor(cos), Tensor(sin))  # one pair for every layer
-        self.model = LlamaModel(config, cos_sin, layout, backend, ms_dtype, cp, tp)
+        self.model = LlamaModel(config, cos_sin, layout, backend, precision, cp, tp)
         self.tie_word_embeddings = config.tie_word_embeddings
         self.local_vocab = config.vocab_size // tp.size if tp else config.vocab_size
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, self.local_vocab, ms_dtype)
+            self.lm_head = Linear(config.hidden_size, self.local_vocab, precision.weights)
         self.f, _ = _tensor_parallel_pair(tp)
         self.vocab_parallel = tp is not None
         if tp:
             from ms_rope_attention.distributed import GatherFromTensorParallel
             self.gather_vocab = GatherFromTensorParallel(tp.rank, tp.size, tp.group)
         self.matmul = ops.MatMul(transpose_b=True)
+        # A tied LM head reads the embedding table through the projection op (any weight dtype).
+        self.tied_blas = linear_op() if ms.get_context("device_target") == "CPU" and projections == "auto" else None
         self.last_only = logits == "last"
         if projections == "matmul":
             for _, cell in self.cells_and_names():
@@ -362,8 +412,20 @@ class LlamaForCausalLM(nn.Cell):
 
     @property
     def dtype(self):
-        """The activations' (and weights') MindSpore dtype."""
+        """The activations' (and norms') MindSpore dtype."""
         return self.model.norm.weight.dtype
+
+    @property
+    def weight_dtype(self):
+        """The projections', embedding's and LM head's MindSpore dtype (``dtype`` unless a half
+        checkpoint is kept in its own precision)."""
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def cache_dtype(self):
+        """The KV cache's dtype a ``Generator`` takes by default: the activations', or float16 with
+        half weights (half the bytes a decode step reads; the op accumulates in float32)."""
+        return self.dtype if self.weight_dtype == self.dtype else ms.float16
 
     def construct(self, input_ids, actual_seq_qlen=None, actual_seq_kvlen=None, cache=None, positions=None):
         hidden = self.model(input_ids, actual_seq_qlen, actual_seq_kvlen, cache, positions)
@@ -376,7 +438,9 @@ class LlamaForCausalLM(nn.Cell):
             else:
                 hidden = hidden[:, -1:, :]
         hidden = self.f(hidden)
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and self.tied_blas is not None and hidden.dtype == ms.float32:
+            logits = self.tied_blas(hidden, self.model.embed_tokens.weight)
+        elif self.tie_word_embeddings:
             logits = self.matmul(hidden.reshape(-1, self.hidden_size), self.model.embed_tokens.weight.astype(hidden.dtype))
             logits = logits.reshape(hidden.shape[:-1] + (self.local_vocab,))
         else:

@@ -16,7 +16,8 @@ import re
 from contextlib import ExitStack
 from pathlib import Path
 
-import ml_dtypes  # noqa: F401  (registers numpy's bfloat16 so safetensors can hand out bf16 arrays)
+import ml_dtypes  # registers numpy's bfloat16 so safetensors can hand out bf16 arrays
+import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 from mindspore.nn.utils import no_init_parameters
@@ -25,9 +26,12 @@ from safetensors.numpy import save_file
 from tqdm import tqdm
 
 from .config import LlamaConfig
-from .model import DTYPES, LlamaForCausalLM
+from .model import DTYPES, LlamaForCausalLM, dtype_name
 
 FLOAT_DTYPES = ("float16", "float32", "float64", "bfloat16")
+NUMPY_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+_SAFETENSORS_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
+_PROBE = "model.layers.0.self_attn.q_proj.weight"  # the tensor whose dtype is the checkpoint's
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _QK = re.compile(r"\.self_attn\.[qk]_proj\.weight$")
 SOURCE_ROTARY_MODE = {"hf": 0, "meta": 1}  # the RoPE layout each checkpoint format's q/k rows are in
@@ -153,10 +157,18 @@ def _meta_shards(directory: Path, stack: ExitStack) -> list[dict]:
                 state = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
             except Exception as exc:  # torch raises many types for a corrupt file
                 raise CheckpointError(f"{path.name}: not a readable PyTorch checkpoint ({exc})") from None
-            shards.append({n: (tuple(t.shape), lambda t=t: t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy())
+            shards.append({n: (tuple(t.shape), lambda t=t: _torch_numpy(t, torch))
                            for n, t in state.items() if not META_IGNORED.match(n)})
         return shards
     raise CheckpointError(f"{directory}: no consolidated.*.safetensors or consolidated.*.pth files")
+
+
+def _torch_numpy(tensor, torch) -> np.ndarray:
+    """A (memory-mapped) torch tensor as numpy, without a copy: bfloat16, which numpy lacks, through
+    its bits (ml_dtypes' bfloat16 has torch's layout)."""
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
 
 
 def _meta_tensors(directory: Path):
@@ -207,8 +219,8 @@ def read_config(directory: str | Path) -> tuple[LlamaConfig, str]:
 
 def load_weights(model: LlamaForCausalLM, directory: str | Path, source: str = "hf", progress: bool = True,
                  first_layers_only: bool = False) -> None:
-    """Copy a checkpoint into ``model``'s parameters, converting each tensor to the model's dtype
-    (and q/k to the model's RoPE layout, when the checkpoint's differs).
+    """Copy a checkpoint into ``model``'s parameters, each tensor converted to its parameter's dtype
+    only when they differ (and q/k to the model's RoPE layout, when the checkpoint's differs).
 
     ``first_layers_only``: the model deliberately has fewer layers than the checkpoint (benchmarks);
     tensors of the layers beyond are skipped instead of being reported as unknown."""
@@ -241,7 +253,7 @@ def load_weights(model: LlamaForCausalLM, directory: str | Path, source: str = "
             raise CheckpointError(f"tensor {name!r} appears twice (again in {path.name})")
         if _QK.search(name) and SOURCE_ROTARY_MODE[source] != model.config.rotary_mode:
             array = qk_to_rotary_mode(array, model.config, model.config.rotary_mode)
-        param.set_data(Tensor(np.asarray(array, np.float32)).astype(param.dtype))
+        param.set_data(Tensor(_as_dtype(array, dtype_name(param.dtype))))
         loaded.add(name)
     missing = sorted(expected - loaded)
     if missing:
@@ -249,12 +261,56 @@ def load_weights(model: LlamaForCausalLM, directory: str | Path, source: str = "
         raise CheckpointError(f"{directory}: missing tensor(s) {shown}")
 
 
+def _as_dtype(array: np.ndarray, dtype: str) -> np.ndarray:
+    """``array`` in ``dtype`` (a numpy name), converted directly (no float32 copy on the way) and
+    only when it differs."""
+    if str(array.dtype) == "bfloat16":  # ml_dtypes' or MindSpore's own numpy bfloat16: one layout, two types
+        array = array.view(np.uint16).view(NUMPY_DTYPES["bfloat16"])
+    target = NUMPY_DTYPES[dtype]
+    return array if array.dtype == target else array.astype(target)
+
+
+def checkpoint_dtype(directory: str | Path) -> str:
+    """The dtype a checkpoint's weights are stored in ('float16', 'bfloat16', 'float32' or
+    'float64'): its first layer's q projection's, read from the file headers (no tensor is read)."""
+    directory = Path(directory)
+    _, source = read_config(directory)
+    if source == "hf":
+        for path in hf_files(directory):
+            with _open_safetensors(path) as handle:
+                if _PROBE in handle.keys():
+                    return _SAFETENSORS_DTYPES.get(handle.get_slice(_PROBE).get_dtype(), "float32")
+        raise CheckpointError(f"{directory}: no tensor {_PROBE!r}")
+    with ExitStack() as stack:
+        shard = _meta_shards(directory, stack)[0]
+        if "layers.0.attention.wq.weight" not in shard:
+            raise CheckpointError(f"{directory}: no tensor 'layers.0.attention.wq.weight'")
+        return str(shard["layers.0.attention.wq.weight"][1]().dtype)
+
+
+def default_weight_dtype(directory: str | Path, dtype: str) -> str:
+    """``load_checkpoint``'s ``weight_dtype="auto"``: a float16 / bfloat16 checkpoint keeps its own
+    precision under float32 activations on the CPU (the projection and embedding ops convert it
+    exactly); anything else takes the activations' dtype."""
+    if dtype_name(dtype) != "float32" or ms.get_context("device_target") != "CPU":
+        return dtype_name(dtype)
+    stored = checkpoint_dtype(directory)
+    return stored if stored in ("float16", "bfloat16") else "float32"
+
+
 def load_checkpoint(directory: str | Path, *, dtype: str = "float32", layout: str = "BSH", backend: str = "auto",
                     logits: str = "all", max_positions: int | None = None, num_layers: int | None = None,
-                    progress: bool = True, projections: str = "auto", parallel=None) -> LlamaForCausalLM:
+                    progress: bool = True, projections: str = "auto", parallel=None,
+                    weight_dtype: str = "auto") -> LlamaForCausalLM:
     """A ``LlamaForCausalLM`` built from a checkpoint's config and filled with its weights
-    (only the first ``num_layers`` decoder layers when given)."""
+    (only the first ``num_layers`` decoder layers when given).
+
+    ``weight_dtype``: "auto" keeps a float16 / bfloat16 checkpoint's weights in their own precision
+    on the CPU (``dtype`` float32: float32 activations and arithmetic, the weights in half the
+    memory, each read straight into its parameter with no float32 copy); "float32" (or any dtype)
+    converts them on load. Norm weights always take ``dtype``."""
     config, source = read_config(directory)
+    weight_dtype = default_weight_dtype(directory, dtype) if weight_dtype == "auto" else dtype_name(weight_dtype)
     if num_layers is not None:
         if not 0 < num_layers <= config.num_hidden_layers:
             raise ValueError(f"num_layers: expected 1..{config.num_hidden_layers}, got {num_layers!r}")
@@ -263,7 +319,8 @@ def load_checkpoint(directory: str | Path, *, dtype: str = "float32", layout: st
     # it took 25 of the 30 s of a load, and held a second copy of the weights until they were replaced).
     with no_init_parameters():
         model = LlamaForCausalLM(config, dtype=dtype, layout=layout, backend=backend, logits=logits,
-                                 max_positions=max_positions, projections=projections, parallel=parallel)
+                                 max_positions=max_positions, projections=projections, parallel=parallel,
+                                 weight_dtype=weight_dtype)
     load_weights(model, directory, source, progress, first_layers_only=num_layers is not None)
     return model
 
