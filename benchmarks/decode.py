@@ -54,8 +54,10 @@ def prompts_for(batch: str, context: int, vocab: int, seed: int) -> list[list[in
 # ---------------------------------------------------------------------------------------------
 # Points (child processes).
 
-def project_point(backend: str, checkpoint: str, context: int, batch: str, new_tokens: int, seed: int) -> dict:
-    """This project's ``Generator`` in GRAPH_MODE on its in-place KV cache."""
+def project_point(backend: str, checkpoint: str, context: int, batch: str, new_tokens: int, seed: int,
+                  weight_dtype: str = "auto") -> dict:
+    """This project's ``Generator`` in GRAPH_MODE on its in-place KV cache (``weight_dtype`` as
+    ``load_checkpoint`` takes it; the cache the model's default)."""
     import mindspore as ms
 
     ms.set_device("CPU")
@@ -64,7 +66,8 @@ def project_point(backend: str, checkpoint: str, context: int, batch: str, new_t
     from models.llama.kv_cache import bucket_capacity
     from models.llama.weights import load_checkpoint
 
-    lm = load_checkpoint(checkpoint, backend=backend, max_positions=context + new_tokens, progress=False)
+    lm = load_checkpoint(checkpoint, backend=backend, max_positions=context + new_tokens, progress=False,
+                         weight_dtype=weight_dtype)
     prompts = prompts_for(batch, context, lm.vocab_size, seed)
     capacity = bucket_capacity(max(map(len, prompts)) + new_tokens, lm.max_positions)
     gen = Generator(lm, slots=len(prompts), capacity=capacity)
@@ -75,13 +78,15 @@ def project_point(backend: str, checkpoint: str, context: int, batch: str, new_t
             "tokens": result.tokens}
 
 
-def hf_point(cache: str, checkpoint: str, context: int, batch: str, new_tokens: int, seed: int) -> dict:
-    """transformers' ``generate`` (greedy, sdpa) with ``cache`` 'dynamic' or 'static', every core."""
+def hf_point(cache: str, checkpoint: str, context: int, batch: str, new_tokens: int, seed: int,
+             dtype: str = "float32") -> dict:
+    """transformers' ``generate`` (greedy, sdpa) with ``cache`` 'dynamic' or 'static', every core,
+    the model in ``dtype``."""
     import torch
     import transformers
 
     torch.set_num_threads(os.cpu_count())
-    lm = transformers.LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
+    lm = transformers.LlamaForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype),
                                                        attn_implementation="sdpa").eval()
     prompts = prompts_for(batch, context, lm.config.vocab_size, seed)
 

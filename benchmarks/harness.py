@@ -148,7 +148,10 @@ def _wait(proc, result_path: str, memory_limit_bytes: int | None, timeout_s: flo
         return {"status": "oom" if killed else "error", "peak_rss_mb": peak / 2**20,
                 "error": "killed by SIGKILL (the kernel's OOM killer?)" if killed else f"exit code {proc.returncode}"}
     with open(result_path) as f:
-        return json.load(f)
+        result = json.load(f)
+    if result.get("status") == "ok":
+        result.setdefault("peak_rss_mb", peak / 2**20)  # as sampled every poll_s (a lower bound)
+    return result
 
 
 def save(results: dict, out: str, json_name: str, png_name: str, plot, table) -> None:

@@ -14,6 +14,7 @@ import ascend_backward  # noqa: E402
 import context_parallel  # noqa: E402
 import decode  # noqa: E402
 import fuse  # noqa: E402
+import half_weights  # noqa: E402
 import harness  # noqa: E402
 import projections  # noqa: E402
 import train  # noqa: E402
@@ -295,3 +296,16 @@ def test_decode_benchmark_end_to_end(tmp_path):
         assert {r["context"] for r in written["ratios"]} == {9, 16}
     assert written["op"]["read_bandwidth_gb_per_s"] > 0 and all(c["min_ms"] > 0 for c in written["op"]["calls"])
     assert "fused / best HF" in decode.table(results)
+
+
+def test_half_weights_benchmark_on_the_tiny_model(tmp_path):
+    """The GEMM point on a small W, then this project's two systems on a tiny float16 checkpoint:
+    the same greedy tokens (main raises otherwise), ratios against float32, JSON and plot written."""
+    gemm = half_weights.gemm_point(out_features=36, in_features=40, repeats=2)
+    assert {(r["weight_dtype"], r["m"]) for r in gemm["rows"]} >= {(d, m) for d in ("float16", "bfloat16")
+                                                                    for m in half_weights.GEMM_ROWS}
+    results = half_weights.main(["--model", "tiny", "--contexts", "16", "--rounds", "1", "--new-tokens", "3",
+                                 "--systems", "fused-float32", "fused-half", "--no-gemm", "--out", str(tmp_path)])
+    assert [r["status"] for r in results["summary"]] == ["ok", "ok"] and not results["tokens_disagree"]
+    assert [r["against"] for r in results["ratios"]] == ["fused-float32"]
+    assert (tmp_path / "half_weights.json").exists() and (tmp_path / "half_weights.png").exists()

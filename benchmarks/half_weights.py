@@ -1,0 +1,232 @@
+"""Half weights (a checkpoint's own float16 / bfloat16, float32 arithmetic) against float32 weights,
+in one run: the projection GEMM against this machine's read bandwidth, then Llama2-7B-dimension
+generation (``--layers`` layers) with this project's generator on float32 and on float16 weights of the
+same float16 checkpoint, against Hugging Face transformers on the same half weights.
+
+GEMM: W (11008, 4096), the gate/up projection, by every build of the projection library this CPU
+runs and every weight dtype; M = 1, 8, 16 rows (decode steps: the fraction of the read bandwidth the
+product reaches, bytes(W) / time / bandwidth) and M = 512 (a prefill: GFLOP/s, ratio to float32).
+Calls alternate round by round; min and median.
+
+Generation: each (context, round, system) point in a fresh process (``decode.point``): TTFT, decode
+tokens/s per sequence (median step), peak RSS. Greedy tokens of this project's two systems must agree
+(the same arithmetic on the same values). transformers runs in the half dtype it is given (its own
+arithmetic in that dtype, so its tokens may differ; reported, not required).
+
+    python benchmarks/half_weights.py                     # contexts 512 2048, 2 layers
+    python benchmarks/half_weights.py --layers 32 --contexts 512 --rounds 1 --systems fused-half
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+from harness import machine_info, memory_total_bytes, run_isolated, save, turned
+
+SYSTEMS = {  # name -> (decode.point system, extra kwargs)
+    "fused-float32": ("fused", {"weight_dtype": "float32"}),
+    "fused-half": ("fused", {"weight_dtype": "auto"}),
+    "hf-static-float16": ("hf-static", {"dtype": "float16"}),
+    "hf-static-bfloat16": ("hf-static", {"dtype": "bfloat16"}),
+}
+GEMM_ROWS = (1, 8, 16, 512)
+
+
+def gemm_point(out_features: int = 11008, in_features: int = 4096, repeats: int = 20) -> dict:
+    """The projection GEMM per build, weight dtype and M (child process: nothing else on the cores)."""
+    import ml_dtypes
+
+    from decode import read_bandwidth
+    from ms_rope_attention import linear
+    from ms_rope_attention.cpu_kernel import built_libraries, usable_isas
+
+    read = read_bandwidth()
+    rng = np.random.default_rng(0)
+    w32 = rng.standard_normal((out_features, in_features), dtype=np.float32)
+    one = {"float32": w32, "float16": w32.astype(np.float16), "bfloat16": w32.astype(ml_dtypes.bfloat16)}
+    # Copies of W, at least 1 GiB of them per dtype, taken in turn: one W fits this machine's last
+    # level cache (480 MB measured on the Xeon this was written on), and a decode step's weights do not.
+    weights = {d: [w.copy() for _ in range(max(1, min(64, -(-2**30 // w.nbytes))))] for d, w in one.items()}
+    isas = [isa for isa in usable_isas() if isa in built_libraries(linear.STEM)]
+    rows = []
+    for m in GEMM_ROWS:
+        x = rng.standard_normal((m, in_features), dtype=np.float32)
+        times = {(isa, d): [] for isa in isas for d in weights}
+        for i in range(repeats if m <= 16 else max(3, repeats // 4)):
+            for isa, d in times:
+                w = weights[d][i % len(weights[d])]
+                start = time.perf_counter()
+                linear.multiply(x, w, isa=isa)
+                times[(isa, d)].append(time.perf_counter() - start)
+        for (isa, d), t in times.items():
+            nbytes = one[d].nbytes
+            rows.append({"isa": isa, "weight_dtype": d, "m": m, "min_ms": min(t) * 1e3,
+                         "median_ms": statistics.median(t) * 1e3, "weight_gb_per_s": nbytes / min(t) / 1e9,
+                         "fraction_of_bandwidth": nbytes / min(t) / read["bytes_per_s"],
+                         "gflops": 2.0 * m * out_features * in_features / min(t) / 1e9,
+                         "speedup_vs_float32": min(times[(isa, "float32")]) / min(t)})
+    return {"read_bandwidth_gb_per_s": read["bytes_per_s"] / 1e9, "bandwidth_probe": read["probe"],
+            "shape": [out_features, in_features], "rows": rows}
+
+
+def write_half_checkpoint(model: str, layers: int, seed: int, directory: str) -> dict:
+    """The seeded random weights as a float16 Hugging Face checkpoint, one layer at a time (a
+    32-layer model never exists in float32 in this process)."""
+    import mindspore as ms
+    from mindspore.nn.utils import no_init_parameters
+
+    ms.set_device("CPU")
+    from models.llama import LlamaForCausalLM, preset
+    from models.llama.weights import save_hf_checkpoint
+
+    config = preset(model, num_hidden_layers=layers)
+    rng = np.random.default_rng(seed)
+    with no_init_parameters():  # the shapes only
+        one_layer = LlamaForCausalLM(config.replace(num_hidden_layers=1), dtype="float32", backend="unfused")
+    shapes = {name: tuple(p.shape) for name, p in one_layer.parameters_dict().items()}
+    state = {}
+    for name, shape in shapes.items():
+        names = [name] if ".layers.0." not in name else [name.replace(".layers.0.", f".layers.{i}.") for i in range(layers)]
+        for n in names:
+            if len(shape) == 1:
+                state[n] = np.ones(shape, np.float16)
+            else:  # 1/sqrt(fan_in): O(1) activations, as the model's own initialiser gives
+                state[n] = (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[1])).astype(np.float16)
+    save_hf_checkpoint(state, config, directory, max_shard_bytes=2 * 2**30)
+    return {"directory": directory, "bytes": int(sum(a.nbytes for a in state.values()))}
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    rows = []
+    for key in sorted({(r["system"], r["context"]) for r in runs}, key=lambda k: (k[1], k[0])):
+        ok = [r for r in runs if (r["system"], r["context"]) == key and r.get("status") == "ok"]
+        if not ok:
+            bad = [r for r in runs if (r["system"], r["context"]) == key]
+            rows.append({"system": key[0], "context": key[1], "status": bad[0].get("status"),
+                         "error": bad[0].get("error")})
+            continue
+        steps = [statistics.median(r["step_ms"]) for r in ok]
+        rows.append({"system": key[0], "context": key[1], "status": "ok",
+                     "ttft_min_s": min(r["ttft_s"] for r in ok),
+                     "ttft_median_s": statistics.median(r["ttft_s"] for r in ok),
+                     "step_min_ms": min(steps), "step_median_ms": statistics.median(steps),
+                     "tokens_per_s": 1e3 / min(steps), "peak_rss_gb": max(r["peak_rss_mb"] for r in ok) / 1024,
+                     "backend_ran": ok[0]["backend_ran"], "tokens": ok[0]["tokens"]})
+    return rows
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Per context: half-weight decode and TTFT against float32 weights and each transformers run."""
+    out = []
+    for context in sorted({r["context"] for r in rows}):
+        at = {r["system"]: r for r in rows if r["context"] == context and r["status"] == "ok"}
+        half = at.get("fused-half")
+        if half is None:
+            continue
+        for other, r in at.items():
+            if other != "fused-half":
+                out.append({"context": context, "against": other,
+                            "decode_speedup": half["tokens_per_s"] / r["tokens_per_s"],
+                            "ttft_ratio": half["ttft_min_s"] / r["ttft_min_s"]})
+    return out
+
+
+def table(results: dict) -> str:
+    g = results["gemm"]
+    lines = [f"GEMM W {tuple(g['shape'])}, read bandwidth {g['read_bandwidth_gb_per_s']:.1f} GB/s ({g['bandwidth_probe']})",
+             "| build | W dtype | M | min ms | median ms | W GB/s | of bandwidth | GFLOP/s | vs float32 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['isa']} | {r['weight_dtype']} | {r['m']} | {r['min_ms']:.2f} | {r['median_ms']:.2f} | "
+              f"{r['weight_gb_per_s']:.1f} | {100 * r['fraction_of_bandwidth']:.0f}% | {r['gflops']:.0f} | "
+              f"x{r['speedup_vs_float32']:.2f} |" for r in g["rows"]]
+    s = results["settings"]
+    lines += ["", f"Llama2 {s['model']} dims, {s['layers']} layers, float16 checkpoint ({results['checkpoint_gb']:.1f} GB), "
+              f"{s['new_tokens']} new tokens, {s['rounds']} round(s)",
+              "| system | context | TTFT min / median s | decode tokens/s | step median ms | peak RSS GB |",
+              "|---|---|---|---|---|---|"]
+    for r in results["summary"]:
+        if r["status"] != "ok":
+            lines.append(f"| {r['system']} | {r['context']} | {r['status']}: {r.get('error')} | | | |")
+            continue
+        lines.append(f"| {r['system']} | {r['context']} | {r['ttft_min_s']:.2f} / {r['ttft_median_s']:.2f} | "
+                     f"{r['tokens_per_s']:.1f} | {r['step_median_ms']:.1f} | {r['peak_rss_gb']:.1f} |")
+    lines += ["", "| context | fused-half against | decode speedup | TTFT ratio |", "|---|---|---|---|"]
+    lines += [f"| {r['context']} | {r['against']} | x{r['decode_speedup']:.2f} | {r['ttft_ratio']:.2f} |"
+              for r in results["ratios"]]
+    return "\n".join(lines)
+
+
+def plot(results: dict, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    rows = [r for r in results["summary"] if r["status"] == "ok"]
+    for system in dict.fromkeys(r["system"] for r in rows):
+        mine = [r for r in rows if r["system"] == system]
+        ax.plot([r["context"] for r in mine], [r["tokens_per_s"] for r in mine], "o-", label=system)
+    ax.set(xlabel="cached tokens", ylabel="decode tokens/s", xscale="log")
+    ax.legend(fontsize=8)
+    s = results["settings"]
+    fig.suptitle(f"Llama2 {s['model']} dims, {s['layers']} layers: half weights vs float32, {results['machine']['cpus']} cores")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> dict:
+    from tqdm import tqdm
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="7b", choices=["7b", "tiny"])
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-gemm", action="store_true", help="skip the GEMM section")
+    parser.add_argument("--memory-limit-gb", type=float, default=round(0.9 * memory_total_bytes() / 2**30, 1))
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    limit = int(args.memory_limit_gb * 2**30)
+    gemm = {"read_bandwidth_gb_per_s": float("nan"), "bandwidth_probe": "skipped", "shape": [0, 0], "rows": []}
+    if not args.no_gemm:
+        gemm = run_isolated("half_weights", "gemm_point", {})
+        if gemm["status"] != "ok":
+            raise RuntimeError(f"GEMM point failed: {gemm.get('error')}\n{gemm.get('log_tail', '')}")
+    with tempfile.TemporaryDirectory(prefix="half-weights-") as scratch:
+        written = run_isolated("half_weights", "write_half_checkpoint",
+                               {"model": args.model, "layers": args.layers, "seed": args.seed, "directory": scratch},
+                               memory_limit_bytes=limit)
+        if written["status"] != "ok":
+            raise RuntimeError(f"could not write the weights: {written.get('error')}\n{written.get('log_tail', '')}")
+        points = [(c, r, s) for c in args.contexts for r in range(args.rounds) for s in turned(list(args.systems), r)]
+        runs = []
+        for context, round_, system in tqdm(points, desc="half weights", unit="process"):
+            kind, extra = SYSTEMS[system]
+            result = run_isolated("decode", "point", {"system": kind, "checkpoint": scratch, "context": context,
+                                                      "batch": "1", "new_tokens": args.new_tokens, "seed": args.seed,
+                                                      **extra}, memory_limit_bytes=limit, timeout_s=7200)
+            runs.append({"system": system, "context": context, "round": round_, **result})
+    summary = summarize(runs)
+    ours = {r["context"]: {} for r in summary}
+    for r in summary:
+        if r["status"] == "ok" and r["system"].startswith("fused"):
+            ours[r["context"]][r["system"]] = r["tokens"]
+    disagree = [c for c, t in ours.items() if len(t) == 2 and t["fused-half"] != t["fused-float32"]]
+    results = {"machine": machine_info(), "settings": vars(args), "gemm": gemm,
+               "checkpoint_gb": written["bytes"] / 1e9, "runs": runs, "summary": summary,
+               "ratios": ratios(summary), "tokens_disagree": disagree}
+    save(results, args.out, "half_weights.json", "half_weights.png", plot, table)
+    if disagree:
+        raise RuntimeError(f"half and float32 weights gave different greedy tokens at contexts {disagree}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
