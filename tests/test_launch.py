@@ -24,7 +24,10 @@ GRACE = 2
 
 @pytest.fixture
 def job(tmp_path, monkeypatch):
-    """The pid folder the faulty ranks write to, and a temporary folder of its own for the launcher's logs."""
+    """The pid folder the faulty ranks write to, and a temporary folder of its own for the launcher's logs.
+    Its full path is also the job's environment mark (FAULTY_RANKS): the folder's name alone repeats on
+    each xdist worker (both parametrised signal tests get ``..._launcher_0``), so it would find the
+    other worker's live job."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     (tmp_path / "pids").mkdir()
     return tmp_path
@@ -57,7 +60,7 @@ def _assert_none_left(job, mark):
 
 def _launch(job, mode, **options):
     start = time.monotonic()
-    run = launch(FAULTY, [mode, job / "pids"], workers=2, env={"FAULTY_RANKS": job.name, **options.pop("env", {})},
+    run = launch(FAULTY, [mode, job / "pids"], workers=2, env={"FAULTY_RANKS": str(job), **options.pop("env", {})},
                  **options)
     return run, time.monotonic() - start
 
@@ -68,7 +71,7 @@ def test_a_job_that_succeeds_removes_its_log_folder(job):
     assert run.returncode == 0, run.logs
     assert "rank 1 iteration 2" in run.logs[1] and run.log_dir is None
     assert not list(job.glob("msrun-*"))
-    _assert_none_left(job, job.name)
+    _assert_none_left(job, str(job))
 
 
 def test_a_rank_that_fails_before_its_first_collective_ends_the_job(job, capsys):
@@ -76,7 +79,7 @@ def test_a_rank_that_fails_before_its_first_collective_ends_the_job(job, capsys)
     stderr names the rank, shows its traceback and the scheduler's log, and the logs stay where it says."""
     run, took = _launch(job, "exit-early", env=QUICK_LOSS, timeout=60)
     assert run.returncode != 0 and took < 60
-    _assert_none_left(job, job.name)
+    _assert_none_left(job, str(job))
     err = capsys.readouterr().err
     assert "rank 1 exited with status 1" in err and "RuntimeError: rank 1 fails on purpose" in err, err
     assert f"---- scheduler ({run.log_dir / 'scheduler.log'})" in err and f"kept in {run.log_dir}" in err
@@ -88,7 +91,7 @@ def test_a_rank_killed_after_several_collectives_ends_the_job(job, capsys):
     run, took = _launch(job, "die-mid-run", env=QUICK_LOSS, timeout=60)
     assert run.returncode != 0 and took < 60
     assert "rank 1 iteration 2" in run.logs[1] and "rank 1 iteration 3" not in run.logs[1]
-    _assert_none_left(job, job.name)
+    _assert_none_left(job, str(job))
     assert "rank 1 exited with status -9" in capsys.readouterr().err
 
 
@@ -99,7 +102,7 @@ def test_a_job_that_hangs_is_stopped_at_its_timeout(job, capsys):
     assert run.returncode == TIMEOUT_STATUS and 20 + GRACE <= took < 20 + GRACE + 10, (run.returncode, took)
     assert run.results() == [["RESULT sleeping"]] * 2, run.logs
     assert sorted((job / "pids" / "signals").read_text().splitlines()) == ["0 SIGTERM", "1 SIGTERM"]
-    _assert_none_left(job, job.name)
+    _assert_none_left(job, str(job))
     assert "stopped after the 20 s timeout" in capsys.readouterr().err
 
 
@@ -111,7 +114,7 @@ def test_a_signal_to_the_launcher_stops_the_job(job, signum, status):
     logs = job / "logs"
     launcher = subprocess.Popen([sys.executable, "-m", "ms_rope_attention.distributed.launch", "--log-dir", str(logs),
                                  "--grace", str(GRACE), str(FAULTY), "hang", str(job / "pids")],
-                                env={**os.environ, "FAULTY_RANKS": job.name}, cwd=ROOT,
+                                env={**os.environ, "FAULTY_RANKS": str(job)}, cwd=ROOT,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
     while not all("RESULT sleeping" in _text(logs / f"worker_{rank}.log") for rank in (0, 1)):
@@ -122,7 +125,7 @@ def test_a_signal_to_the_launcher_stops_the_job(job, signum, status):
     assert launcher.wait(timeout=GRACE + 10) == status
     assert time.monotonic() - start >= GRACE
     assert sorted((job / "pids" / "signals").read_text().splitlines()) == [f"{r} {signum.name}" for r in (0, 1)]
-    _assert_none_left(job, job.name)
+    _assert_none_left(job, str(job))
     assert f"stopped on {signum.name}" in launcher.stderr.read().decode()
 
 
