@@ -25,12 +25,17 @@ GRACE = 2
 @pytest.fixture
 def job(tmp_path, monkeypatch):
     """The pid folder the faulty ranks write to, and a temporary folder of its own for the launcher's logs.
-    Its full path is also the job's environment mark (FAULTY_RANKS): the folder's name alone repeats on
-    each xdist worker (both parametrised signal tests get ``..._launcher_0``), so it would find the
-    other worker's live job."""
+    Its full path is also the job's environment mark (``_mark``)."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     (tmp_path / "pids").mkdir()
     return tmp_path
+
+
+def _mark(job):
+    """The value of FAULTY_RANKS every process of the job carries: the folder's full path, since its
+    name alone repeats on each xdist worker (both parametrised signal tests get ``..._launcher_0``)
+    and would match the other worker's live job."""
+    return str(job)
 
 
 def _pids(job):
@@ -46,13 +51,13 @@ def _running(pid):
         return False
 
 
-def _assert_none_left(job, mark):
+def _assert_none_left(job):
     """Within 5 s: the scheduler and both workers wrote their pids, none of them runs, and no process
     carries the job's environment mark (msrun included)."""
     pids = _pids(job)
     assert sorted(pids.values()) == ["MS_SCHED", "MS_WORKER", "MS_WORKER"], pids
     deadline = time.monotonic() + 5
-    while (left := [pid for pid in pids if _running(pid)] + list(processes_with("FAULTY_RANKS", mark))) \
+    while (left := [pid for pid in pids if _running(pid)] + list(processes_with("FAULTY_RANKS", _mark(job)))) \
             and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, f"still running: {left} of {pids}"
@@ -60,7 +65,7 @@ def _assert_none_left(job, mark):
 
 def _launch(job, mode, **options):
     start = time.monotonic()
-    run = launch(FAULTY, [mode, job / "pids"], workers=2, env={"FAULTY_RANKS": str(job), **options.pop("env", {})},
+    run = launch(FAULTY, [mode, job / "pids"], workers=2, env={"FAULTY_RANKS": _mark(job), **options.pop("env", {})},
                  **options)
     return run, time.monotonic() - start
 
@@ -71,7 +76,7 @@ def test_a_job_that_succeeds_removes_its_log_folder(job):
     assert run.returncode == 0, run.logs
     assert "rank 1 iteration 2" in run.logs[1] and run.log_dir is None
     assert not list(job.glob("msrun-*"))
-    _assert_none_left(job, str(job))
+    _assert_none_left(job)
 
 
 def test_a_rank_that_fails_before_its_first_collective_ends_the_job(job, capsys):
@@ -79,7 +84,7 @@ def test_a_rank_that_fails_before_its_first_collective_ends_the_job(job, capsys)
     stderr names the rank, shows its traceback and the scheduler's log, and the logs stay where it says."""
     run, took = _launch(job, "exit-early", env=QUICK_LOSS, timeout=60)
     assert run.returncode != 0 and took < 60
-    _assert_none_left(job, str(job))
+    _assert_none_left(job)
     err = capsys.readouterr().err
     assert "rank 1 exited with status 1" in err and "RuntimeError: rank 1 fails on purpose" in err, err
     assert f"---- scheduler ({run.log_dir / 'scheduler.log'})" in err and f"kept in {run.log_dir}" in err
@@ -91,7 +96,7 @@ def test_a_rank_killed_after_several_collectives_ends_the_job(job, capsys):
     run, took = _launch(job, "die-mid-run", env=QUICK_LOSS, timeout=60)
     assert run.returncode != 0 and took < 60
     assert "rank 1 iteration 2" in run.logs[1] and "rank 1 iteration 3" not in run.logs[1]
-    _assert_none_left(job, str(job))
+    _assert_none_left(job)
     assert "rank 1 exited with status -9" in capsys.readouterr().err
 
 
@@ -102,7 +107,7 @@ def test_a_job_that_hangs_is_stopped_at_its_timeout(job, capsys):
     assert run.returncode == TIMEOUT_STATUS and 20 + GRACE <= took < 20 + GRACE + 10, (run.returncode, took)
     assert run.results() == [["RESULT sleeping"]] * 2, run.logs
     assert sorted((job / "pids" / "signals").read_text().splitlines()) == ["0 SIGTERM", "1 SIGTERM"]
-    _assert_none_left(job, str(job))
+    _assert_none_left(job)
     assert "stopped after the 20 s timeout" in capsys.readouterr().err
 
 
@@ -114,7 +119,7 @@ def test_a_signal_to_the_launcher_stops_the_job(job, signum, status):
     logs = job / "logs"
     launcher = subprocess.Popen([sys.executable, "-m", "ms_rope_attention.distributed.launch", "--log-dir", str(logs),
                                  "--grace", str(GRACE), str(FAULTY), "hang", str(job / "pids")],
-                                env={**os.environ, "FAULTY_RANKS": str(job)}, cwd=ROOT,
+                                env={**os.environ, "FAULTY_RANKS": _mark(job)}, cwd=ROOT,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
     while not all("RESULT sleeping" in _text(logs / f"worker_{rank}.log") for rank in (0, 1)):
@@ -125,7 +130,7 @@ def test_a_signal_to_the_launcher_stops_the_job(job, signum, status):
     assert launcher.wait(timeout=GRACE + 10) == status
     assert time.monotonic() - start >= GRACE
     assert sorted((job / "pids" / "signals").read_text().splitlines()) == [f"{r} {signum.name}" for r in (0, 1)]
-    _assert_none_left(job, str(job))
+    _assert_none_left(job)
     assert f"stopped on {signum.name}" in launcher.stderr.read().decode()
 
 
