@@ -43,8 +43,10 @@ SANITIZE_ENV = ASAN_OPTIONS=detect_leaks=0:halt_on_error=1 UBSAN_OPTIONS=halt_on
 	RFA_CPU_KERNEL_DIR=$(CURDIR)/build/sanitize/ms_rope_attention
 sanitize: $(STAMP)
 	RFA_SANITIZE=1 $(PY) setup.py -q build_ext --build-lib build/sanitize --build-temp build/sanitize-tmp
-	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel_sweep.py tests/test_kernel_nonfinite.py tests/test_kernel.py tests/test_kernel_decode.py tests/test_kernel_backward.py tests/test_linear.py tests/test_embedding.py
-	$(SANITIZE_ENV) RFA_CPU_ISA=generic $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel.py tests/test_kernel_decode.py tests/test_kernel_backward.py
+	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel_sweep.py tests/test_kernel_nonfinite.py tests/test_kernel.py tests/test_kernel_decode.py tests/test_kernel_backward.py tests/test_linear.py tests/test_embedding.py \
+		tests/test_paged.py -k 'not primitives'
+	$(SANITIZE_ENV) RFA_CPU_ISA=generic $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel.py tests/test_kernel_decode.py tests/test_kernel_backward.py \
+		tests/test_paged.py -k 'not primitives'
 
 # The main job: Llama2-7B-dimension time to first token, this project's fused op and unfused path
 # against Hugging Face transformers and MindFormers on the same weights, S = 512..2048 in 2 rounds

@@ -14,7 +14,8 @@ from setuptools.command.build_ext import build_ext
 
 CSRC = "ms_rope_attention/csrc"
 ACLNN = "ms_rope_attention/aclnn"
-SOURCES = [f"{CSRC}/rfa_cpu_kernel.cc", f"{CSRC}/rfa_cpu_decode.cc", f"{CSRC}/rfa_cpu_backward.cc", f"{CSRC}/rfa_cpu_aot.cc"]
+SOURCES = [f"{CSRC}/rfa_cpu_kernel.cc", f"{CSRC}/rfa_cpu_decode.cc", f"{CSRC}/rfa_cpu_backward.cc", f"{CSRC}/rfa_cpu_aot.cc",
+           f"{CSRC}/rfa_cpu_paged.cc"]
 COMMON = ["-std=c++17", "-O3", "-fopenmp", "-D_GLIBCXX_USE_CXX11_ABI=0", "-fvisibility=hidden", "-Wall", "-Wextra"]
 ISA_FLAGS = {"generic": []}
 if platform.machine() in ("x86_64", "AMD64"):
@@ -55,7 +56,7 @@ class BuildKernels(build_ext):
 
 extensions = [
     Extension(f"ms_rope_attention._rfa_cpu_{isa}", sources=SOURCES, depends=[f"{CSRC}/{h}" for h in
-              ("aot_abi.h", "last_error.h", "rfa_problem.h", "rfa_cpu_kernel.h", "rows.h", "simd.h")],
+              ("aot_abi.h", "last_error.h", "rfa_problem.h", "rfa_paged.h", "rfa_cpu_kernel.h", "rows.h", "simd.h")],
               extra_compile_args=COMMON + flags + SANITIZE, extra_link_args=["-fopenmp"] + SANITIZE[:1],
               language="c++")
     for isa, flags in ISA_FLAGS.items()

@@ -1,4 +1,5 @@
-"""Calls the CPU kernel's C entry ``RotaryFlashAttentionRun`` directly on numpy arrays (ctypes).
+"""Calls the CPU kernel's C entries (``RotaryFlashAttentionRun``, its backward's, and the paged
+cache's ``RotaryPagedAttentionRun`` / ``RotaryCacheWriteRun``) directly on numpy arrays (ctypes).
 
 No MindSpore in the loop: the tests use it for wide shape sweeps with shrunken tiles (every tail
 path), the sanitizer run drives it, and the benchmark uses it to switch the rotation off and
@@ -143,3 +144,62 @@ def run_grad(*args, dtype="float32", block_q=0, block_k=0, splits=0, kernel=None
                                                  ctypes.c_int64(splits))
     del keep
     return (code,) + tuple(decode(o, dtype) for o in outputs)
+
+
+def _int32(x):
+    return np.ascontiguousarray(x, np.int32)
+
+
+def paged_arguments(q, key_cache, value_cache, cos, sin, block_tables, context_lens, q_seq_lens, *, dtype="float32",
+                    cache_dtype=None, table_dtype="float32", head_num=0, rotary_mode=0, rotary_dim=0, scale=0.0,
+                    key_rotated=True, with_lse=True, out_shapes=None):
+    """``prepare`` for ``RotaryPagedAttentionRun``: (C arguments, outputs, what must outlive the
+    call). The caches are encoded to ``cache_dtype`` (default: ``dtype``, as the op requires), the
+    tables to ``table_dtype``."""
+    attrs = Attrs(head_num, LAYOUTS["TND"], rotary_mode, rotary_dim, scale, True, with_lse, False, key_rotated)
+    cache_dtype = cache_dtype or dtype
+    inputs = [encode(q, dtype), encode(key_cache, cache_dtype), encode(value_cache, cache_dtype),
+              encode(cos, table_dtype), encode(sin, table_dtype), _int32(block_tables), _int32(context_lens),
+              _int32(q_seq_lens)]
+    dtypes = [dtype] + [cache_dtype] * 2 + [table_dtype] * 2 + ["int32"] * 3
+    shapes = out_shapes or (q.shape, (q.shape[0], q.shape[1]) if with_lse else (0,))
+    outputs = _empty_outputs(shapes, [dtype, "float32"])
+    arrays, shape_bufs, call = _launch(inputs + outputs, dtypes + [dtype, "float32"])
+    return (ctypes.byref(attrs),) + call, outputs, (attrs, arrays, shape_bufs)
+
+
+def paged_launch(prepared, kernel=None) -> int:
+    """One ``RotaryPagedAttentionRun`` launch of ``paged_arguments``' result (by default on the
+    selected build); its return code."""
+    return (kernel or cpu_library()).RotaryPagedAttentionRun(*prepared[0])
+
+
+def paged_run(*args, dtype="float32", isa=None, **kwargs):
+    """(return code, out, lse) of one paged launch, outputs decoded to float64; arguments are those
+    of ``paged_arguments``. A non-zero code: the message is in ``paged_last_error()``."""
+    prepared = paged_arguments(*args, dtype=dtype, **kwargs)
+    code = paged_launch(prepared, cpu_library(isa))
+    out, lse = prepared[1]
+    return code, decode(out, dtype), lse.astype(np.float64)
+
+
+def cache_write_run(key, value, cos, sin, positions, slot_mapping, key_cache, value_cache, *, dtype="float32",
+                    cache_dtype="float32", table_dtype="float32", rotary_mode=0, rotary_dim=0, key_rotated=False,
+                    isa=None):
+    """(return code, written, key_cache, value_cache) of ``RotaryCacheWriteRun``: the caches given
+    (float arrays, encoded to ``cache_dtype``) are written in a copy, returned decoded to float64."""
+    attrs = Attrs(0, LAYOUTS["TND"], rotary_mode, rotary_dim, 0.0, True, False, False, key_rotated)
+    caches = [encode(key_cache, cache_dtype), encode(value_cache, cache_dtype)]
+    inputs = [encode(key, dtype), encode(value, dtype), encode(cos, table_dtype), encode(sin, table_dtype),
+              _int32(positions), _int32(slot_mapping)] + caches
+    written = np.full((1,), -7, np.int32)
+    dtypes = [dtype] * 2 + [table_dtype] * 2 + ["int32"] * 2 + [cache_dtype] * 2 + ["int32"]
+    arrays, shape_bufs, call = _launch(inputs + [written], dtypes)
+    code = cpu_library(isa).RotaryCacheWriteRun(ctypes.byref(attrs), *call)
+    del arrays, shape_bufs
+    return code, int(written[0]), decode(caches[0], cache_dtype), decode(caches[1], cache_dtype)
+
+
+def paged_last_error(isa=None) -> str:
+    """The message of the paged ops' last refused launch."""
+    return cpu_library(isa).RotaryPagedAttentionLastError().decode()

@@ -118,6 +118,9 @@ def _open(path: str) -> ctypes.CDLL:
     lib.RotaryFlashAttentionLastError.restype = ctypes.c_char_p
     lib.RotaryFlashAttentionIsa.restype = ctypes.c_char_p
     lib.RotaryFlashAttentionDecodeCalls.restype = ctypes.c_int64
+    lib.RotaryPagedAttentionLastError.restype = ctypes.c_char_p
+    lib.RotaryPagedAttentionCalls.restype = ctypes.c_int64
+    lib.RotaryCacheWriteRotatedKeys.restype = ctypes.c_int64
     return lib
 
 

@@ -309,3 +309,17 @@ def test_half_weights_benchmark_on_the_tiny_model(tmp_path):
     assert [r["status"] for r in results["summary"]] == ["ok", "ok"] and not results["tokens_disagree"]
     assert [r["against"] for r in results["ratios"]] == ["fused-float32"]
     assert (tmp_path / "half_weights.json").exists() and (tmp_path / "half_weights.png").exists()
+
+
+def test_paged_benchmark_end_to_end(tmp_path):
+    """benchmarks/paged.py on a short cache: every build, both dtypes, every layout measured, each
+    row a ratio to the contiguous call of the same build."""
+    import paged  # noqa: E402
+
+    results = paged.main(["--contexts", "40", "--repeats", "1", "--out", str(tmp_path)])
+    layouts = {c["layout"] for c in results["calls"]}
+    assert layouts == {"contiguous", "paged, block 16", "paged, block 128"}
+    assert all(c["min_ms"] > 0 and c["bytes"] == 2 * 40 * 32 * 128 * (4 if c["dtype"] == "float32" else 2)
+               for c in results["calls"])
+    assert all(c["vs_contiguous"] == 1.0 for c in results["calls"] if c["layout"] == "contiguous")
+    assert (tmp_path / "paged.json").exists() and (tmp_path / "paged.png").exists()

@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from ms_rope_attention import checks
-from ms_rope_attention.op_info import CONTRACT_PATH, build_reg_info, load_contract, markdown_table, opdef_source
+from ms_rope_attention.op_info import (CACHE_WRITE_PATH, CONTRACT_PATH, PAGED_ATTENTION_PATH, attr_values,
+                                      build_reg_info, load_contract, markdown_table, opdef_source)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,6 +83,31 @@ def test_semantics_table_is_generated():
     semantics = (ROOT / "docs/semantics.md").read_text()
     assert markdown_table() in semantics, \
         "docs/semantics.md table is stale: paste `python -m ms_rope_attention.op_info`"
+
+
+@pytest.mark.parametrize("path", [PAGED_ATTENTION_PATH, CACHE_WRITE_PATH])
+def test_paged_contracts_tables_and_attributes(path):
+    """Each paged op's table in docs/semantics.md is its contract's, and its C++ entry reads exactly
+    the attributes of the two contracts (by name; an absent optional one keeps its default)."""
+    contract = load_contract(str(path))
+    assert markdown_table(contract) in (ROOT / "docs/semantics.md").read_text(), \
+        "docs/semantics.md paged tables are stale: paste `python -m ms_rope_attention.op_info --paged`"
+    source = (ROOT / "ms_rope_attention/csrc/rfa_cpu_paged.cc").read_text()
+    read = set(re.findall(r'extra->Get(?:Int|Str|Float|Bool)\("(\w+)"\)', source))
+    both = {a["name"] for p in (PAGED_ATTENTION_PATH, CACHE_WRITE_PATH) for a in load_contract(str(p)).attrs}
+    assert read == both
+    assert {a["name"] for a in contract.attrs} <= read
+
+
+def test_paged_attribute_values_are_checked():
+    contract = load_contract(str(PAGED_ATTENTION_PATH))
+    assert attr_values(contract, {})["key_rotated"] is True
+    with pytest.raises(ValueError, match="rotary_mode: expected one of"):
+        attr_values(contract, {"rotary_mode": 2})
+    with pytest.raises(ValueError, match="unknown attribute"):
+        attr_values(contract, {"input_layout": "TND"})
+    with pytest.raises(ValueError, match="key_rotated: expected a bool"):
+        attr_values(contract, {"key_rotated": 1})
 
 
 ACLNN = ROOT / "ms_rope_attention/aclnn"

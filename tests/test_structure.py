@@ -16,7 +16,7 @@ FLOORS = [
     ("compatibility", ["_compat"]),
     ("contract", ["op_info", "attrs"]),
     ("checks and math", ["checks", "rope", "unfused", "gradients", "layouts"]),
-    ("kernels", ["cpu_kernel", "cpu_direct", "linear", "embedding", "ascend_emulated", "flash_backward", "ascend_kernel"]),
+    ("kernels", ["cpu_kernel", "cpu_direct", "paged", "linear", "embedding", "ascend_emulated", "flash_backward", "ascend_kernel"]),
     ("dispatch", ["dispatch"]),
     ("functional", ["functional"]),
     ("cells", ["nn"]),

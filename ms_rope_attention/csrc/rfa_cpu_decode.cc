@@ -16,6 +16,8 @@
 //   - causal rows (bottom-right) see keys up to their position; a key a row cannot see is never
 //     read for it (a preallocated cache's unused rows may hold anything).
 // Keys are rotated as they are read unless attrs.key_rotated (the KV-cache case: nothing to do).
+// A paged cache (Problem::paged, RotaryPagedAttention) is read the same way, each key's row found
+// through its sequence's block table: no gather into a contiguous copy.
 #include <omp.h>
 
 #include <algorithm>
@@ -165,6 +167,7 @@ class DecodeWorker {
     if (!regions.Carve(scratch)) return false;
     try {
       valid_.resize(plan_.rows);
+      key_rows_.resize(kBlock);
     } catch (const std::bad_alloc &) {
       return false;
     }
@@ -203,9 +206,10 @@ class DecodeWorker {
         valid_[r] = p_.attrs.causal ? std::max<int64_t>(0, std::min(n, q_off + r % lq - j0 + 1)) : n;
         block_valid = std::max(block_valid, valid_[r]);
       }
+      KeyRowOffsets(t.seq, kvseq, j0, block_valid);
       for (int64_t j = 0; j < block_valid; ++j)
         for (int64_t g = t.g0; g < t.g1; ++g) {
-          int64_t off = kvseq + g * p_.kv.head + (j0 + j) * p_.kv.row;
+          int64_t off = key_rows_[j] + g * p_.kv.head;
           const void *k = buf_.key;
           if (!k_in_place) {
             k = KeyRow(off, j0 + j);
@@ -217,7 +221,7 @@ class DecodeWorker {
       for (int64_t r = 0; r < M; ++r) Softmax(r);
       for (int64_t j = 0; j < block_valid; ++j)
         for (int64_t g = t.g0; g < t.g1; ++g) {
-          int64_t off = kvseq + g * p_.kv.head + (j0 + j) * p_.kv.row;
+          int64_t off = key_rows_[j] + g * p_.kv.head;
           const void *v = buf_.value;
           if (!in_place) {
             LoadRow(p_.qkv_dtype, buf_.value, off, D, vrow_);
@@ -251,6 +255,21 @@ class DecodeWorker {
   }
 
  private:
+  // Element offsets (head 0) of keys [j0, j0 + n) of sequence `seq`: rows of one array from
+  // `kvseq`, or, with a paged cache, the row of the block its block table names (validated).
+  void KeyRowOffsets(int64_t seq, int64_t kvseq, int64_t j0, int64_t n) {
+    const PagedKv &pg = p_.paged;
+    if (!pg.tables) {
+      for (int64_t j = 0; j < n; ++j) key_rows_[j] = kvseq + (j0 + j) * p_.kv.row;
+      return;
+    }
+    const int32_t *table = pg.tables + seq * pg.max_blocks;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t key = j0 + j;
+      key_rows_[j] = (table[key / pg.block_size] * pg.block_size + key % pg.block_size) * p_.kv.row;
+    }
+  }
+
   // One K row as float32 in kernel order, zero-padded to Dp: converted, reordered or rotated.
   const float *KeyRow(int64_t off, int64_t pos) {
     const int64_t D = p_.head_dim, rd = p_.rotary_dim, mode = p_.attrs.rotary_mode;
@@ -303,7 +322,7 @@ class DecodeWorker {
   Tables tables_;
   float *q_ = nullptr, *s_ = nullptr, *o_ = nullptr, *m_ = nullptr, *l_ = nullptr;
   float *row_ = nullptr, *krow_ = nullptr, *vrow_ = nullptr, *tmp_ = nullptr, *ctmp_ = nullptr, *stmp_ = nullptr;
-  std::vector<int64_t> valid_;
+  std::vector<int64_t> valid_, key_rows_;
 };
 
 thread_local Scratch tls_decode_scratch;

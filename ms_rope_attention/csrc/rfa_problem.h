@@ -37,6 +37,14 @@ struct Strides {
   Strides(int64_t b = 0, int64_t h = 0, int64_t r = 0) : batch(b), head(h), row(r) {}
 };
 
+// A paged key/value cache (RotaryPagedAttention): key j of sequence b is row j % block_size of
+// block tables[b * max_blocks + j / block_size] of a (num_blocks, block_size, Nkv, D) cache. Null
+// tables: keys are rows kv_start[b] + j of one array, as for every other call.
+struct PagedKv {
+  const int32_t *tables = nullptr;
+  int64_t block_size = 0, max_blocks = 0;
+};
+
 struct Problem {
   Attrs attrs;
   int64_t batch = 0, q_heads = 0, kv_heads = 0, head_dim = 0, rotary_dim = 0;
@@ -46,6 +54,7 @@ struct Problem {
   DType qkv_dtype = DType::F32, cos_dtype = DType::F32, sin_dtype = DType::F32;
   Strides q, kv, lse;                 // lse strides are (batch, head, row) in elements
   std::vector<int64_t> q_start, q_lens, kv_start, kv_lens;  // per sequence, in rows
+  PagedKv paged;
 };
 
 inline bool ParseLayout(const std::string &s, Layout *out) {
@@ -144,6 +153,31 @@ inline std::string SplitHeads(const char *name, const TensorDesc &t, Layout layo
   return "";
 }
 
+// head_dim, rotary_dim and the cos/sin tables (shapes, dtypes) against the attributes; fills the
+// problem's head_dim, rotary_dim, table_rows, scale and table dtypes. Shared by every op that rotates.
+inline std::string CheckRotary(const Attrs &a, int64_t qd, const TensorDesc &c, const TensorDesc &s, Problem *p) {
+  if (a.rotary_mode != 0 && a.rotary_mode != 1)
+    return "rotary_mode: expected 0 (rotate-half) or 1 (interleaved), got " + std::to_string(a.rotary_mode);
+  if (!ParseDType(c.dtype, &p->cos_dtype)) return "cos: expected dtype float32, float16 or bfloat16, got " + c.dtype;
+  if (!ParseDType(s.dtype, &p->sin_dtype)) return "sin: expected dtype float32, float16 or bfloat16, got " + s.dtype;
+  if (s.dtype != c.dtype) return "sin: expected the same dtype as cos (" + c.dtype + "), got " + s.dtype;
+  if (qd < 2 || qd % 2) return "query: head_dim must be even and >= 2, got " + std::to_string(qd);
+  const int64_t rd = a.rotary_dim > 0 ? a.rotary_dim : qd;
+  if (rd % 2 || rd > qd) return "rotary_dim: expected an even value <= head_dim " + std::to_string(qd) + ", got " + std::to_string(rd);
+  for (const TensorDesc *t : {&c, &s}) {
+    const char *name = t == &c ? "cos" : "sin";
+    if (t->ndim != 2 || t->shape[1] != rd)
+      return std::string(name) + ": expected shape (max_positions, " + std::to_string(rd) + "), got " + ShapeText(t->ndim, t->shape);
+  }
+  if (c.shape[0] != s.shape[0]) return "sin: expected the same shape as cos " + ShapeText(c.ndim, c.shape);
+  if (!CountFits(c.ndim, c.shape)) return "cos: expected fewer than 2^62 elements, got shape " + ShapeText(c.ndim, c.shape);
+  p->head_dim = qd; p->rotary_dim = rd;
+  p->table_rows = c.shape[0];
+  p->scale = a.scale > 0 ? a.scale : 1.0f / std::sqrt(static_cast<float>(qd));
+  if (!std::isfinite(p->scale)) return "scale: expected a finite positive value";
+  return "";
+}
+
 // Validate everything and fill `p`. Returns "" or an error naming the argument.
 // `tensors` are query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen (the last two may
 // have dtype "none"); `q_ends`/`kv_ends` point to the TND offsets' data (may be null otherwise).
@@ -151,15 +185,10 @@ inline std::string BuildProblem(const Attrs &a, const TensorDesc *tensors, const
                                 const int64_t *kv_ends, Problem *p) {
   p->attrs = a;
   const TensorDesc &q = tensors[0], &k = tensors[1], &v = tensors[2], &c = tensors[3], &s = tensors[4];
-  if (a.rotary_mode != 0 && a.rotary_mode != 1)
-    return "rotary_mode: expected 0 (rotate-half) or 1 (interleaved), got " + std::to_string(a.rotary_mode);
   if (!ParseDType(q.dtype, &p->qkv_dtype))
     return "query: expected dtype float32, float16 or bfloat16, got " + q.dtype;
   if (k.dtype != q.dtype) return "key: expected the same dtype as query (" + q.dtype + "), got " + k.dtype;
   if (v.dtype != q.dtype) return "value: expected the same dtype as query (" + q.dtype + "), got " + v.dtype;
-  if (!ParseDType(c.dtype, &p->cos_dtype)) return "cos: expected dtype float32, float16 or bfloat16, got " + c.dtype;
-  if (!ParseDType(s.dtype, &p->sin_dtype)) return "sin: expected dtype float32, float16 or bfloat16, got " + s.dtype;
-  if (s.dtype != c.dtype) return "sin: expected the same dtype as cos (" + c.dtype + "), got " + s.dtype;
   if (a.layout == Layout::BSH && a.head_num <= 0) return "head_num: required for input_layout BSH";
 
   int64_t qb, qs, qn, qd, kb, ks, kn, kd;
@@ -180,20 +209,9 @@ inline std::string BuildProblem(const Attrs &a, const TensorDesc *tensors, const
   if (kd != qd) return "key: head_dim " + std::to_string(kd) + " does not match query's " + std::to_string(qd);
   if (kn < 1 || qn % kn)
     return "key: " + std::to_string(kn) + " heads; query's " + std::to_string(qn) + " heads must be a multiple of them";
-  if (qd < 2 || qd % 2) return "query: head_dim must be even and >= 2, got " + std::to_string(qd);
-  const int64_t rd = a.rotary_dim > 0 ? a.rotary_dim : qd;
-  if (rd % 2 || rd > qd) return "rotary_dim: expected an even value <= head_dim " + std::to_string(qd) + ", got " + std::to_string(rd);
-  for (const TensorDesc *t : {&c, &s}) {
-    const char *name = t == &c ? "cos" : "sin";
-    if (t->ndim != 2 || t->shape[1] != rd)
-      return std::string(name) + ": expected shape (max_positions, " + std::to_string(rd) + "), got " + ShapeText(t->ndim, t->shape);
-  }
-  if (c.shape[0] != s.shape[0]) return "sin: expected the same shape as cos " + ShapeText(c.ndim, c.shape);
-  if (!CountFits(c.ndim, c.shape)) return "cos: expected fewer than 2^62 elements, got shape " + ShapeText(c.ndim, c.shape);
-  p->q_heads = qn; p->kv_heads = kn; p->head_dim = qd; p->rotary_dim = rd;
-  p->table_rows = c.shape[0];
-  p->scale = a.scale > 0 ? a.scale : 1.0f / std::sqrt(static_cast<float>(qd));
-  if (!std::isfinite(p->scale)) return "scale: expected a finite positive value";
+  p->q_heads = qn; p->kv_heads = kn;
+  err = CheckRotary(a, qd, c, s, p);
+  if (!err.empty()) return err;
   p->q_len = qs; p->kv_len = ks;
 
   const bool tnd = a.layout == Layout::TND;

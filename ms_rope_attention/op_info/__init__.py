@@ -1,4 +1,5 @@
-"""The op contract (``rotary_flash_attention.yaml``) and what is generated from it.
+"""The op contracts (``rotary_flash_attention.yaml``; the paged cache's ``rotary_paged_attention.yaml``
+and ``rotary_cache_write.yaml``) and what is generated from them.
 
 Everything that describes the op's interface -- MindSpore ``CustomRegOp`` registrations for each
 backend, the Python argument checks and the semantics table in docs/semantics.md -- is derived from the YAML
@@ -15,6 +16,8 @@ from typing import Any
 import yaml
 
 CONTRACT_PATH = Path(__file__).with_name("rotary_flash_attention.yaml")
+PAGED_ATTENTION_PATH = Path(__file__).with_name("rotary_paged_attention.yaml")
+CACHE_WRITE_PATH = Path(__file__).with_name("rotary_cache_write.yaml")
 
 _REG_TYPES = {"int": "int", "float": "float", "bool": "bool", "str": "str"}
 _PY_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
@@ -96,7 +99,7 @@ def _ms_dtype_formats(contract: Contract) -> list[tuple]:
     """``dtype_combinations`` as MindSpore ``DataType`` rows."""
     from mindspore.ops import DataType
 
-    names = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64"}
+    names = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32"}
     return [tuple(getattr(DataType, f"{names[d]}_Default") for d in row) for row in dtype_combinations(contract)]
 
 
@@ -157,16 +160,37 @@ def output_shapes(query_shape, key_shape, attr_values: dict[str, Any]) -> tuple[
     return q, lse, tuple(key_shape) if values["with_rotated_key"] else (0,)
 
 
-def build_reg_info(target: str, attr_values: dict[str, Any], *, any_dtype: bool = False, backward: bool = False):
+def attr_values(contract: Contract, given: dict[str, Any]) -> dict[str, Any]:
+    """Every attribute of ``contract`` with ``given`` over its defaults, as the kernel reads them;
+    an unknown name or a value outside the contract's ``values`` is a ValueError naming it."""
+    unknown = set(given) - set(contract.attr_defaults)
+    if unknown:
+        raise ValueError(f"{contract.op_name}: unknown attribute(s) {sorted(unknown)}; "
+                         f"expected some of {sorted(contract.attr_defaults)}")
+    values = {}
+    for attr in contract.attrs:
+        value = given.get(attr["name"], attr["default"])
+        kind = _PY_TYPES[attr["type"]]
+        if isinstance(value, bool) != (kind is bool) or not isinstance(value, (int, float) if kind is float else kind):
+            raise ValueError(f"{attr['name']}: expected a {attr['type']}, got {value!r}")
+        if "values" in attr and value not in attr["values"]:
+            raise ValueError(f"{attr['name']}: expected one of {attr['values']}, got {value!r}")
+        values[attr["name"]] = kind(value)
+    return values
+
+
+def build_reg_info(target: str, attr_values: dict[str, Any], *, any_dtype: bool = False, backward: bool = False,
+                   contract: Contract | None = None):
     """The ``CustomRegOp`` op-info for one backend, with the attribute values of one op instance;
-    ``backward=True`` for the gradient op.
+    ``backward=True`` for the gradient op; ``contract``: another op's (the paged cache's), by default
+    RotaryFlashAttention's.
 
     ``any_dtype=True`` registers ``None_None`` formats: the CPU aot kernel checks dtypes itself
     (with clearer messages than MindSpore's kernel selection), and optional inputs arrive as "none".
     """
     from mindspore.ops import CustomRegOp, DataType
 
-    contract = load_contract()
+    contract = contract or load_contract()
     if backward:
         contract = contract.backward
     unknown = set(attr_values) - set(contract.attr_defaults)
@@ -198,9 +222,10 @@ def build_reg_info(target: str, attr_values: dict[str, Any], *, any_dtype: bool 
     return reg.target(target).get_op_info()
 
 
-def markdown_table() -> str:
-    """The semantics table of docs/semantics.md, generated from the contract."""
-    contract = load_contract()
+def markdown_table(contract: Contract | None = None) -> str:
+    """A semantics table of docs/semantics.md, generated from a contract (RotaryFlashAttention's,
+    with its backward, by default)."""
+    contract = contract or load_contract()
     lines = ["| kind | name | type / dtypes | default | meaning |", "|---|---|---|---|---|"]
     for item in contract.inputs:
         kind = "input (optional)" if item.get("optional") else "input"
@@ -213,6 +238,8 @@ def markdown_table() -> str:
     for key, text in contract.semantics.items():
         lines.append(f"| rule | {key} | | | {text} |")
     grad = contract.backward
+    if grad is None:
+        return "\n".join(lines)
     forward_inputs = len(contract.inputs)
     for item in grad.inputs[forward_inputs:]:
         kind = "grad input (optional)" if item.get("optional") else "grad input"
