@@ -2,6 +2,8 @@
 checkpoint of test_llama: logits of prefill / decode steps / chunks against one full forward, cache
 rows against a one-shot prefill, compiled graphs that do not grow with steps, continuous batching,
 streaming, and bad input refused before anything is written. Logit tolerance as in test_llama."""
+import os
+
 import numpy as np
 import pytest
 from mindspore import Tensor
@@ -20,6 +22,13 @@ checkpoint, graph = test_llama.checkpoint, test_llama.graph  # the tiny checkpoi
 # process (a minimal Cell with set_inputs does it too), so the compile counts below depend on what
 # ran before them in the process (see docs/llama.md).
 pytestmark = pytest.mark.xdist_group("generation")
+
+
+def test_this_file_runs_in_one_worker(request):
+    """The group above holds: under pytest-xdist's loadgroup a grouped test's id carries its group
+    (pytest 9.2 dropped it silently, so the file's tests spread over the workers)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        assert request.node.nodeid.endswith("@generation"), request.node.nodeid
 
 
 @pytest.mark.parametrize("backend", ["fused", "unfused"])

@@ -70,6 +70,28 @@ def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float = 0.
     return out
 
 
+def check_prompts(model, prompts, max_new_tokens) -> list[int]:
+    """Prompts (lists of token ids in the model's vocabulary) and their new-token counts (one int, or
+    one per prompt), checked against the model's cos/sin positions; the counts per prompt."""
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts: expected a non-empty list of prompts (lists of token ids)")
+    counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(counts) != len(prompts) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
+        raise ValueError(f"max_new_tokens: expected a positive int or one per prompt, got {max_new_tokens!r}")
+    vocab = model.vocab_size
+    for i, (prompt, n) in enumerate(zip(prompts, counts)):
+        if len(prompt) == 0:
+            raise ValueError(f"prompts[{i}]: empty; every prompt needs at least one token")
+        ids = np.asarray(prompt)
+        if ids.dtype.kind not in "iu" or ids.ndim != 1 or ids.min() < 0 or ids.max() >= vocab:
+            raise ValueError(f"prompts[{i}]: expected token ids in [0, {vocab}), got {prompt!r:.80}")
+        if len(prompt) + n - 1 > model.max_positions:  # the last new token is never cached
+            raise ValueError(f"max_new_tokens: prompts[{i}] ({len(prompt)} tokens) + {n} new tokens need "
+                             f"{len(prompt) + n - 1} cached positions, beyond the model's cos/sin cache of "
+                             f"{model.max_positions} positions")
+    return counts
+
+
 class _CacheGraph(nn.Cell):
     """A graph over the model and one ``KVCache``, compiled once per input signature, in PyNative
     too (``ms.jit``: one graph launch per step, not one dispatch per op); ``compiles`` counts its
@@ -269,23 +291,7 @@ class Generator:
         self.reserve(max(len(p) + n - 1 for p, n in zip(prompts, counts)))
 
     def _check(self, prompts, max_new_tokens) -> list[int]:
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError("prompts: expected a non-empty list of prompts (lists of token ids)")
-        counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        if len(counts) != len(prompts) or any(not isinstance(n, int) or n < 1 for n in counts):
-            raise ValueError(f"max_new_tokens: expected a positive int or one per prompt, got {max_new_tokens!r}")
-        vocab = self.model.vocab_size
-        for i, (prompt, n) in enumerate(zip(prompts, counts)):
-            if len(prompt) == 0:
-                raise ValueError(f"prompts[{i}]: empty; every prompt needs at least one token")
-            ids = np.asarray(prompt)
-            if ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= vocab:
-                raise ValueError(f"prompts[{i}]: expected token ids in [0, {vocab}), got {prompt!r:.80}")
-            if len(prompt) + n - 1 > self.model.max_positions:  # the last new token is never cached
-                raise ValueError(f"max_new_tokens: prompts[{i}] ({len(prompt)} tokens) + {n} new tokens need "
-                                 f"{len(prompt) + n - 1} cached positions, beyond the model's cos/sin cache of "
-                                 f"{self.model.max_positions} positions")
-        return counts
+        return check_prompts(self.model, prompts, max_new_tokens)
 
     def _prefill(self, joining: list[_Request]) -> np.ndarray:
         """Prompts into their slots; last-token logits (one row per request)."""

@@ -122,3 +122,31 @@ class Slots:
 
     def release(self, slot: int) -> None:
         self.busy[slot], self.lengths[slot] = False, 0
+
+
+def block_bytes(config, block_size: int, dtype) -> int:
+    """Bytes one block of a ``PagedKVCache`` takes over every layer (keys and values)."""
+    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.dim_per_head * dtype.itemsize
+
+
+class PagedKVCache(nn.Cell):
+    """Rotated keys and values in ``num_blocks`` blocks of ``block_size`` positions, per layer:
+    (num_blocks, block_size, Nkv, D) Parameters, the layout of MindFormers' and vLLM-MindSpore's
+    caches, read in place by ``rotary_paged_attention`` and written by ``rotary_cache_write``.
+    Which block holds what is the host's bookkeeping (``block_pool.BlockPool``)."""
+
+    def __init__(self, config, num_blocks: int, block_size: int, dtype):
+        super().__init__()
+        if not isinstance(block_size, int) or block_size < 16 or block_size % 16:
+            raise ValueError(f"block_size: expected a positive multiple of 16, got {block_size!r}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (num_blocks, block_size, config.num_key_value_heads, config.dim_per_head)
+        layers = range(config.num_hidden_layers)
+        self.keys = ParameterTuple([Parameter(initializer("zeros", shape, dtype), name=f"paged_keys.{i}",
+                                              requires_grad=False) for i in layers])
+        self.values = ParameterTuple([Parameter(initializer("zeros", shape, dtype), name=f"paged_values.{i}",
+                                                requires_grad=False) for i in layers])
+
+    @property
+    def dtype(self):
+        return self.keys[0].dtype

@@ -23,6 +23,7 @@ from mindspore.common.initializer import Normal, initializer
 from ms_rope_attention import RotaryFlashAttention
 from ms_rope_attention.embedding import embedding_op
 from ms_rope_attention.linear import linear_op
+from ms_rope_attention.paged import rotary_cache_write, rotary_paged_attention
 from ms_rope_attention.rope import apply_rope
 
 # Absolute imports: mindspore.rewrite (amp.auto_mixed_precision O1) regenerates this module's source
@@ -269,6 +270,8 @@ class LlamaAttention(nn.Cell):
     def _cached(self, q, k, v, aq, akv, cache, positions):
         cache_keys, cache_values, write_rows = cache
         q, k, v = self._heads(q, self.heads), self._heads(k, self.kv_heads), self._heads(v, self.kv_heads)
+        if isinstance(write_rows, tuple):
+            return self._paged(q, k, v, aq, akv, cache_keys, cache_values, write_rows)
         if positions is None:
             out, keys = self.cache_prefill(q, k, v, aq, aq)
             self.write(cache_keys, write_rows, keys.astype(cache_keys.dtype))
@@ -280,6 +283,31 @@ class LlamaAttention(nn.Cell):
         # bytes to read) meets a query of its own dtype, as the op requires; the op accumulates in
         # float32 either way.
         return self.cached_attention(q.astype(cache_keys.dtype), cache_keys, cache_values, aq, akv).astype(q.dtype)
+
+    def _paged(self, q, k, v, aq, akv, key_cache, value_cache, where):
+        """A block-paged cache (``PagedKVCache``; ``where`` built by ``serving.PagedGenerator``). The new
+        keys are rotated once and written with the values at their slots (``rotary_cache_write``, one
+        pass). A prefill, ``("prefill", slots, positions, context, copy_from, copy_to)``, first copies
+        the blocks a copy-on-write replaces, then attends over each sequence's cached prefix and new
+        tokens, read from the cache at ``context`` ((block, offset) per key, TND order), with the
+        fused op (``key_rotated``). A decode step, ``("decode", slots, positions, block_tables,
+        context_lens, q_seq_lens)``, attends over the blocks in place (``rotary_paged_attention``)."""
+        kind, slots, positions = where[0], where[1], where[2]
+        if kind == "prefill":
+            copy_from, copy_to = where[4], where[5]
+            copied_keys = self.write(key_cache, copy_to, ops.gather(key_cache, copy_from, 0))
+            copied_values = self.write(value_cache, copy_to, ops.gather(value_cache, copy_from, 0))
+            slots = ops.depend(slots, (copied_keys, copied_values))
+        written = rotary_cache_write(k, v, self.cos, self.sin, positions, slots, key_cache, value_cache,
+                                     rotary_mode=self.rotary_mode, rotary_dim=self.rotary_dim)
+        key_cache, value_cache = ops.depend(key_cache, written), ops.depend(value_cache, written)
+        query = q.astype(key_cache.dtype)  # the op's dtype rule; it accumulates in float32 either way
+        if kind == "prefill":
+            keys, values = ops.gather_nd(key_cache, where[3]), ops.gather_nd(value_cache, where[3])
+            return self.cached_attention(query, keys, values, aq, akv).astype(q.dtype)
+        return rotary_paged_attention(query, key_cache, value_cache, self.cos, self.sin, where[3], where[4], where[5],
+                                      head_num=self.heads, rotary_mode=self.rotary_mode,
+                                      rotary_dim=self.rotary_dim).astype(q.dtype)
 
     def _rotate_new_keys(self, k, positions):
         """Standalone RoPE on the step's new keys only (one row per sequence), at their positions."""
