@@ -70,9 +70,10 @@ def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float = 0.
     return out
 
 
-def check_prompts(model, prompts, max_new_tokens) -> list[int]:
+def check_prompts(model, prompts, max_new_tokens, name: str = "prompts") -> list[int]:
     """Prompts (lists of token ids in the model's vocabulary) and their new-token counts (one int, or
-    one per prompt), checked against the model's cos/sin positions; the counts per prompt."""
+    one per prompt), checked against the model's cos/sin positions; the counts per prompt. Errors
+    name ``{name}[i]`` (a single request's call passes ``name='prompt'``, named alone)."""
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts: expected a non-empty list of prompts (lists of token ids)")
     counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
@@ -80,13 +81,14 @@ def check_prompts(model, prompts, max_new_tokens) -> list[int]:
         raise ValueError(f"max_new_tokens: expected a positive int or one per prompt, got {max_new_tokens!r}")
     vocab = model.vocab_size
     for i, (prompt, n) in enumerate(zip(prompts, counts)):
+        where = name if name == "prompt" else f"{name}[{i}]"
         if len(prompt) == 0:
-            raise ValueError(f"prompts[{i}]: empty; every prompt needs at least one token")
+            raise ValueError(f"{where}: empty; every prompt needs at least one token")
         ids = np.asarray(prompt)
         if ids.dtype.kind not in "iu" or ids.ndim != 1 or ids.min() < 0 or ids.max() >= vocab:
-            raise ValueError(f"prompts[{i}]: expected token ids in [0, {vocab}), got {prompt!r:.80}")
+            raise ValueError(f"{where}: expected token ids in [0, {vocab}), got {prompt!r:.80}")
         if len(prompt) + n - 1 > model.max_positions:  # the last new token is never cached
-            raise ValueError(f"max_new_tokens: prompts[{i}] ({len(prompt)} tokens) + {n} new tokens need "
+            raise ValueError(f"max_new_tokens: {where} ({len(prompt)} tokens) + {n} new tokens need "
                              f"{len(prompt) + n - 1} cached positions, beyond the model's cos/sin cache of "
                              f"{model.max_positions} positions")
     return counts

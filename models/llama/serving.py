@@ -142,7 +142,7 @@ class PagedGenerator:
                     top_p: float = 1.0, seed: int = 0, eos_ids=None) -> int:
         """Queues a request; returns its id (``Token.request`` of its tokens). Refused here, naming
         the argument, when it could never run: bad ids or settings, or more blocks than the budget."""
-        (count,) = check_prompts(self.model, [prompt], max_new_tokens)
+        (count,) = check_prompts(self.model, [prompt], max_new_tokens, name="prompt")
         check_sampling(temperature, top_k, top_p)
         need = blocks_for(len(prompt) + count - 1, self.block_size)
         if need > self.pool.usable:
