@@ -16,7 +16,8 @@ match possibly partial (a shared prefix that ends inside a block).
 sequence about to write into one (its shared prefix ends inside it) gets a fresh block, and the
 step copies the shared block into it before it writes (``Growth.copies``). Blocks that no sequence
 holds but that are registered stay cached until an allocation needs them, least recently released
-first. Block 0 is never handed out: a padded step's filler tokens read it.
+first (a sequence releases its last block first, so a chain loses its tail before its start).
+Block 0 is never handed out: a padded step's filler tokens read it.
 """
 from __future__ import annotations
 
@@ -219,7 +220,7 @@ class BlockPool:
         if keep and self.prefix_caching and seq.length % self.block_size and len(seq.blocks) > full:
             self._register(seq.blocks[full], seq.keys[-1] if seq.keys else _ROOT,
                            tuple(seq.tokens[full * self.block_size:]))
-        for block in seq.blocks:
+        for block in reversed(seq.blocks):  # last first: eviction takes a chain's tail before its start
             self._release(block)
         seq.blocks.clear()
 

@@ -1,0 +1,390 @@
+"""Serving on the paged KV cache (models/llama/serving.py) against the contiguous cache it replaces
+and transformers, on one seeded random checkpoint (``ttft.write_checkpoint``: Llama2-7B dimensions,
+``--layers`` layers, float32), each point in a fresh process, greedy tokens compared across systems.
+
+Three parts, each selectable with ``--parts``:
+
+- ``steps``: the decode step of one sequence at each ``--contexts`` cached tokens, the contiguous
+  ``Generator`` against the ``PagedGenerator`` (blocks of 16), ``--rounds`` rounds, the order turning
+  every round; median and min step over ``--new-tokens`` tokens.
+- ``prefix``: the TTFT of a request whose 1024-token system prompt (+ a 64-token user turn) another
+  request left in the cache, against the same request with nothing cached (a fresh system prompt
+  each round, so nothing is cached by accident); the tokens of both must equal the same request
+  computed with prefix caching off.
+- ``trace``: a seeded request trace replayed in real time: ``--requests`` arrivals (Poisson,
+  ``--rate`` per second), prompt lengths log-uniform over 64..4096, 32..256 new tokens, half of the
+  requests opening with one common 1024-token system prompt. Systems: the contiguous generator (its
+  API takes a list of prompts: the requests that arrived run as one ``stream`` each time it is
+  free), the paged one without and with prefix caching (``add_request`` as they arrive, ``step``),
+  and transformers with a StaticCache (batches of what arrived, left padded). Every system gets the
+  same KV cache budget (``--budget-gib``): the contiguous generator as slots of the capacity
+  bucket its longest request needs, the paged one as blocks. Reported: TTFT and time per output
+  token p50/p99, output tokens per second over the whole replay, the most sequences in flight.
+
+    python benchmarks/serving.py                       # every part, the default trace
+    python benchmarks/serving.py --parts steps prefix  # the two short parts
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+from harness import machine_info, run_isolated, save, turned
+
+SCHEMA_VERSION = 1
+SYSTEM_PROMPT = 1024
+USER_TURN = 64
+GIB = 2 ** 30
+
+
+def _model(checkpoint: str, max_positions: int):
+    import mindspore as ms
+
+    ms.set_device("CPU")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    from models.llama.weights import load_checkpoint
+
+    return load_checkpoint(checkpoint, max_positions=max_positions, progress=False)
+
+
+def _ids(rng, n: int, vocab: int) -> list[int]:
+    return rng.integers(3, vocab, n).tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# Points (child processes).
+
+def step_point(system: str, checkpoint: str, context: int, new_tokens: int, seed: int) -> dict:
+    """One prompt of ``context`` tokens, then ``new_tokens`` decode steps."""
+    from models.llama.generate import Generator
+    from models.llama.serving import PagedGenerator
+
+    lm = _model(checkpoint, context + new_tokens)
+    prompt = _ids(np.random.default_rng(seed + context), context, lm.vocab_size)
+    if system == "contiguous":
+        gen = Generator(lm, slots=1, capacity=context + new_tokens)
+    else:
+        budget = (context + new_tokens + 64) * 2 * lm.config.num_hidden_layers * lm.config.num_key_value_heads \
+            * lm.config.dim_per_head * lm.cache_dtype.itemsize
+        gen = PagedGenerator(lm, max_cache_bytes=budget, max_batch=1, prefix_caching=False)
+    gen.warm_up([prompt[:16]])
+    result = gen.generate([prompt], new_tokens, eos_ids=())
+    return {"step_ms": [s for _, s in result.step_ms], "ttft_s": result.ttft_s, "tokens": result.tokens[0]}
+
+
+def prefix_point(checkpoint: str, rounds: int, new_tokens: int, seed: int) -> dict:
+    """Per round: a fresh system prompt; request A (system + user turn A) with nothing cached, then
+    request B (system + user turn B) finding the system prompt in the cache; B's tokens against B
+    computed by a generator without prefix caching."""
+    from models.llama.serving import PagedGenerator
+
+    lm = _model(checkpoint, SYSTEM_PROMPT + USER_TURN + new_tokens)
+    rng = np.random.default_rng(seed)
+    kwargs = dict(max_cache_bytes=None, max_batch=2)
+    cached, cold = PagedGenerator(lm, **kwargs), PagedGenerator(lm, prefix_caching=False, **kwargs)
+    warm_up = [_ids(rng, SYSTEM_PROMPT + USER_TURN, lm.vocab_size)]
+    cached.warm_up(warm_up), cold.warm_up(warm_up)
+    rows = []
+    for _ in range(rounds):
+        system = _ids(rng, SYSTEM_PROMPT, lm.vocab_size)
+        a, b = (system + _ids(rng, USER_TURN, lm.vocab_size) for _ in range(2))
+        ttft = {}
+        for name, gen, prompt in (("nothing cached", cached, a), ("system prompt cached", cached, b),
+                                  ("prefix caching off", cold, b)):
+            before = gen.cached_prompt_tokens
+            start = time.perf_counter()
+            tokens = []
+            for event in gen.stream([prompt], new_tokens, eos_ids=()):
+                if not tokens:
+                    ttft[name] = time.perf_counter() - start
+                tokens.append(event.token)
+            ttft[name + " tokens"] = tokens
+            ttft[name + " cached"] = gen.cached_prompt_tokens - before
+        rows.append(ttft)
+    return {"rounds": rows}
+
+
+def _trace(requests: int, rate: float, vocab: int, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    system = _ids(rng, SYSTEM_PROMPT, vocab)
+    arrivals = np.cumsum(rng.exponential(1 / rate, requests))
+    trace = []
+    for i in range(requests):
+        length = int(round(np.exp(rng.uniform(np.log(64), np.log(4096)))))
+        shared = bool(rng.random() < 0.5) and length > SYSTEM_PROMPT
+        prompt = (system + _ids(rng, length - SYSTEM_PROMPT, vocab)) if shared else _ids(rng, length, vocab)
+        trace.append({"arrival_s": float(arrivals[i]), "prompt": prompt, "new_tokens": int(rng.integers(32, 257)),
+                      "shared_system_prompt": shared})
+    return trace
+
+
+def trace_point(system: str, checkpoint: str, requests: int, rate: float, budget_gib: float, seed: int) -> dict:
+    """The trace replayed against ``system``; per request its arrival, token times and tokens."""
+    if system == "hf-static":
+        return _hf_trace(checkpoint, requests, rate, seed)
+    from models.llama.generate import Generator
+    from models.llama.kv_cache import bucket_capacity, cache_bytes
+    from models.llama.serving import PagedGenerator
+
+    lm = _model(checkpoint, 4096 + 256)
+    trace = _trace(requests, rate, lm.vocab_size, seed)
+    budget = int(budget_gib * GIB)
+    longest = max(len(r["prompt"]) + r["new_tokens"] for r in trace)
+    if system == "contiguous":
+        capacity = bucket_capacity(longest, lm.max_positions)  # every slot holds the longest request
+        fits = [s for s in range(1, 65) if cache_bytes(lm.cache_config, s, capacity, lm.cache_dtype) <= budget]
+        slots = max(fits, default=1)  # one slot even over the budget: the system must run at all
+        gen = Generator(lm, slots=slots, capacity=capacity)
+        gen.warm_up([trace[0]["prompt"][:16]])
+    else:
+        gen = PagedGenerator(lm, max_cache_bytes=budget, max_batch=32, prefix_caching=system == "paged-prefix")
+        gen.warm_up([_ids(np.random.default_rng(1), 16, lm.vocab_size)])
+    times = [[] for _ in trace]
+    tokens = [[] for _ in trace]
+    most = 0
+    start = time.perf_counter()
+    now = lambda: time.perf_counter() - start  # noqa: E731
+    pending = list(range(len(trace)))
+    if system == "contiguous":
+        while pending:
+            arrived = [i for i in pending if trace[i]["arrival_s"] <= now()]
+            if not arrived:
+                time.sleep(max(0.0, trace[pending[0]]["arrival_s"] - now()))
+                continue
+            pending = [i for i in pending if i not in arrived]
+            most = max(most, min(len(arrived), gen.slots_count))
+            for event in gen.stream([trace[i]["prompt"] for i in arrived], [trace[i]["new_tokens"] for i in arrived],
+                                    eos_ids=()):
+                times[arrived[event.request]].append(now())
+                tokens[arrived[event.request]].append(event.token)
+    else:
+        ids = {}
+        while pending or gen.has_unfinished:
+            for i in [i for i in pending if trace[i]["arrival_s"] <= now()]:
+                ids[gen.add_request(trace[i]["prompt"], trace[i]["new_tokens"], eos_ids=())] = i
+                pending.remove(i)
+            if not gen.has_unfinished:
+                time.sleep(max(0.0, trace[pending[0]]["arrival_s"] - now()))
+                continue
+            for event in gen.step():
+                times[ids[event.request]].append(now())
+                tokens[ids[event.request]].append(event.token)
+            most = max(most, len(gen.running))
+    info = {"slots": slots if system == "contiguous" else None,
+            "blocks": gen.num_blocks if system != "contiguous" else None,
+            "cached_prompt_tokens": getattr(gen, "cached_prompt_tokens", 0)}
+    return {"requests": [{"arrival_s": r["arrival_s"], "times_s": t, "tokens": k, "prompt_tokens": len(r["prompt"]),
+                          "shared_system_prompt": r["shared_system_prompt"]} for r, t, k in zip(trace, times, tokens)],
+            "most_in_flight": most, **info}
+
+
+def _hf_trace(checkpoint: str, requests: int, rate: float, seed: int) -> dict:
+    import torch
+    import transformers
+
+    torch.set_num_threads(os.cpu_count())
+    lm = transformers.LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
+                                                       attn_implementation="sdpa").eval()
+    trace = _trace(requests, rate, lm.config.vocab_size, seed)
+
+    class Stamps(transformers.generation.BaseStreamer):
+        def __init__(self):
+            self.times = []
+
+        def put(self, value):
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    def run(prompts, new_tokens, streamer=None):
+        longest = max(map(len, prompts))
+        ids = torch.zeros((len(prompts), longest), dtype=torch.long)  # left padding
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, longest - len(p):], mask[i, longest - len(p):] = torch.tensor(p), 1
+        with torch.inference_mode():
+            out = lm.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              do_sample=False, streamer=streamer, pad_token_id=0, cache_implementation="static")
+        return out[:, longest:].tolist()
+
+    run([trace[0]["prompt"][:16]], 2)
+    times = [[] for _ in trace]
+    tokens = [[] for _ in trace]
+    start = time.perf_counter()
+    pending, most = list(range(len(trace))), 0
+    while pending:
+        now = time.perf_counter() - start
+        arrived = [i for i in pending if trace[i]["arrival_s"] <= now]
+        if not arrived:
+            time.sleep(max(0.0, trace[pending[0]]["arrival_s"] - now))
+            continue
+        pending = [i for i in pending if i not in arrived]
+        most = max(most, len(arrived))
+        stamps = Stamps()
+        out = run([trace[i]["prompt"] for i in arrived], max(trace[i]["new_tokens"] for i in arrived), stamps)
+        stamp = [t - start for t in stamps.times[1:]]
+        for row, i in enumerate(arrived):
+            n = trace[i]["new_tokens"]  # the batch runs to its longest request; each keeps its own count
+            times[i], tokens[i] = stamp[:n], out[row][:n]
+    return {"requests": [{"arrival_s": r["arrival_s"], "times_s": t, "tokens": k, "prompt_tokens": len(r["prompt"]),
+                          "shared_system_prompt": r["shared_system_prompt"]} for r, t, k in zip(trace, times, tokens)],
+            "most_in_flight": most, "backend_ran": f"transformers {transformers.__version__}, StaticCache"}
+
+
+# ---------------------------------------------------------------------------------------------
+# The parent: points in turn, summaries, table, plot.
+
+def _percentile(values, q):
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def summarize_trace(point: dict) -> dict:
+    reqs = point["requests"]
+    ttft = [r["times_s"][0] - r["arrival_s"] for r in reqs if r["times_s"]]
+    tpot = [(r["times_s"][-1] - r["times_s"][0]) / (len(r["times_s"]) - 1) for r in reqs if len(r["times_s"]) > 1]
+    span = max(r["times_s"][-1] for r in reqs if r["times_s"]) - min(r["arrival_s"] for r in reqs)
+    out_tokens = sum(len(r["tokens"]) for r in reqs)
+    return {"ttft_p50_s": _percentile(ttft, 50), "ttft_p99_s": _percentile(ttft, 99),
+            "tpot_p50_ms": _percentile(tpot, 50) * 1e3, "tpot_p99_ms": _percentile(tpot, 99) * 1e3,
+            "tokens_per_s": out_tokens / span, "most_in_flight": point["most_in_flight"]}
+
+
+def table(results: dict) -> str:
+    lines = []
+    steps = results.get("steps")
+    if steps:
+        lines += ["| cached tokens | contiguous step (median / min) | paged step (median / min) | paged / contiguous |",
+                  "|---|---|---|---|"]
+        for context, row in sorted(steps["summary"].items(), key=lambda kv: int(kv[0])):
+            c, p = row["contiguous"], row["paged"]
+            lines.append(f"| {context} | {c['median_ms']:.1f} / {c['min_ms']:.1f} ms | {p['median_ms']:.1f} / "
+                         f"{p['min_ms']:.1f} ms | {p['median_ms'] / c['median_ms']:.2f}x |")
+    prefix = results.get("prefix")
+    if prefix:
+        s = prefix["summary"]
+        lines += ["", f"prefix caching, {SYSTEM_PROMPT}-token system prompt + {USER_TURN}-token turn: TTFT "
+                      f"{s['cached_ms']:.0f} ms cached against {s['uncached_ms']:.0f} ms uncached (median of "
+                      f"{s['rounds']}): {s['ratio']:.2f}x; tokens identical: {s['tokens_identical']}"]
+    trace = results.get("trace")
+    if trace:
+        lines += ["", "| system | TTFT p50 / p99 | time per output token p50 / p99 | output tokens/s | most in flight |",
+                  "|---|---|---|---|---|"]
+        for system, s in trace["summary"].items():
+            lines.append(f"| {system} | {s['ttft_p50_s']:.1f} / {s['ttft_p99_s']:.1f} s | {s['tpot_p50_ms']:.0f} / "
+                         f"{s['tpot_p99_ms']:.0f} ms | {s['tokens_per_s']:.1f} | {s['most_in_flight']} |")
+        lines.append(f"greedy tokens identical across systems: {trace['tokens_identical']}")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trace = results.get("trace")
+    fig, axes = plt.subplots(1, 2 if trace else 1, figsize=(11 if trace else 6, 4), squeeze=False)
+    steps = results.get("steps")
+    ax = axes[0][0]
+    if steps:
+        contexts = sorted(steps["summary"], key=int)
+        for system in ("contiguous", "paged"):
+            ax.plot([int(c) for c in contexts], [steps["summary"][c][system]["median_ms"] for c in contexts], "o-",
+                    label=system)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("cached tokens")
+        ax.set_ylabel("decode step, median (ms)")
+        ax.set_title("decode step, one sequence")
+        ax.legend()
+    if trace:
+        ax = axes[0][1]
+        names = list(trace["summary"])
+        ax.bar(names, [trace["summary"][n]["ttft_p50_s"] for n in names])
+        ax.set_ylabel("TTFT p50 (s)")
+        ax.set_title(f"trace of {results['settings']['requests']} requests")
+        ax.tick_params(axis="x", rotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", nargs="+", default=["steps", "prefix", "trace"],
+                        choices=["steps", "prefix", "trace"])
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 8192])
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--rate", type=float, default=0.2, help="trace arrivals per second")
+    parser.add_argument("--budget-gib", type=float, default=1.0, help="the trace's KV cache budget")
+    parser.add_argument("--systems", nargs="+", default=["contiguous", "paged", "paged-prefix", "hf-static"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = parser.parse_args(argv)
+    results = {"schema_version": SCHEMA_VERSION, "machine": machine_info(), "settings": vars(args)}
+    with tempfile.TemporaryDirectory(prefix="serving-") as checkpoint:
+        run_isolated("ttft", "write_checkpoint", {"model": "7b", "layers": args.layers, "seed": args.seed,
+                                                  "directory": checkpoint})
+        if "steps" in args.parts:
+            runs = []
+            for r in range(args.rounds):
+                for context in args.contexts:
+                    for system in turned(["contiguous", "paged"], r + context):
+                        print(f"steps: round {r + 1}, {context} cached, {system}", flush=True)
+                        runs.append({"round": r, "context": context, "system": system, **run_isolated(
+                            "serving", "step_point", {"system": system, "checkpoint": checkpoint,
+                                                      "context": context, "new_tokens": args.new_tokens,
+                                                      "seed": args.seed})})
+            summary = {}
+            for context in args.contexts:
+                row = {}
+                for system in ("contiguous", "paged"):
+                    points = [p for p in runs if p["context"] == context and p["system"] == system
+                              and p["status"] == "ok"]
+                    steps = [s for p in points for s in p["step_ms"]]
+                    row[system] = {"median_ms": statistics.median(steps), "min_ms": min(steps)} if steps else None
+                tokens = {p["system"]: p["tokens"] for p in runs if p["context"] == context and p["status"] == "ok"}
+                row["tokens_identical"] = len({tuple(t) for t in tokens.values()}) == 1
+                summary[str(context)] = row
+            results["steps"] = {"runs": runs, "summary": summary}
+        if "prefix" in args.parts:
+            print("prefix: one process, cached and uncached requests in turn", flush=True)
+            point = run_isolated("serving", "prefix_point", {"checkpoint": checkpoint, "rounds": args.rounds + 1,
+                                                             "new_tokens": 8, "seed": args.seed})
+            rows = point.get("rounds", [])
+            cached = [r["system prompt cached"] for r in rows]
+            uncached = [r["nothing cached"] for r in rows]
+            results["prefix"] = {"point": point, "summary": {
+                "rounds": len(rows), "cached_ms": statistics.median(cached) * 1e3,
+                "uncached_ms": statistics.median(uncached) * 1e3,
+                "ratio": statistics.median(cached) / statistics.median(uncached),
+                "tokens_identical": all(r["system prompt cached tokens"] == r["prefix caching off tokens"]
+                                        for r in rows),
+                "cached_tokens": [r["system prompt cached cached"] for r in rows]}}
+        if "trace" in args.parts:
+            points = {}
+            for system in args.systems:
+                if system == "hf-static" and importlib.util.find_spec("transformers") is None:
+                    continue
+                print(f"trace: {system}", flush=True)
+                points[system] = run_isolated("serving", "trace_point", {
+                    "system": system, "checkpoint": checkpoint, "requests": args.requests, "rate": args.rate,
+                    "budget_gib": args.budget_gib, "seed": args.seed})
+            ok = {s: p for s, p in points.items() if p["status"] == "ok"}
+            tokens = {s: [r["tokens"] for r in p["requests"]] for s, p in ok.items()}
+            results["trace"] = {"points": points, "summary": {s: summarize_trace(p) for s, p in ok.items()},
+                                "tokens_identical": len({str(t) for t in tokens.values()}) == 1,
+                                "failed": {s: p.get("error") for s, p in points.items() if p["status"] != "ok"}}
+    save(results, args.out, "serving.json", "serving.png", plot, table)
+
+
+if __name__ == "__main__":
+    main()
