@@ -10,112 +10,28 @@ the next prompt. ``Generator.stream`` yields each token as it is sampled.
 
     python -m models.llama.generate --checkpoint DIR --prompt "The capital of France is"
     python -m models.llama.generate --model tiny --ids 1,15,27 --max-new-tokens 8
+    python -m models.llama.generate --model tiny --ids 1,15,27 --ids 1,15,28 --paged   # serving.py
     python -m ms_rope_attention.distributed.launch --workers 2 -m models.llama.generate \
         --checkpoint DIR --prompt "..." --tensor-parallel 2     # each rank holds half the model
 """
 from __future__ import annotations
 
 import argparse
-import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mindspore as ms
 import numpy as np
-from mindspore import Tensor, nn, ops
+from mindspore import Tensor
 
+from .decoding import (CACHE_MEMORY_FRACTION, GIB, CacheGraph, Generation, Token, available_memory,
+                       check_prompts, check_sampling, dynamic_vector, sample)
 from .kv_cache import STEP_TOKENS, KVCache, Slots, bucket_capacity, cache_bytes
 from .model import DTYPES, LlamaForCausalLM, dtype_name
+from .serving import PagedGenerator
 
 
-GIB = 2 ** 30
-CACHE_MEMORY_FRACTION = 0.8  # of the memory available: the rest for activations, logits and the compiler
-
-
-def available_memory() -> int:
-    """Bytes the machine can still give: MemAvailable (Linux), else its physical memory."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise ValueError(f"sampling: expected temperature >= 0, 0 < top_p <= 1, top_k >= 0; got {temperature}, "
-                         f"{top_p}, {top_k}")
-
-
-def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float = 0.0, top_k: int = 0,
-           top_p: float = 1.0) -> np.ndarray:
-    """Next token per row of ``logits`` (B, vocab): greedy at temperature 0, else sampled from the
-    temperature-scaled distribution restricted to the top_k tokens and the top_p probability mass."""
-    check_sampling(temperature, top_k, top_p)
-    if temperature == 0:
-        return logits.argmax(-1)
-    out = np.empty(logits.shape[0], np.int64)
-    for b, row in enumerate(logits.astype(np.float64) / temperature):
-        order = np.argsort(-row, kind="stable")
-        if top_k:
-            order = order[:top_k]
-        probs = np.exp(row[order] - row[order[0]])
-        probs /= probs.sum()
-        keep = np.searchsorted(np.cumsum(probs), top_p) + 1  # smallest prefix holding top_p of the mass
-        probs = probs[:keep] / probs[:keep].sum()
-        out[b] = order[rng.choice(keep, p=probs)]
-    return out
-
-
-def check_prompts(model, prompts, max_new_tokens, name: str = "prompts") -> list[int]:
-    """Prompts (lists of token ids in the model's vocabulary) and their new-token counts (one int, or
-    one per prompt), checked against the model's cos/sin positions; the counts per prompt. Errors
-    name ``{name}[i]`` (a single request's call passes ``name='prompt'``, named alone)."""
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError("prompts: expected a non-empty list of prompts (lists of token ids)")
-    counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-    if len(counts) != len(prompts) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
-        raise ValueError(f"max_new_tokens: expected a positive int or one per prompt, got {max_new_tokens!r}")
-    vocab = model.vocab_size
-    for i, (prompt, n) in enumerate(zip(prompts, counts)):
-        where = name if name == "prompt" else f"{name}[{i}]"
-        if len(prompt) == 0:
-            raise ValueError(f"{where}: empty; every prompt needs at least one token")
-        ids = np.asarray(prompt)
-        if ids.dtype.kind not in "iu" or ids.ndim != 1 or ids.min() < 0 or ids.max() >= vocab:
-            raise ValueError(f"{where}: expected token ids in [0, {vocab}), got {prompt!r:.80}")
-        if len(prompt) + n - 1 > model.max_positions:  # the last new token is never cached
-            raise ValueError(f"max_new_tokens: {where} ({len(prompt)} tokens) + {n} new tokens need "
-                             f"{len(prompt) + n - 1} cached positions, beyond the model's cos/sin cache of "
-                             f"{model.max_positions} positions")
-    return counts
-
-
-class _CacheGraph(nn.Cell):
-    """A graph over the model and one ``KVCache``, compiled once per input signature, in PyNative
-    too (``ms.jit``: one graph launch per step, not one dispatch per op); ``compiles`` counts its
-    compilations (a constexpr runs only while a graph compiles) and ``compile_log`` says which
-    graph compiled for which token count (None: the prefill's dynamic one), in order."""
-
-    def __init__(self, lm, cache):
-        super().__init__(auto_prefix=False)  # the model's parameters keep their Hugging Face names
-        self.lm, self.cache = lm, cache
-        self.compile_log = []
-        self.count_compile = ops.constexpr(reuse_result=False)(self._count_compile)
-
-    @property
-    def compiles(self) -> int:
-        return len(self.compile_log)
-
-    def _count_compile(self, tokens=None):
-        self.compile_log.append((type(self).__name__, tokens))
-        return True
-
-
-class _Prefill(_CacheGraph):
+class _Prefill(CacheGraph):
     """Whole prompts (packed, ending at ``ends``) into their cache rows; logits of each last token."""
 
     @ms.jit
@@ -124,7 +40,7 @@ class _Prefill(_CacheGraph):
         return self.lm(input_ids, ends, ends, (self.cache.keys, self.cache.values, write_rows))
 
 
-class _Decode(_CacheGraph):
+class _Decode(CacheGraph):
     """New tokens of cached sequences (one per sequence when decoding), written in place and
     attended against the whole cache; static shapes, so one graph per padded token count."""
 
@@ -132,28 +48,6 @@ class _Decode(_CacheGraph):
     def construct(self, input_ids, aq, akv, write_rows, positions):
         self.count_compile(input_ids.shape[0])
         return self.lm(input_ids, aq, akv, (self.cache.keys, self.cache.values, write_rows), positions)
-
-
-def _dyn(dtype):
-    return Tensor(shape=[None], dtype=dtype)
-
-
-@dataclass
-class Token:
-    """One generated token of a ``Generator.stream``: ``request`` is the prompt's index."""
-    request: int
-    token: int
-    finished: bool  # the request's last token (EOS or its max_new_tokens)
-
-
-@dataclass
-class Generation:
-    tokens: list[list[int]]       # generated ids per prompt (up to and including EOS)
-    ttft_s: float                 # prefill + first token of the first prompts admitted
-    decode_tokens_per_s: float    # per sequence, over the decode steps
-    compile_s: float              # first call of a capacity: compile + warm-up of both graphs, kept out of TTFT
-    step_ms: list[tuple[int, float]] = field(default_factory=list)  # (tokens cached in all slots, ms) per decode step
-
 
 @dataclass
 class _Request:
@@ -286,7 +180,7 @@ class Generator:
         self.cache = self.prefill = self.step = None
         self.cache = KVCache(self.model.cache_config, self.slots_count, capacity, self.cache_dtype)
         self.prefill, self.step = _Prefill(self.model, self.cache), _Decode(self.model, self.cache)
-        self.prefill.set_inputs(_dyn(ms.int32), _dyn(ms.int64), _dyn(ms.int32))
+        self.prefill.set_inputs(dynamic_vector(ms.int32), dynamic_vector(ms.int64), dynamic_vector(ms.int32))
 
     def _reserve(self, prompts, counts) -> None:
         """The capacity the prompts and their new tokens need (the last new token is never cached)."""
@@ -480,7 +374,10 @@ def main(argv=None) -> None:
                         help="under msrun on T ranks: each holds its share of the model (docs/distributed.md)")
     parser.add_argument("--cache-memory-limit", type=float, metavar="GIB",
                         help=f"largest KV cache to allocate (default: {CACHE_MEMORY_FRACTION * 100:.0f}%% of the "
-                             "memory available)")
+                             "memory available); with --paged, the cache's budget")
+    parser.add_argument("--paged", action="store_true",
+                        help="a block-paged cache with prefix caching (models/llama/serving.py, docs/serving.md)")
+    parser.add_argument("--block-size", type=int, default=16, help="with --paged: positions per block")
     args = parser.parse_args(argv)
     if args.cache_memory_limit is not None and args.cache_memory_limit <= 0:
         parser.error(f"--cache-memory-limit: expected a positive number of GiB, got {args.cache_memory_limit}")
@@ -517,7 +414,11 @@ def main(argv=None) -> None:
         model = LlamaForCausalLM(config.replace(num_hidden_layers=args.layers) if args.layers else config,
                                  weight_dtype=weight_dtype, **kwargs)
     limit = None if args.cache_memory_limit is None else max(1, int(args.cache_memory_limit * GIB))
-    generator = Generator(model, slots=min(8, len(prompts)), cache_memory_limit=limit)
+    if args.paged:
+        generator = PagedGenerator(model, max_cache_bytes=limit, block_size=args.block_size,
+                                   max_batch=min(8, len(prompts)))
+    else:
+        generator = Generator(model, slots=min(8, len(prompts)), cache_memory_limit=limit)
     result = generator.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed)
     if mesh is not None and mesh.world_rank != 0:

@@ -30,13 +30,13 @@ import numpy as np
 from mindspore import Tensor
 
 from .block_pool import SCRATCH_BLOCK, BlockPool, SequenceBlocks, blocks_for, prefix_keys
-from .generate import (CACHE_MEMORY_FRACTION, GIB, Generation, Token, _CacheGraph, _dyn, available_memory,
-                       check_prompts, check_sampling, sample)
+from .decoding import (CACHE_MEMORY_FRACTION, GIB, CacheGraph, Generation, Token, available_memory,
+                       check_prompts, check_sampling, dynamic_vector, sample)
 from .kv_cache import PagedKVCache, block_bytes, token_bucket
 from .model import DTYPES, LlamaForCausalLM, dtype_name
 
 
-class _PagedPrefill(_CacheGraph):
+class _PagedPrefill(CacheGraph):
     """Whole prompts' uncached tokens (packed, ending at ``aq``; their sequences, cached prefix
     included, ending at ``akv``) into their blocks; logits of each prompt's last token."""
 
@@ -47,7 +47,7 @@ class _PagedPrefill(_CacheGraph):
         return self.lm(input_ids, aq, akv, (self.cache.keys, self.cache.values, where))
 
 
-class _PagedDecode(_CacheGraph):
+class _PagedDecode(CacheGraph):
     """One new token per sequence (padded to a power of two with filler sequences that write
     nothing), attended over the blocks in place; static shapes: one graph per token count."""
 
@@ -110,8 +110,8 @@ class PagedGenerator:
         self.cache = PagedKVCache(model.cache_config, int(num_blocks), block_size, self.cache_dtype)
         self.table_width = blocks_for(model.max_positions, block_size)
         self.prefill, self.decode = _PagedPrefill(model, self.cache), _PagedDecode(model, self.cache)
-        self.prefill.set_inputs(*[_dyn(t) for t in (ms.int32, ms.int64, ms.int64, ms.int32, ms.int32)],
-                                Tensor(shape=[None, 2], dtype=ms.int32), _dyn(ms.int32), _dyn(ms.int32))
+        self.prefill.set_inputs(*[dynamic_vector(t) for t in (ms.int32, ms.int64, ms.int64, ms.int32, ms.int32)],
+                                Tensor(shape=[None, 2], dtype=ms.int32), dynamic_vector(ms.int32), dynamic_vector(ms.int32))
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.reserved = 0  # blocks the running requests may still allocate
@@ -294,7 +294,8 @@ class PagedGenerator:
     def stream(self, prompts, max_new_tokens=32, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed: int = 0, eos_ids=None, on_step=None):
         """Yields a ``Token`` per generated token (``request``: the prompt's index), as the
-        ``Generator``'s ``stream``; the generator must have no other requests in flight."""
+        ``Generator``'s ``stream`` (prompt i samples from its own stream, seeded ``seed + i``); the
+        generator must have no other requests in flight."""
         counts = check_prompts(self.model, prompts, max_new_tokens)
         check_sampling(temperature, top_k, top_p)
         if self.has_unfinished:

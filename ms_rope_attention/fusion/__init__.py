@@ -21,11 +21,12 @@ from .family import class_path
 from .handwritten import HandWrittenAttention
 from .hf_llama import HuggingFaceLlama
 from .mindformers import MindFormersLlama
+from .mindformers_infer import MindFormersLlamaInfer
 from .project import ProjectAttention
 from .report import ALREADY_FUSED, FUSED, NOT_FUSED, FuseReport, FuseSite
 
 __all__ = ["fuse", "unfuse", "FuseReport", "FuseSite", "FuseError", "FAMILIES"]
-FAMILIES = (ProjectAttention(), MindFormersLlama(), HuggingFaceLlama(), HandWrittenAttention())
+FAMILIES = (ProjectAttention(), MindFormersLlama(), MindFormersLlamaInfer(), HuggingFaceLlama(), HandWrittenAttention())
 
 
 class FuseError(RuntimeError):
@@ -101,6 +102,8 @@ def fuse(net, *, dry_run: bool = False, strict: bool = False, seed: int = 0) -> 
     ``dry_run``: only report (no probe, nothing changed). ``strict``: raise ``FuseError`` if any
     site is not fused (or none was found), leaving ``net`` as it was. ``seed``: the probe's inputs."""
     rows, installed = [], []
+    for family in FAMILIES:
+        family.bind(net)
     for name, site, family in _sites(net):
         if family is None:
             rows.append(FuseSite(name, None, NOT_FUSED, f"no fuse family recognises {class_path(site)}"))
@@ -125,6 +128,8 @@ def fuse(net, *, dry_run: bool = False, strict: bool = False, seed: int = 0) -> 
 def unfuse(net) -> list[str]:
     """Restore the original code of every site ``fuse`` fused; returns their names."""
     restored = []
+    for family in FAMILIES:
+        family.bind(net)
     for name, site, family in _sites(net):
         if family is not None and not isinstance(family, ProjectAttention) and family.is_installed(site):
             family.uninstall(site)

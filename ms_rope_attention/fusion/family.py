@@ -65,6 +65,10 @@ class Family:
         """Whether ``obj`` is this family's attention class (exactly that class: no subclass)."""
         raise NotImplementedError
 
+    def bind(self, net) -> None:
+        """Called by ``fuse`` / ``unfuse`` with the whole network before its sites are visited: for a
+        family that needs what the model around a site holds (its RoPE tables)."""
+
     def reason_not_fused(self, site, name: str) -> str | None:
         """Why this site cannot be fused (its config, an edited forward, an untested version), or None."""
         raise NotImplementedError

@@ -67,7 +67,8 @@ class MindFormersLlama(Family):
     _fused_classes: dict = {}
 
     def recognises(self, obj) -> bool:
-        return class_path(self._original_class(obj)) == ATTENTION
+        """The training / prefill path; ``use_past=True`` is ``mindformers_infer``'s."""
+        return class_path(self._original_class(obj)) == ATTENTION and not getattr(obj, "use_past", False)
 
     @staticmethod
     def _original_class(obj):
@@ -78,9 +79,6 @@ class MindFormersLlama(Family):
         rotary = getattr(site, "apply_rotary_emb", None)
         if "construct" in vars(site):
             return "its construct was replaced on the instance"
-        if site.use_past:
-            return ("use_past=True: the inference path runs InferAttention (its own RoPE and paged KV cache, "
-                    "Ascend kernels); not covered")
         if site.use_flash_attention:
             return "use_flash_attention=True: MindFormers' FlashAttention path (Ascend); not covered"
         if site.context_parallel > 1 or site.seq_pipe:
