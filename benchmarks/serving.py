@@ -12,8 +12,9 @@ Three parts, each selectable with ``--parts``:
   each round, so nothing is cached by accident); the tokens of both must equal the same request
   computed with prefix caching off.
 - ``trace``: a seeded request trace replayed in real time: ``--requests`` arrivals (Poisson,
-  ``--rate`` per second), prompt lengths log-uniform over 64..4096, 32..256 new tokens, half of the
-  requests opening with one common 1024-token system prompt. Systems: the contiguous generator (its
+  ``--rate`` per second), prompt lengths log-uniform over 64..4096 (``--max-prompt``), 32..256 new
+  tokens (``--new-tokens-range``), half of the requests opening with one common 1024-token system
+  prompt (``--system-prompt``). Systems: the contiguous generator (its
   API takes a list of prompts: the requests that arrived run as one ``stream`` each time it is
   free), the paged one without and with prefix caching (``add_request`` as they arrive, ``step``),
   and transformers with a StaticCache (batches of what arrived, left padded). Every system gets the
@@ -23,6 +24,8 @@ Three parts, each selectable with ``--parts``:
 
     python benchmarks/serving.py                       # every part, the default trace
     python benchmarks/serving.py --parts steps prefix  # the two short parts
+
+Greedy tokens that differ between systems end the run with an error (after the results are written).
 """
 from __future__ import annotations
 
@@ -38,7 +41,6 @@ import numpy as np
 from harness import machine_info, run_isolated, save, turned
 
 SCHEMA_VERSION = 1
-SYSTEM_PROMPT = 1024
 USER_TURN = 64
 GIB = 2 ** 30
 
@@ -78,21 +80,21 @@ def step_point(system: str, checkpoint: str, context: int, new_tokens: int, seed
     return {"step_ms": [s for _, s in result.step_ms], "ttft_s": result.ttft_s, "tokens": result.tokens[0]}
 
 
-def prefix_point(checkpoint: str, rounds: int, new_tokens: int, seed: int) -> dict:
+def prefix_point(checkpoint: str, rounds: int, new_tokens: int, seed: int, system_prompt: int = 1024) -> dict:
     """Per round: a fresh system prompt; request A (system + user turn A) with nothing cached, then
     request B (system + user turn B) finding the system prompt in the cache; B's tokens against B
     computed by a generator without prefix caching."""
     from models.llama.serving import PagedGenerator
 
-    lm = _model(checkpoint, SYSTEM_PROMPT + USER_TURN + new_tokens)
+    lm = _model(checkpoint, system_prompt + USER_TURN + new_tokens)
     rng = np.random.default_rng(seed)
     kwargs = dict(max_cache_bytes=None, max_batch=2)
     cached, cold = PagedGenerator(lm, **kwargs), PagedGenerator(lm, prefix_caching=False, **kwargs)
-    warm_up = [_ids(rng, SYSTEM_PROMPT + USER_TURN, lm.vocab_size)]
+    warm_up = [_ids(rng, system_prompt + USER_TURN, lm.vocab_size)]
     cached.warm_up(warm_up), cold.warm_up(warm_up)
     rows = []
     for _ in range(rounds):
-        system = _ids(rng, SYSTEM_PROMPT, lm.vocab_size)
+        system = _ids(rng, system_prompt, lm.vocab_size)
         a, b = (system + _ids(rng, USER_TURN, lm.vocab_size) for _ in range(2))
         ttft = {}
         for name, gen, prompt in (("nothing cached", cached, a), ("system prompt cached", cached, b),
@@ -110,30 +112,37 @@ def prefix_point(checkpoint: str, rounds: int, new_tokens: int, seed: int) -> di
     return {"rounds": rows}
 
 
-def _trace(requests: int, rate: float, vocab: int, seed: int) -> list[dict]:
-    rng = np.random.default_rng(seed)
-    system = _ids(rng, SYSTEM_PROMPT, vocab)
-    arrivals = np.cumsum(rng.exponential(1 / rate, requests))
+def _trace(shape: dict, vocab: int) -> list[dict]:
+    """The seeded requests of a trace ``shape`` (requests, rate, seed, max_prompt, system_prompt,
+    new_tokens = [lo, hi])."""
+    rng = np.random.default_rng(shape["seed"])
+    system = _ids(rng, shape["system_prompt"], vocab)
+    arrivals = np.cumsum(rng.exponential(1 / shape["rate"], shape["requests"]))
+    low, high = shape["new_tokens"]
     trace = []
-    for i in range(requests):
-        length = int(round(np.exp(rng.uniform(np.log(64), np.log(4096)))))
-        shared = bool(rng.random() < 0.5) and length > SYSTEM_PROMPT
-        prompt = (system + _ids(rng, length - SYSTEM_PROMPT, vocab)) if shared else _ids(rng, length, vocab)
-        trace.append({"arrival_s": float(arrivals[i]), "prompt": prompt, "new_tokens": int(rng.integers(32, 257)),
+    for arrival in arrivals:
+        length = int(round(np.exp(rng.uniform(np.log(min(64, shape["max_prompt"])), np.log(shape["max_prompt"])))))
+        shared = bool(rng.random() < 0.5) and length > len(system)
+        prompt = (system + _ids(rng, length - len(system), vocab)) if shared else _ids(rng, length, vocab)
+        trace.append({"arrival_s": float(arrival), "prompt": prompt, "new_tokens": int(rng.integers(low, high + 1)),
                       "shared_system_prompt": shared})
     return trace
 
 
-def trace_point(system: str, checkpoint: str, requests: int, rate: float, budget_gib: float, seed: int) -> dict:
+def _positions(shape: dict) -> int:
+    return shape["max_prompt"] + shape["new_tokens"][1]
+
+
+def trace_point(system: str, checkpoint: str, shape: dict, budget_gib: float) -> dict:
     """The trace replayed against ``system``; per request its arrival, token times and tokens."""
     if system == "hf-static":
-        return _hf_trace(checkpoint, requests, rate, seed)
+        return _hf_trace(checkpoint, shape)
     from models.llama.generate import Generator
     from models.llama.kv_cache import bucket_capacity, cache_bytes
     from models.llama.serving import PagedGenerator
 
-    lm = _model(checkpoint, 4096 + 256)
-    trace = _trace(requests, rate, lm.vocab_size, seed)
+    lm = _model(checkpoint, _positions(shape))
+    trace = _trace(shape, lm.vocab_size)
     budget = int(budget_gib * GIB)
     longest = max(len(r["prompt"]) + r["new_tokens"] for r in trace)
     if system == "contiguous":
@@ -184,14 +193,39 @@ def trace_point(system: str, checkpoint: str, requests: int, rate: float, budget
             "most_in_flight": most, **info}
 
 
-def _hf_trace(checkpoint: str, requests: int, rate: float, seed: int) -> dict:
+def budget_point(checkpoint: str, shape: dict, budget_gib: float) -> dict:
+    """How many of the trace's sequences the budget holds at once, whatever the arrivals: the
+    contiguous generator's slots (each the capacity bucket of the longest request), and the paged
+    one's requests taken in trace order (repeated as needed), each reserving the blocks of its
+    prompt and new tokens, no prefix shared."""
+    from models.llama.block_pool import blocks_for
+    from models.llama.kv_cache import block_bytes, bucket_capacity, cache_bytes
+
+    lm = _model(checkpoint, _positions(shape))
+    trace = _trace(shape, lm.vocab_size)
+    budget = int(budget_gib * GIB)
+    capacity = bucket_capacity(max(len(r["prompt"]) + r["new_tokens"] for r in trace), lm.max_positions)
+    slots = max([s for s in range(1, 257) if cache_bytes(lm.cache_config, s, capacity, lm.cache_dtype) <= budget],
+                default=0)
+    blocks = budget // block_bytes(lm.cache_config, 16, lm.cache_dtype) - 1
+    held, used = 0, 0
+    while True:
+        need = blocks_for(len(trace[held % len(trace)]["prompt"]) + trace[held % len(trace)]["new_tokens"] - 1, 16)
+        if used + need > blocks:
+            break
+        used, held = used + need, held + 1
+    return {"contiguous_slots": slots, "contiguous_capacity": capacity, "paged_sequences": held,
+            "paged_blocks": blocks, "ratio": held / slots if slots else float("inf")}
+
+
+def _hf_trace(checkpoint: str, shape: dict) -> dict:
     import torch
     import transformers
 
     torch.set_num_threads(os.cpu_count())
     lm = transformers.LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
                                                        attn_implementation="sdpa").eval()
-    trace = _trace(requests, rate, lm.config.vocab_size, seed)
+    trace = _trace(shape, lm.config.vocab_size)
 
     class Stamps(transformers.generation.BaseStreamer):
         def __init__(self):
@@ -269,7 +303,8 @@ def table(results: dict) -> str:
     prefix = results.get("prefix")
     if prefix:
         s = prefix["summary"]
-        lines += ["", f"prefix caching, {SYSTEM_PROMPT}-token system prompt + {USER_TURN}-token turn: TTFT "
+        lines += ["", f"prefix caching, {results['settings']['system_prompt']}-token system prompt + {USER_TURN}-token "
+                      "turn: TTFT "
                       f"{s['cached_ms']:.0f} ms cached against {s['uncached_ms']:.0f} ms uncached (median of "
                       f"{s['rounds']}): {s['ratio']:.2f}x; tokens identical: {s['tokens_identical']}"]
     trace = results.get("trace")
@@ -280,6 +315,13 @@ def table(results: dict) -> str:
             lines.append(f"| {system} | {s['ttft_p50_s']:.1f} / {s['ttft_p99_s']:.1f} s | {s['tpot_p50_ms']:.0f} / "
                          f"{s['tpot_p99_ms']:.0f} ms | {s['tokens_per_s']:.1f} | {s['most_in_flight']} |")
         lines.append(f"greedy tokens identical across systems: {trace['tokens_identical']}")
+        held = trace.get("budget", {})
+        if held.get("status") == "ok":
+            lines.append(f"the {results['settings']['budget_gib']} GiB budget holds {held['contiguous_slots']} "
+                         f"sequences in the contiguous cache (slots of {held['contiguous_capacity']} positions) "
+                         f"and {held['paged_sequences']} of the trace's in the paged one: {held['ratio']:.1f}x")
+        for system, error in trace.get("failed", {}).items():
+            lines.append(f"{system}: not measured ({error})")
     return "\n".join(lines)
 
 
@@ -324,14 +366,18 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--rate", type=float, default=0.2, help="trace arrivals per second")
-    parser.add_argument("--budget-gib", type=float, default=1.0, help="the trace's KV cache budget")
+    parser.add_argument("--budget-gib", type=float, default=2.0, help="the trace's KV cache budget")
     parser.add_argument("--systems", nargs="+", default=["contiguous", "paged", "paged-prefix", "hf-static"])
+    parser.add_argument("--model", default="7b", help="the preset of the random checkpoint (tiny for a smoke run)")
+    parser.add_argument("--max-prompt", type=int, default=4096, help="the trace's longest prompt")
+    parser.add_argument("--system-prompt", type=int, default=1024, help="tokens of the shared system prompt")
+    parser.add_argument("--new-tokens-range", type=int, nargs=2, default=[32, 256], metavar=("LOW", "HIGH"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args(argv)
     results = {"schema_version": SCHEMA_VERSION, "machine": machine_info(), "settings": vars(args)}
     with tempfile.TemporaryDirectory(prefix="serving-") as checkpoint:
-        run_isolated("ttft", "write_checkpoint", {"model": "7b", "layers": args.layers, "seed": args.seed,
+        run_isolated("ttft", "write_checkpoint", {"model": args.model, "layers": args.layers, "seed": args.seed,
                                                   "directory": checkpoint})
         if "steps" in args.parts:
             runs = []
@@ -358,7 +404,8 @@ def main(argv=None) -> None:
         if "prefix" in args.parts:
             print("prefix: one process, cached and uncached requests in turn", flush=True)
             point = run_isolated("serving", "prefix_point", {"checkpoint": checkpoint, "rounds": args.rounds + 1,
-                                                             "new_tokens": 8, "seed": args.seed})
+                                                             "new_tokens": 8, "seed": args.seed,
+                                                             "system_prompt": args.system_prompt})
             rows = point.get("rounds", [])
             cached = [r["system prompt cached"] for r in rows]
             uncached = [r["nothing cached"] for r in rows]
@@ -370,20 +417,34 @@ def main(argv=None) -> None:
                                         for r in rows),
                 "cached_tokens": [r["system prompt cached cached"] for r in rows]}}
         if "trace" in args.parts:
+            shape = {"requests": args.requests, "rate": args.rate, "seed": args.seed, "max_prompt": args.max_prompt,
+                     "system_prompt": args.system_prompt, "new_tokens": args.new_tokens_range}
             points = {}
             for system in args.systems:
                 if system == "hf-static" and importlib.util.find_spec("transformers") is None:
+                    points[system] = {"status": "skipped", "error": "transformers is not installed (make bench "
+                                                                    "installs it)"}
+                    print(f"trace: {system} skipped: {points[system]['error']}", flush=True)
                     continue
                 print(f"trace: {system}", flush=True)
                 points[system] = run_isolated("serving", "trace_point", {
-                    "system": system, "checkpoint": checkpoint, "requests": args.requests, "rate": args.rate,
-                    "budget_gib": args.budget_gib, "seed": args.seed})
+                    "system": system, "checkpoint": checkpoint, "shape": shape, "budget_gib": args.budget_gib})
             ok = {s: p for s, p in points.items() if p["status"] == "ok"}
+            held = run_isolated("serving", "budget_point", {"checkpoint": checkpoint, "shape": shape,
+                                                            "budget_gib": args.budget_gib})
             tokens = {s: [r["tokens"] for r in p["requests"]] for s, p in ok.items()}
             results["trace"] = {"points": points, "summary": {s: summarize_trace(p) for s, p in ok.items()},
+                                "budget": held,
                                 "tokens_identical": len({str(t) for t in tokens.values()}) == 1,
                                 "failed": {s: p.get("error") for s, p in points.items() if p["status"] != "ok"}}
     save(results, args.out, "serving.json", "serving.png", plot, table)
+    disagree = ([f"steps at {c}" for c, row in results.get("steps", {}).get("summary", {}).items()
+                 if not row["tokens_identical"]]
+                + (["prefix"] if "prefix" in results and not results["prefix"]["summary"]["tokens_identical"] else [])
+                + (["trace"] if "trace" in results and not results["trace"]["tokens_identical"] else []))
+    if disagree:
+        raise SystemExit(f"greedy tokens differ across systems in: {', '.join(disagree)} (results written)")
+    return results
 
 
 if __name__ == "__main__":

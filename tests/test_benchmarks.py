@@ -17,6 +17,7 @@ import fuse  # noqa: E402
 import half_weights  # noqa: E402
 import harness  # noqa: E402
 import projections  # noqa: E402
+import serving  # noqa: E402
 import train  # noqa: E402
 import ttft  # noqa: E402
 from conftest import thirdparty_python  # noqa: E402
@@ -323,3 +324,23 @@ def test_paged_benchmark_end_to_end(tmp_path):
                for c in results["calls"])
     assert all(c["vs_contiguous"] == 1.0 for c in results["calls"] if c["layout"] == "contiguous")
     assert (tmp_path / "paged.json").exists() and (tmp_path / "paged.png").exists()
+
+
+def test_serving_benchmark_on_the_tiny_model(tmp_path):
+    """benchmarks/serving.py's three parts on the tiny model: decode steps of both caches, the
+    prefix-cached request, and a four-request trace through every project system, tokens identical
+    (main raises otherwise), the budget comparison, JSON and plot."""
+    results = serving.main(["--model", "tiny", "--contexts", "40", "--rounds", "1", "--new-tokens", "3",
+                            "--requests", "4", "--rate", "50", "--budget-gib", "0.002", "--max-prompt", "150",
+                            "--system-prompt", "40", "--new-tokens-range", "3", "6",
+                            "--systems", "contiguous", "paged", "paged-prefix", "--out", str(tmp_path)])
+    assert results["steps"]["summary"]["40"]["tokens_identical"]
+    assert {p["system"] for p in results["steps"]["runs"] if p["status"] == "ok"} == {"contiguous", "paged"}
+    prefix = results["prefix"]["summary"]
+    assert prefix["tokens_identical"] and all(n == 40 for n in prefix["cached_tokens"])
+    trace = results["trace"]
+    assert trace["tokens_identical"] and set(trace["summary"]) == {"contiguous", "paged", "paged-prefix"}
+    assert all(len(r["tokens"]) >= 3 for r in trace["points"]["paged"]["requests"])
+    assert trace["budget"]["status"] == "ok" and trace["budget"]["paged_sequences"] > 0
+    assert (tmp_path / "serving.json").exists() and (tmp_path / "serving.png").exists()
+    assert "paged / contiguous" in serving.table(results)
