@@ -78,6 +78,41 @@ def project_point(backend: str, checkpoint: str, context: int, batch: str, new_t
             "tokens": result.tokens}
 
 
+def hf_stamps():
+    """A transformers streamer keeping the time of every ``put``: the prompt first, then each step's
+    tokens (``.times``)."""
+    import transformers
+
+    class Stamps(transformers.generation.BaseStreamer):
+        def __init__(self):
+            self.times = []
+
+        def put(self, value):
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    return Stamps()
+
+
+def hf_generate(lm, prompts, new_tokens: int, cache: str, streamer=None) -> list[list[int]]:
+    """transformers' greedy ``generate`` of exactly ``new_tokens`` per prompt, the batch left-padded
+    with an attention mask; ``cache`` 'dynamic' or 'static'."""
+    import torch
+
+    longest = max(map(len, prompts))
+    ids = torch.zeros((len(prompts), longest), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p):], mask[i, longest - len(p):] = torch.tensor(p), 1
+    kwargs = {"cache_implementation": "static"} if cache == "static" else {}
+    with torch.inference_mode():
+        out = lm.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          do_sample=False, streamer=streamer, pad_token_id=0, **kwargs)
+    return out[:, longest:].tolist()
+
+
 def hf_point(cache: str, checkpoint: str, context: int, batch: str, new_tokens: int, seed: int,
              dtype: str = "float32") -> dict:
     """transformers' ``generate`` (greedy, sdpa) with ``cache`` 'dynamic' or 'static', every core,
@@ -89,37 +124,12 @@ def hf_point(cache: str, checkpoint: str, context: int, batch: str, new_tokens: 
     lm = transformers.LlamaForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype),
                                                        attn_implementation="sdpa").eval()
     prompts = prompts_for(batch, context, lm.config.vocab_size, seed)
-
-    class Stamps(transformers.generation.BaseStreamer):
-        """The time of every ``put``: the prompt first, then each step's tokens."""
-
-        def __init__(self):
-            self.times = []
-
-        def put(self, value):
-            self.times.append(time.perf_counter())
-
-        def end(self):
-            pass
-
-    def run(prompts, tokens, streamer=None):
-        longest = max(map(len, prompts))
-        ids = torch.zeros((len(prompts), longest), dtype=torch.long)  # left padding
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):
-            ids[i, longest - len(p):], mask[i, longest - len(p):] = torch.tensor(p), 1
-        kwargs = {"cache_implementation": "static"} if cache == "static" else {}
-        with torch.inference_mode():
-            out = lm.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
-                              do_sample=False, streamer=streamer, pad_token_id=0, **kwargs)
-        return out[:, longest:].tolist()
-
     start = time.perf_counter()
-    run([p[:WARM_UP_TOKENS] for p in prompts], 2)
+    hf_generate(lm, [p[:WARM_UP_TOKENS] for p in prompts], 2, cache)
     compile_s = time.perf_counter() - start
-    stamps = Stamps()
+    stamps = hf_stamps()
     start = time.perf_counter()
-    tokens = run(prompts, new_tokens, stamps)
+    tokens = hf_generate(lm, prompts, new_tokens, cache, stamps)
     times = stamps.times[1:]  # after the prompt's put: one per generated token
     return {"backend_ran": f"transformers {transformers.__version__}, torch {torch.__version__}, {cache} cache",
             "compile_s": compile_s, "ttft_s": times[0] - start, "step_ms": list(np.diff(times) * 1e3),

@@ -38,6 +38,7 @@ import time
 
 import numpy as np
 
+from decode import hf_generate, hf_stamps
 from harness import machine_info, run_isolated, save, turned
 
 SCHEMA_VERSION = 1
@@ -227,28 +228,7 @@ def _hf_trace(checkpoint: str, shape: dict) -> dict:
                                                        attn_implementation="sdpa").eval()
     trace = _trace(shape, lm.config.vocab_size)
 
-    class Stamps(transformers.generation.BaseStreamer):
-        def __init__(self):
-            self.times = []
-
-        def put(self, value):
-            self.times.append(time.perf_counter())
-
-        def end(self):
-            pass
-
-    def run(prompts, new_tokens, streamer=None):
-        longest = max(map(len, prompts))
-        ids = torch.zeros((len(prompts), longest), dtype=torch.long)  # left padding
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):
-            ids[i, longest - len(p):], mask[i, longest - len(p):] = torch.tensor(p), 1
-        with torch.inference_mode():
-            out = lm.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                              do_sample=False, streamer=streamer, pad_token_id=0, cache_implementation="static")
-        return out[:, longest:].tolist()
-
-    run([trace[0]["prompt"][:16]], 2)
+    hf_generate(lm, [trace[0]["prompt"][:16]], 2, "static")
     times = [[] for _ in trace]
     tokens = [[] for _ in trace]
     start = time.perf_counter()
@@ -261,8 +241,9 @@ def _hf_trace(checkpoint: str, shape: dict) -> dict:
             continue
         pending = [i for i in pending if i not in arrived]
         most = max(most, len(arrived))
-        stamps = Stamps()
-        out = run([trace[i]["prompt"] for i in arrived], max(trace[i]["new_tokens"] for i in arrived), stamps)
+        stamps = hf_stamps()
+        out = hf_generate(lm, [trace[i]["prompt"] for i in arrived], max(trace[i]["new_tokens"] for i in arrived),
+                          "static", stamps)
         stamp = [t - start for t in stamps.times[1:]]
         for row, i in enumerate(arrived):
             n = trace[i]["new_tokens"]  # the batch runs to its longest request; each keeps its own count

@@ -30,9 +30,10 @@ def _run(args, cwd):
     return output
 
 
-def test_generate_is_quiet(tmp_path):
+@pytest.mark.parametrize("cache", [[], ["--paged"]], ids=["contiguous", "paged"])
+def test_generate_is_quiet(tmp_path, cache):
     out = _run(["-m", "models.llama.generate", "--model", "tiny", "--ids", "1,15,27", "--ids", "1,9",
-                "--max-new-tokens", "4"], tmp_path)
+                "--max-new-tokens", "4", *cache], tmp_path)
     assert "backend fused:CPU" in out
 
 

@@ -5,6 +5,7 @@ itself, the records they return, the base of their compiled graphs, and the memo
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -116,3 +117,20 @@ class Generation:
     decode_tokens_per_s: float    # per sequence, over the decode steps
     compile_s: float              # first call of a capacity: compile + warm-up of both graphs, kept out of TTFT
     step_ms: list[tuple[int, float]] = field(default_factory=list)  # (tokens cached in all slots, ms) per decode step
+
+
+def timed_generation(stream, prompts: int, compile_s: float, cached_tokens) -> Generation:
+    """A generator's ``generate``: runs ``stream(on_step)`` to its end, collecting each prompt's
+    tokens, the TTFT and every decode call's time with ``cached_tokens()`` at that call."""
+    out = [[] for _ in range(prompts)]
+    calls = []
+    t0 = time.perf_counter()
+    ttft = None
+    for event in stream(lambda kind, s: calls.append((kind, s, cached_tokens()))):
+        out[event.request].append(event.token)
+        if ttft is None:
+            ttft = time.perf_counter() - t0
+    decode = [(cached, s) for kind, s, cached in calls if kind == "decode"]
+    decode_s = sum(s for _, s in decode)
+    rate = len(decode) / decode_s if decode else 0.0
+    return Generation(out, ttft, rate, compile_s, [(c, s * 1e3) for c, s in decode])

@@ -25,7 +25,7 @@ import numpy as np
 from mindspore import Tensor
 
 from .decoding import (CACHE_MEMORY_FRACTION, GIB, CacheGraph, Generation, Token, available_memory,
-                       check_prompts, check_sampling, dynamic_vector, sample)
+                       check_prompts, check_sampling, dynamic_vector, sample, timed_generation)
 from .kv_cache import STEP_TOKENS, KVCache, Slots, bucket_capacity, cache_bytes
 from .model import DTYPES, LlamaForCausalLM, dtype_name
 from .serving import PagedGenerator
@@ -333,20 +333,10 @@ class Generator:
         check_sampling(temperature, top_k, top_p)
         self._reserve(prompts, counts)  # the whole request's capacity: the warm-up compiles its graphs
         compile_s = self.warm_up(prompts)
-        out = [[] for _ in prompts]
-        calls = []
-        t0 = time.perf_counter()
-        ttft = None
-        for event in self.stream(prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                 seed=seed, eos_ids=eos_ids,
-                                 on_step=lambda kind, s: calls.append((kind, s, int(self.slots.lengths.sum())))):
-            out[event.request].append(event.token)
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-        decode = [(cached, s) for kind, s, cached in calls if kind == "decode"]
-        decode_s = sum(s for _, s in decode)
-        rate = len(decode) / decode_s if decode else 0.0
-        return Generation(out, ttft, rate, compile_s, [(c, s * 1e3) for c, s in decode])
+        return timed_generation(
+            lambda on_step: self.stream(prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                        seed=seed, eos_ids=eos_ids, on_step=on_step),
+            len(prompts), compile_s, lambda: int(self.slots.lengths.sum()))
 
 
 def main(argv=None) -> None:

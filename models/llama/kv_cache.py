@@ -60,6 +60,13 @@ def cache_bytes(config, slots: int, capacity: int, dtype) -> int:
     return 2 * config.num_hidden_layers * math.prod(cache_shape(config, slots, capacity)) * dtype.itemsize
 
 
+def _layer_caches(config, shape, dtype, prefix: str) -> tuple[ParameterTuple, ParameterTuple]:
+    """Zeroed key and value Parameters of ``shape``, one of each per layer."""
+    return tuple(ParameterTuple([Parameter(initializer("zeros", shape, dtype), name=f"{prefix}_{kind}.{i}",
+                                           requires_grad=False) for i in range(config.num_hidden_layers)])
+                 for kind in ("keys", "values"))
+
+
 class KVCache(nn.Cell):
     """Rotated keys and values of ``slots`` sequences of up to ``capacity`` tokens, per layer."""
 
@@ -72,12 +79,7 @@ class KVCache(nn.Cell):
         self.slots, self.capacity = slots, capacity
         self.scratch_start = slots * capacity
         self.scratch = scratch_rows(slots, capacity)
-        shape = cache_shape(config, slots, capacity)
-        layers = range(config.num_hidden_layers)
-        self.keys = ParameterTuple([Parameter(initializer("zeros", shape, dtype), name=f"cache_keys.{i}",
-                                                 requires_grad=False) for i in layers])
-        self.values = ParameterTuple([Parameter(initializer("zeros", shape, dtype), name=f"cache_values.{i}",
-                                                   requires_grad=False) for i in layers])
+        self.keys, self.values = _layer_caches(config, cache_shape(config, slots, capacity), dtype, "cache")
 
     @property
     def dtype(self):
@@ -141,11 +143,7 @@ class PagedKVCache(nn.Cell):
             raise ValueError(f"block_size: expected a positive multiple of 16, got {block_size!r}")
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_blocks, block_size, config.num_key_value_heads, config.dim_per_head)
-        layers = range(config.num_hidden_layers)
-        self.keys = ParameterTuple([Parameter(initializer("zeros", shape, dtype), name=f"paged_keys.{i}",
-                                              requires_grad=False) for i in layers])
-        self.values = ParameterTuple([Parameter(initializer("zeros", shape, dtype), name=f"paged_values.{i}",
-                                                requires_grad=False) for i in layers])
+        self.keys, self.values = _layer_caches(config, shape, dtype, "paged")
 
     @property
     def dtype(self):
