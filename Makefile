@@ -52,7 +52,8 @@ sanitize: $(STAMP)
 # against Hugging Face transformers and MindFormers on the same weights, S = 512..2048 in 2 rounds
 # (about a quarter of an hour on 2 cores); bench-full runs S = 512..16384 in 3 rounds (hours). Both
 # print a progress line and the table, and write benchmarks/results/results.json and ttft.png; then
-# the decode benchmark against transformers' caches (benchmarks/results/decode.json, decode.png).
+# the decode benchmark against transformers' caches (benchmarks/results/decode.json, decode.png);
+# bench-full also replays the serving trace (benchmarks/serving.py: paged against contiguous caches).
 # The kernel-level benchmark is benchmarks/attention.py (docs/benchmarks.md lists the others).
 bench: $(STAMP) $(PEERS) $(MINDFORMERS)
 	$(PY) benchmarks/ttft.py
@@ -65,6 +66,7 @@ bench-full: $(STAMP) $(PEERS) $(MINDFORMERS)
 	$(PY) benchmarks/half_weights.py --contexts 512 2048 --rounds 2
 	$(PY) benchmarks/half_weights.py --layers 32 --contexts 512 2048 --rounds 1 --no-gemm \
 		--systems fused-half hf-static-float16 hf-static-bfloat16 --out benchmarks/results/full-depth
+	$(PY) benchmarks/serving.py --rounds 2
 
 # The peers the TTFT benchmark measures beside this project: Hugging Face transformers on PyTorch (in
 # .venv), and MindFormers in a virtual environment of its own (it pins transformers 4.57; see
