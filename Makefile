@@ -29,10 +29,11 @@ $(STAMP): pyproject.toml setup.py $(KERNEL_SOURCES)
 
 # The suite in parallel worker processes (pytest-xdist): most of its time is MindSpore compiling
 # graphs on one thread. At most 4 workers: each holds its own MindSpore (about 1-2 GB). Tests marked
-# with an xdist_group run in one worker, in file order (tests/test_generation.py says why).
+# with an xdist_group run in one worker, in file order (tests/test_generation.py says why). The 25
+# slowest tests are listed at the end: where the suite's time goes, in every CI log.
 TEST_WORKERS ?= $(shell nproc | awk '{print ($$1 < 4) ? $$1 : 4}')
 test: $(STAMP) sanitize
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 tests
 
 # The kernel tests (forward and backward, and the projections' GEMM) again against kernels built with AddressSanitizer +
 # UBSan (any finding aborts), for the best ISA of this CPU and the portable build; the sweep and the NaN matrix

@@ -240,6 +240,12 @@ def test_bad_input_is_refused_before_anything_is_written(checkpoint, graph, call
     assert gen.slots.free() == [0, 1]
 
 
+def test_a_bfloat16_cache_is_refused_before_mindspore_fails_on_it(checkpoint):
+    model = load_checkpoint(checkpoint[1], progress=False)
+    with pytest.raises(ValueError, match="cache_dtype: a bfloat16 KV cache cannot be a graph's Parameter"):
+        Generator(model, cache_dtype="bfloat16")
+
+
 def test_a_fixed_capacity_too_small_is_refused(checkpoint, graph):
     _, path = checkpoint
     model = load_checkpoint(path, progress=False)

@@ -71,6 +71,25 @@ def test_a_cached_prefix_is_not_computed_again_and_changes_no_token(checkpoint, 
     assert cold.cached_prompt_tokens == 0
 
 
+@pytest.mark.parametrize("cache_dtype, tolerance", [("float32", 1e-4), ("float16", 1e-2)])
+def test_logits_along_the_greedy_path_equal_a_full_forward(checkpoint, graph, rng, cache_dtype, tolerance):
+    """Each step's logits (``last_logits``) against one full forward over the prompt and the tokens
+    generated before it: 1e-4 with a float32 cache (test_llama's), float16 / bfloat16 rounding of the
+    keys and values with a float16 cache (as the contiguous cache's float16 test)."""
+    model = load_checkpoint(checkpoint[1], progress=False)
+    (prompt,) = prompts_of(rng, 3)
+    paged = PagedGenerator(model, max_cache_bytes=budget(model, 32), cache_dtype=cache_dtype)
+    assert str(paged.cache.dtype) == {"float32": "Float32", "float16": "Float16"}[cache_dtype]
+    paged.add_request(prompt, 12, eos_ids=())
+    tokens, rows = [], []
+    while paged.has_unfinished:
+        tokens += [t.token for t in paged.step()]
+        rows.append(paged.last_logits[0])
+    full = test_llama.bsh_logits(model, prompt + tokens[:-1])[len(prompt) - 1:]
+    error = np.abs(np.stack(rows) - full).max()
+    assert error <= tolerance and (cache_dtype == "float32" or error > 0)
+
+
 def _paged_rows(paged, request, layer):
     seq = paged.running[[r.id for r in paged.running].index(request)].seq
     blocks = np.asarray(seq.blocks)
@@ -197,6 +216,7 @@ def test_bad_input_is_refused_and_leaves_the_other_requests_alone(checkpoint, gr
     (dict(max_batch=0), "max_batch: expected a positive int"),
     (dict(max_cache_bytes=1000), "max_cache_bytes: 1000 bytes hold 0 block"),
     (dict(max_cache_bytes=1 << 60), "max_cache_bytes: .* over 80% of the memory available"),
+    (dict(cache_dtype="bfloat16"), "cache_dtype: a bfloat16 KV cache cannot be a graph's Parameter"),
 ])
 def test_bad_settings_are_refused(checkpoint, kwargs, message):
     model = load_checkpoint(checkpoint[1], progress=False)

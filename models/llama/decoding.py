@@ -8,6 +8,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
@@ -134,3 +135,12 @@ def timed_generation(stream, prompts: int, compile_s: float, cached_tokens) -> G
     decode_s = sum(s for _, s in decode)
     rate = len(decode) / decode_s if decode else 0.0
     return Generation(out, ttft, rate, compile_s, [(c, s * 1e3) for c, s in decode])
+
+
+def check_cache_dtype(dtype) -> None:
+    """A bfloat16 cache Parameter has no CPU kernels to be written or read in a MindSpore 2.10 graph
+    (ScatterUpdate, TensorMove): refused here, not inside MindSpore."""
+    if dtype == ms.bfloat16 and ms.get_context("device_target") == "CPU":
+        raise ValueError("cache_dtype: a bfloat16 KV cache cannot be a graph's Parameter on MindSpore 2.10's CPU "
+                         "backend (no bfloat16 ScatterUpdate / TensorMove kernels); use 'float16' (half the bytes "
+                         "too) or 'float32'")

@@ -25,7 +25,8 @@ import numpy as np
 from mindspore import Tensor
 
 from .decoding import (CACHE_MEMORY_FRACTION, GIB, CacheGraph, Generation, Token, available_memory,
-                       check_prompts, check_sampling, dynamic_vector, sample, timed_generation)
+                       check_cache_dtype, check_prompts, check_sampling, dynamic_vector, sample,
+                       timed_generation)
 from .kv_cache import STEP_TOKENS, KVCache, Slots, bucket_capacity, cache_bytes
 from .model import DTYPES, LlamaForCausalLM, dtype_name
 from .serving import PagedGenerator
@@ -131,6 +132,7 @@ class Generator:
         self.cache_memory_limit = (int(CACHE_MEMORY_FRACTION * available_memory()) if cache_memory_limit is None
                                    else cache_memory_limit)
         self.cache_dtype = DTYPES[dtype_name(cache_dtype)] if cache_dtype is not None else model.cache_dtype
+        check_cache_dtype(self.cache_dtype)
         self.cache = self.prefill = self.step = None
         self._earlier_compiles = []  # compile_log of the graphs of smaller capacities, released when the cache grew
         self.slots = Slots(slots)

@@ -31,7 +31,8 @@ from mindspore import Tensor
 
 from .block_pool import SCRATCH_BLOCK, BlockPool, SequenceBlocks, blocks_for, prefix_keys
 from .decoding import (CACHE_MEMORY_FRACTION, GIB, CacheGraph, Generation, Token, available_memory,
-                       check_prompts, check_sampling, dynamic_vector, sample, timed_generation)
+                       check_cache_dtype, check_prompts, check_sampling, dynamic_vector, sample,
+                       timed_generation)
 from .kv_cache import PagedKVCache, block_bytes, token_bucket
 from .model import DTYPES, LlamaForCausalLM, dtype_name
 
@@ -93,6 +94,7 @@ class PagedGenerator:
             raise ValueError("model: the paged cache serves a model on one device; use Generator for tensor parallel")
         self.model, self.max_batch, self.block_size = model, max_batch, block_size
         self.cache_dtype = DTYPES[dtype_name(cache_dtype)] if cache_dtype is not None else model.cache_dtype
+        check_cache_dtype(self.cache_dtype)
         per_block = block_bytes(model.cache_config, block_size, self.cache_dtype)
         limit = int(CACHE_MEMORY_FRACTION * available_memory())
         if max_cache_bytes is None:
@@ -118,6 +120,7 @@ class PagedGenerator:
         self._next_id = 0
         self.compile_s = 0.0
         self.last_step = None  # what the last step() ran: 'prefill', 'decode' or None (nothing to do)
+        self.last_logits = None  # its logits (float32, one row per token it returned, in that order)
         self.prefilled_tokens = self.cached_prompt_tokens = 0  # prompt tokens computed / found in the cache
 
     @property
@@ -177,8 +180,9 @@ class PagedGenerator:
         elif self.running:
             self.last_step, requests, logits = "decode", list(self.running), self._run_decode(self.running)
         else:
-            self.last_step = None
+            self.last_step, self.last_logits = None, None
             return []
+        self.last_logits = logits
         tokens = []
         for request, row in zip(requests, logits):
             token = int(sample(row[None], request.rng, request.temperature, request.top_k, request.top_p)[0])
