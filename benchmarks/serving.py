@@ -290,7 +290,8 @@ def table(results: dict) -> str:
                       f"{s['rounds']}): {s['ratio']:.2f}x; tokens identical: {s['tokens_identical']}"]
     trace = results.get("trace")
     if trace:
-        lines += ["", "| system | TTFT p50 / p99 | time per output token p50 / p99 | output tokens/s | most in flight |",
+        lines += ["", "| system | TTFT p50 / p99 | time per output token p50 / p99 | output tokens/s "
+                      "| most in flight |",
                   "|---|---|---|---|---|"]
         for system, s in trace["summary"].items():
             lines.append(f"| {system} | {s['ttft_p50_s']:.1f} / {s['ttft_p99_s']:.1f} s | {s['tpot_p50_ms']:.0f} / "

@@ -112,8 +112,9 @@ class PagedGenerator:
         self.cache = PagedKVCache(model.cache_config, int(num_blocks), block_size, self.cache_dtype)
         self.table_width = blocks_for(model.max_positions, block_size)
         self.prefill, self.decode = _PagedPrefill(model, self.cache), _PagedDecode(model, self.cache)
+        # ids, query ends, key ends, slots, positions, (block, offset) of each key, copy-on-write pairs
         self.prefill.set_inputs(*[dynamic_vector(t) for t in (ms.int32, ms.int64, ms.int64, ms.int32, ms.int32)],
-                                Tensor(shape=[None, 2], dtype=ms.int32), dynamic_vector(ms.int32), dynamic_vector(ms.int32))
+                                Tensor(shape=[None, 2], dtype=ms.int32), *[dynamic_vector(ms.int32)] * 2)
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.reserved = 0  # blocks the running requests may still allocate

@@ -305,7 +305,8 @@ class MindFormersLlamaInfer(Family):
                                             for b, n in enumerate(lengths)])
                 out = ia(q, k, v, Tensor(np.array(lengths, np.int32)), Tensor(tables),
                          Tensor(slots.astype(np.int32))).astype(ms.float32).asnumpy()
-                rows = out[0] if ia.input_layout == "TH" else np.concatenate([out[b, :n] for b, n in enumerate(lengths)])
+                rows = (out[0] if ia.input_layout == "TH"
+                        else np.concatenate([out[b, :n] for b, n in enumerate(lengths)]))
                 ia.add_flags(is_first_iteration=False)
                 manager.add_flags(is_first_iteration=False)
                 step = ia(*(as_tensor(decode[x][:, None]) for x in "qkv"),
