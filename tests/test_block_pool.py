@@ -241,12 +241,19 @@ def test_prefix_caching_switched_off_ignores_what_is_cached():
 
 # ---- copy-on-write ----
 
-def test_a_shared_partial_block_is_copied_and_released_after_the_step():
-    pool = BlockPool(8, BS)
+def cached_prompt(num_blocks: int):
+    """A pool in which a closed 20-token prompt left its full block and its partial one cached:
+    (pool, prompt, first block, last block)."""
+    pool = BlockPool(num_blocks, BS)
     prompt = tokens(0, 20)
     a, _, _ = prefill(pool, prompt)
     first, last = a.blocks
     pool.close(a)
+    return pool, prompt, first, last
+
+
+def test_a_shared_partial_block_is_copied_and_released_after_the_step():
+    pool, prompt, first, last = cached_prompt(8)
 
     b_prompt, c_prompt = prompt[:18] + [900, 901], prompt[:18] + [800]
     b = pool.open(b_prompt, *pool.match(b_prompt))
@@ -396,11 +403,7 @@ def test_close_without_keep_registers_nothing():
 
 
 def test_a_failed_step_after_a_copy_releases_both_blocks():
-    pool = BlockPool(6, BS)
-    prompt = tokens(0, 20)
-    a, _, _ = prefill(pool, prompt)
-    first, last = a.blocks
-    pool.close(a)
+    pool, prompt, first, last = cached_prompt(6)
     seq = pool.open(prompt + [1], *pool.match(prompt + [1]))
     growth = pool.grow(seq, 1)
     (source, fresh), = growth.copies

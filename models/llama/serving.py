@@ -333,8 +333,9 @@ class PagedGenerator:
                 pass
         finally:
             self.pool.prefix_caching = caching
-        self.compile_s += time.perf_counter() - t0
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.compile_s += seconds
+        return seconds
 
     def generate(self, prompts, max_new_tokens=32, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int = 0, eos_ids=None) -> Generation:

@@ -101,12 +101,10 @@ def _fused_construct(self, query, key, value, batch_valid_length, block_tables, 
 
 def _pre_gather_func(self, pre_gather, output, batch_valid_length, gather_index=None):
     """LlamaForCausalLM.pre_gather_func (the last token's row of each prompt) with ``ops.cumsum`` for
-    ``mint.cumsum``, whose CumsumExt has no CPU kernel in MindSpore 2.10."""
+    ``mint.cumsum``, whose CumsumExt has no CPU kernel in MindSpore 2.10. Its chunk_prefill branch
+    is left out: a chunk_prefill model is not fused, so this never replaces it there."""
     if not pre_gather:
         return output
-    if self.chunk_prefill and self.is_first_iteration:
-        output = output.reshape(-1, output.shape[-1])
-        return output[self.sub_batch_valid_len(gather_index, 1)]
     if self.config.is_dynamic:
         ends = ops.cumsum(batch_valid_length, 0)
         return self.prefill_gather_flatten(output, self.sub_batch_valid_len(ends, 1), 1)
