@@ -239,8 +239,9 @@ class MindFormersLlamaInfer(Family):
         ia = self._infer(site)
         _restore_class(ia)
         model = self._models.get(id(site))
-        if model is not None and hasattr(type(model), "rfa_original_class"):
-            _restore_class(model)
+        still_fused = model is not None and any(self.is_installed(layer.attention) for layer in model.model.layers)
+        if model is not None and hasattr(type(model), "rfa_original_class") and not still_fused:
+            _restore_class(model)  # the model's CPU twins go with its last fused site
             model.argmax = model.__dict__.pop("rfa_original_argmax")
         for attr in ("rfa_cos", "rfa_sin", "rfa_announce"):
             delattr(ia, attr)

@@ -21,6 +21,7 @@ from mindformers.models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from mindformers.models.llama import llama_transformer  # noqa: E402
 
 from ms_rope_attention import FuseError, fuse, unfuse  # noqa: E402
+from ms_rope_attention.fusion import FAMILIES  # noqa: E402
 from ms_rope_attention.fusion import mindformers as family  # noqa: E402
 from ms_rope_attention.paged import paged_calls, rotated_keys  # noqa: E402
 
@@ -182,8 +183,12 @@ def test_use_past_unfuse_restores_infer_attention():
     report = fuse(served)
     infer = served.model.layers[0].attention.infer_attention
     assert type(infer).__name__.startswith("RotaryFused") and hasattr(infer, "rfa_cos")
-    assert unfuse(served) == report.fused
+    family = next(f for f in FAMILIES if f.name == "mindformers-llama-infer")
+    family.uninstall(served.model.layers[1].attention)  # one site back: the model keeps its CPU twins
+    assert type(served).__name__.startswith("RotaryFused") and "rfa_original_argmax" in vars(served)
+    assert unfuse(served) == report.fused[:1]
     assert type(infer).__name__ == "InferAttention" and not hasattr(infer, "rfa_cos")
+    assert type(served).__name__ == "LlamaForCausalLM" and "rfa_original_argmax" not in vars(served)
 
 
 def test_edited_code_is_left_alone(monkeypatch):
