@@ -6,7 +6,10 @@ imported, so the test can check by pid that none survives the launch. Then, by M
 - exit-early: rank 1 raises before its first collective while rank 0 waits in one;
 - die-mid-run: the ranks loop the AllReduce and rank 1 SIGKILLs itself after 3 iterations;
 - hang: every rank prints ``RESULT sleeping`` and sleeps, alive; a SIGINT or SIGTERM is written to
-  DIR/signals (``<rank> <signal>``) and otherwise ignored, so only a kill ends the rank.
+  DIR/signals (``<rank> <signal>``) and otherwise ignored, so only a kill ends the rank. It does so before
+  MindSpore is imported (the rank is msrun's RANK_ID; the scheduler just sleeps): what is tested is the
+  launcher's timeout, and a cluster that takes longer than the timeout to form on a loaded machine would
+  leave nothing asleep to stop.
 """
 import os
 import signal
@@ -16,6 +19,17 @@ from pathlib import Path
 
 mode, out = sys.argv[1], Path(sys.argv[2])
 (out / str(os.getpid())).write_text(os.environ.get("MS_ROLE", ""))
+if mode == "hang":
+    if os.environ.get("MS_ROLE") != "MS_SCHED":
+        def record(signum, frame):
+            with open(out / "signals", "a") as f:
+                f.write(f"{os.environ['RANK_ID']} {signal.Signals(signum).name}\n")
+
+        signal.signal(signal.SIGINT, record)
+        signal.signal(signal.SIGTERM, record)
+        print("RESULT sleeping", flush=True)
+    while True:
+        time.sleep(60)
 
 import mindspore as ms  # noqa: E402
 import numpy as np  # noqa: E402
@@ -26,16 +40,6 @@ init()
 rank = get_rank()
 if mode == "exit-early" and rank == 1:
     raise RuntimeError("rank 1 fails on purpose")
-if mode == "hang":
-    def record(signum, frame):
-        with open(out / "signals", "a") as f:
-            f.write(f"{rank} {signal.Signals(signum).name}\n")
-
-    signal.signal(signal.SIGINT, record)
-    signal.signal(signal.SIGTERM, record)
-    print("RESULT sleeping", flush=True)
-    while True:
-        time.sleep(60)
 all_reduce = ms.ops.AllReduce()
 for iteration in range(3 if mode == "ok" else 1000):
     if mode == "die-mid-run" and rank == 1 and iteration == 3:
