@@ -61,14 +61,20 @@ def mindformers_point(checkpoint: str, length: int, repeats: int, seed: int) -> 
             "ttft": {"original": stats(original), "fused": stats(fused)}, "logits_relative": _relative(got, want)}
 
 
-def mindnlp_point(checkpoint: str, length: int, repeats: int, seed: int, decode_steps: int) -> dict:
-    """Child process, in mindnlp's environment: PyNative prefill and decode steps before and after fuse."""
+def mindnlp_point(checkpoint: str, length: int, repeats: int, seed: int, decode_steps: int,
+                  batch_lengths: list[int]) -> dict:
+    """Child process, in mindnlp's environment: PyNative prefill and decode steps before and after fuse,
+    then HF's greedy ``generate`` on a batch of prompts of unequal lengths (left-padded, so every step
+    has its sequences at different positions), with the fused sites' fallback announcements counted."""
+    import logging
+
     from ms_rope_attention.fusion import mindnlp_compat
     mindnlp_compat.install()
     import mindnlp  # noqa: F401  (maps torch to mindtorch and transformers to HF's own)
     import torch
     import transformers
 
+    import decode as decode_bench
     import ttft
     from ms_rope_attention import fuse
 
@@ -95,11 +101,31 @@ def mindnlp_point(checkpoint: str, length: int, repeats: int, seed: int, decode_
                 steps.append(time.perf_counter() - begin)
         return steps, tokens
 
+    prompts = [ttft.prompt_ids(seed + 1 + i, 1, n, model.config.vocab_size)[0] for i, n in enumerate(batch_lengths)]
+    fallbacks = []
+
+    class Fallbacks(logging.Handler):
+        def emit(self, record):
+            if "rotary_fusion_fallback" in record.getMessage():
+                fallbacks.append(record.getMessage())
+
+    logging.getLogger("ms_rope_attention").addHandler(Fallbacks())
+
+    def batch_decode():
+        """Per-step seconds of HF's greedy generate on the unequal prompts, its tokens, and the
+        fallback announcements made during it."""
+        fallbacks.clear()
+        stamps = decode_bench.hf_stamps()
+        tokens = decode_bench.hf_generate(model, prompts, decode_steps + 1, "dynamic", streamer=stamps)
+        return list(np.diff(stamps.times[1:])), tokens, list(fallbacks)
+
     def measure():
         compile_s, times, logits = ttft.timed_prefill(last_logits, repeats)
         steps, tokens = decode()
+        batch_steps, batch_tokens, batch_fallbacks = batch_decode()
         return {"ttft": stats(times), "first_call_s": compile_s, "decode_step": stats(steps),
-                "tokens_per_s": 1.0 / statistics.median(steps)}, logits, tokens
+                "tokens_per_s": 1.0 / statistics.median(steps), "batch_decode_step": stats(batch_steps),
+                "batch_tokens": batch_tokens, "batch_fallbacks": batch_fallbacks}, logits, tokens
 
     original, want, want_tokens = measure()
     start = time.perf_counter()
@@ -108,7 +134,8 @@ def mindnlp_point(checkpoint: str, length: int, repeats: int, seed: int, decode_
     fused, got, tokens = measure()
     return {"report": str(report), "all_fused": report.all_fused, "fuse_s": fuse_s, "build_s": build_s,
             "original": original, "fused": fused, "logits_relative": _relative(got, want),
-            "same_tokens": tokens == want_tokens, "tokens": tokens}
+            "same_tokens": tokens == want_tokens, "tokens": tokens, "batch_lengths": batch_lengths,
+            "batch_same_tokens": fused["batch_tokens"] == original["batch_tokens"]}
 
 
 def summarise(runs: list[dict]) -> list[dict]:
@@ -130,22 +157,31 @@ def summarise(runs: list[dict]) -> list[dict]:
             row.update({"original_decode_step_median_s": run["original"]["decode_step"]["median_s"],
                         "fused_decode_step_median_s": run["fused"]["decode_step"]["median_s"],
                         "decode_speedup": run["original"]["decode_step"]["median_s"]
-                        / run["fused"]["decode_step"]["median_s"], "same_tokens": run["same_tokens"]})
+                        / run["fused"]["decode_step"]["median_s"], "same_tokens": run["same_tokens"],
+                        "batch_lengths": run["batch_lengths"],
+                        "original_batch_step_median_s": run["original"]["batch_decode_step"]["median_s"],
+                        "fused_batch_step_median_s": run["fused"]["batch_decode_step"]["median_s"],
+                        "batch_speedup": run["original"]["batch_decode_step"]["median_s"]
+                        / run["fused"]["batch_decode_step"]["median_s"],
+                        "batch_same_tokens": run["batch_same_tokens"],
+                        "fused_batch_fallbacks": len(run["fused"]["batch_fallbacks"])})
         rows.append(row)
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| library | S | TTFT original (s) | TTFT fused (s) | speed-up | decode step original / fused (ms) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| library | S | TTFT original (s) | TTFT fused (s) | speed-up | decode step original / fused (ms) "
+             "| batch decode step original / fused (ms), fallbacks |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['library']} | {r['S']} | {r['status']}: {r.get('error')} | | | |")
+            lines.append(f"| {r['library']} | {r['S']} | {r['status']}: {r.get('error')} | | | | |")
             continue
         decode = (f"{r['original_decode_step_median_s'] * 1e3:.0f} / {r['fused_decode_step_median_s'] * 1e3:.0f}"
                   f" ({r['decode_speedup']:.2f}x)" if "decode_speedup" in r else "not fused (use_past)")
+        batch = (f"{r['original_batch_step_median_s'] * 1e3:.0f} / {r['fused_batch_step_median_s'] * 1e3:.0f}"
+                 f" ({r['batch_speedup']:.2f}x), {r['fused_batch_fallbacks']}" if "batch_speedup" in r else "")
         lines.append(f"| {r['library']} | {r['S']} | {r['original_ttft_median_s']:.2f} | {r['fused_ttft_median_s']:.2f} "
-                     f"| {r['ttft_speedup']:.2f}x | {decode} |")
+                     f"| {r['ttft_speedup']:.2f}x | {decode} | {batch} |")
     return "\n".join(lines)
 
 
@@ -156,6 +192,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--model", default="7b", help="models.llama preset the checkpoint's dimensions come from")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--decode-steps", type=int, default=8)
+    parser.add_argument("--batch-lengths", type=int, nargs="+", default=[512, 384, 256, 128],
+                        help="mindnlp: prompt lengths of the left-padded batch generate decodes")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--libraries", nargs="+", default=list(PYTHONS), choices=list(PYTHONS))
     parser.add_argument("--out", default="benchmarks/results")
@@ -174,7 +212,7 @@ def main(argv=None) -> dict:
                     continue
                 kwargs = {"checkpoint": checkpoint, "length": length, "repeats": args.repeats, "seed": args.seed}
                 if library == "mindnlp":
-                    kwargs["decode_steps"] = args.decode_steps
+                    kwargs.update(decode_steps=args.decode_steps, batch_lengths=args.batch_lengths)
                 runs.append({**base, **run_isolated("fuse", f"{library}_point", kwargs, python=str(PYTHONS[library]))})
                 print(f"{library} S={length}: {runs[-1]['status']}", flush=True)
     rows = summarise(runs)
@@ -196,7 +234,7 @@ def main(argv=None) -> dict:
 def disagreements(rows: list[dict]) -> list[str]:
     """Rows whose fused model computed other logits (beyond 1e-4 relative) or other greedy tokens."""
     return [f"{r['library']} S={r['S']}" for r in rows if r["status"] == "ok" and
-            (r["logits_relative"] > 1e-4 or r.get("same_tokens") is False)]
+            (r["logits_relative"] > 1e-4 or r.get("same_tokens") is False or r.get("batch_same_tokens") is False)]
 
 
 if __name__ == "__main__":

@@ -62,3 +62,18 @@ def generator_primitive():
         _inner_ops.Generator = cls
 
     return _inner_ops.Generator, replace
+
+
+def has_forward_hooks(module) -> bool:
+    """Whether a (mindtorch) ``nn.Module`` call would run forward hooks besides its ``forward``: its
+    own (the private ``_forward_hooks`` / ``_forward_pre_hooks`` dicts, as PyTorch names them) or a
+    global one (module-level dicts of ``nn.modules.module``). There is no public query; a module
+    without the attributes counts as hooked, so its call is never bypassed."""
+    import sys
+
+    own = [getattr(module, name, None) for name in ("_forward_hooks", "_forward_pre_hooks")]
+    if any(hooks is None for hooks in own):
+        return True
+    registry = sys.modules.get(type(module).__module__.rsplit(".modules.", 1)[0] + ".modules.module")
+    global_hooks = [getattr(registry, name, {}) for name in ("_global_forward_hooks", "_global_forward_pre_hooks")]
+    return any(own) or any(global_hooks)

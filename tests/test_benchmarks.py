@@ -249,10 +249,12 @@ def test_fuse_benchmark_end_to_end(tmp_path):
     """Both libraries' tiny models before and after fuse(), in their own environments."""
     thirdparty_python("mindformers"), thirdparty_python("mindnlp")
     results = fuse.main(["--model", "tiny", "--lengths", "37", "--repeats", "1", "--decode-steps", "2",
-                         "--out", str(tmp_path)])
+                         "--batch-lengths", "9", "5", "7", "2", "--out", str(tmp_path)])
     rows = {row["library"]: row for row in json.loads((tmp_path / "fuse.json").read_text())["rows"]}
     assert set(rows) == {"mindformers", "mindnlp"} and all(r["status"] == "ok" and r["all_fused"] for r in rows.values())
     assert rows["mindnlp"]["same_tokens"] and rows["mindnlp"]["fused_decode_step_median_s"] > 0
+    assert rows["mindnlp"]["batch_same_tokens"] and rows["mindnlp"]["fused_batch_fallbacks"] == 0
+    assert rows["mindnlp"]["fused_batch_step_median_s"] > 0
     assert "fused" in results["runs"][0]["report"]
     assert fuse.disagreements([dict(rows["mindnlp"], same_tokens=False)]) == ["mindnlp S=37"]
 

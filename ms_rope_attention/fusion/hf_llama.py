@@ -5,22 +5,26 @@ The instance's ``forward`` is replaced and HF's KV-cache contract kept: a prefil
 rotates q and k inside the fused op and hands the op's rotated keys to ``past_key_values.update``;
 a step against a non-empty cache rotates only its new keys (HF's own formula), updates the cache and
 attends with ``key_rotated=True``. The cos/sin HF passes in (scaling already applied) are the tables.
-Each call checks, on the data, what the fused op assumes (a mask that is None or exactly causal,
-one set of positions for the whole batch); otherwise the original forward runs, announced once.
+Each call checks, on the data, what the fused op assumes: a mask that is causal per sequence, after
+left padding (``padded_batch``: a padded batch runs in the op's TND layout), and HF's rotations at
+the positions that mask implies; otherwise the original forward runs, announced once. The four
+projections run on the project's GEMM where it computes the same (``_project``).
 """
 from __future__ import annotations
 
+import functools
 import sys
 
 import mindspore as ms
 import numpy as np
 from mindspore import ops
 
-from .._compat import attention_implementation, copy_device_tag
+from .._compat import attention_implementation, copy_device_tag, has_forward_hooks
 from ..functional import rotary_flash_attention
+from ..linear import linear_op
 from ..rope import apply_rope, rope_tables
 from .family import Family, SiteAnnouncer, class_path, fingerprint
-from .masks import additive_mask_is_causal, bool_mask_is_causal
+from . import padded_batch
 
 MODELING = "transformers.models.{0}.modeling_{0}"
 CLASSES = {f"{MODELING.format(m)}.{c}Attention": m for m, c in (("llama", "Llama"), ("mistral", "Mistral"),
@@ -43,28 +47,48 @@ def site_fingerprint(site) -> str:
     return fingerprint(getattr(forward, "__wrapped__", forward), module.apply_rotary_pos_emb, module.rotate_half)
 
 
-def _mask_is_causal(mask, implementation, q_len, past_len) -> bool:
-    """Whether HF's attention with this mask is the op's bottom-right causal rule. Without a mask,
-    sdpa is causal (top-left) for more than one query and attends everything for one; eager attends
-    everything: the same rule for one query, or for an sdpa prefill."""
+def _band(mask, implementation, batch, q_len, past_len) -> padded_batch.Band | str:
+    """Which keys each sequence's queries attend, as a ``padded_batch.Band``, or why HF's attention
+    with this mask is not one. Without a mask, sdpa is causal (top-left) for more than one query and
+    attends everything for one; eager attends everything: the same rule for one query, or for an
+    sdpa prefill."""
     if mask is None:
-        return q_len == 1 or (implementation == "sdpa" and past_len == 0)
-    # Every layer of one forward gets the same mask object: decide once (each decision waits for
-    # the queued ops to finish, a PyNative synchronisation), and remember it on the mask.
+        if q_len == 1 or (implementation == "sdpa" and past_len == 0):
+            return padded_batch.Band(np.zeros(batch, np.int64), past_len, q_len)
+        return "no mask, and the attention is not causal without one"
+    # Every layer of one forward gets the same mask object: decide once (reading it waits for the
+    # queued ops to finish, a PyNative synchronisation), and remember it on the mask.
     key = (implementation, q_len, past_len)
-    known = getattr(mask, "rfa_causal", None)
+    known = getattr(mask, "rfa_band", None)
     if known is not None and known[0] == key:
         return known[1]
-    if mask.dtype == ms.bool_:  # sdpa reads True as "attend"; eager adds the mask to the scores
-        causal = implementation == "sdpa" and bool(bool_mask_is_causal(mask))
+    boolean = mask.dtype == ms.bool_
+    if boolean and implementation != "sdpa":  # sdpa reads True as "attend"; eager adds the mask
+        decided = f"a boolean mask with attn_implementation={implementation!r}"
     else:
-        causal = bool(additive_mask_is_causal(mask))
-    mask.rfa_causal = (key, causal)
-    return causal
+        keep = padded_batch.attended(mask.numpy() if boolean else mask.float().numpy(), boolean)
+        decided = keep if isinstance(keep, str) else padded_batch.band(keep, past_len)
+    mask.rfa_band = (key, decided)
+    return decided
 
 
-def _runtime_reason(site, hidden_states, cos, attention_mask, past_len, kwargs):
-    """Why this call must run the original forward (None: the fused op computes the same)."""
+def _tables(cos, sin, the_band) -> tuple[np.ndarray, np.ndarray] | str:
+    """The cos/sin tables (rows by position) HF's per-query rows fill, remembered on ``cos`` (every
+    layer of one forward gets the same), or why there are none."""
+    key = (tuple(the_band.starts.tolist()), the_band.past, the_band.q_len)
+    known = getattr(cos, "rfa_tables", None)
+    if known is not None and known[0] == key:
+        return known[1]
+    tables = tuple(padded_batch.position_table(t.float().numpy(), the_band) for t in (cos, sin))
+    if any(table is None for table in tables):
+        tables = "positions do not follow the mask (two queries at one position with different rotations)"
+    cos.rfa_tables = (key, tables)
+    return tables
+
+
+def _runtime_plan(site, hidden_states, cos, sin, attention_mask, past_len, kwargs):
+    """(band, tables) the fused op computes this call with, or the reason it must run the original
+    forward."""
     if site.training and site.attention_dropout > 0:
         return f"attention dropout {site.attention_dropout} while training"
     if kwargs.get("output_attentions"):
@@ -73,54 +97,95 @@ def _runtime_reason(site, hidden_states, cos, attention_mask, past_len, kwargs):
         return f"dtype {hidden_states.dtype} is not one of float32, float16, bfloat16"
     if cos.shape[-1] != site.head_dim:
         return f"partial rotary (cos has {cos.shape[-1]} of head_dim {site.head_dim} columns)"
-    if cos.shape[0] > 1 and not bool(ops.all(ops.equal(cos, cos[:1]))):
-        return "positions differ across the batch"
-    if not _mask_is_causal(attention_mask, attention_implementation(site.config), hidden_states.shape[1], past_len):
-        return "the mask is not exactly causal (padding, or a custom mask)"
-    return None
+    batch, q_len = hidden_states.shape[0], hidden_states.shape[1]
+    the_band = _band(attention_mask, attention_implementation(site.config), batch, q_len, past_len)
+    if isinstance(the_band, str):
+        return the_band
+    tables = _tables(cos, sin, the_band)
+    return tables if isinstance(tables, str) else (the_band, tables)
+
+
+def _project(linear, x, tag):
+    """``linear(x)``, on the project's GEMM (``ms_rope_attention.linear``, the product the project's
+    own Llama runs) when that computes the same: a plain ``nn.Linear`` without hooks, float32
+    activations, on the CPU, outside autograd. MindSpore 2.10's CPU Dense, which mindtorch's
+    ``nn.Linear`` runs, spends ~0.3 s on one decode-sized product (docs/fuse.md)."""
+    torch = sys.modules["mindtorch"]
+    if (type(linear) is not torch.nn.Linear or has_forward_hooks(linear) or x.dtype != ms.float32
+            or linear.weight.dtype not in _DTYPES or torch.is_grad_enabled()
+            or ms.get_context("device_target") != "CPU"):
+        return linear(x)
+    out = tag(_blas()(x, linear.weight))
+    return out if linear.bias is None else tag(ops.add(out, linear.bias))
+
+
+@functools.lru_cache(maxsize=None)
+def _blas():
+    return linear_op()
 
 
 def _fused_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
                    cache_position=None, **kwargs):
-    """LlamaAttention.forward with RoPE + attention fused (BSND: q/k/v straight from the projections).
-    Every tensor made here by a MindSpore op gets mindtorch's device tag (``tag``) before any of its
-    methods or operators run: mindtorch's versions refuse untagged tensors."""
+    """LlamaAttention.forward with RoPE + attention fused. A batch at one set of positions runs BSND
+    (q/k/v straight from the projections); a left-padded batch runs TND, each sequence's padding a
+    segment of its own (``padded_batch``). Every tensor made here by a MindSpore op gets mindtorch's
+    device tag (``tag``) before any of its methods or operators run: mindtorch's versions refuse
+    untagged tensors."""
     cos, sin = position_embeddings
     past_len = 0 if past_key_values is None else int(past_key_values.get_seq_length(self.layer_idx))
-    reason = _runtime_reason(self, hidden_states, cos, attention_mask, past_len, kwargs)
-    if reason is not None:
-        self.rfa_announce(reason)
+    plan = _runtime_plan(self, hidden_states, cos, sin, attention_mask, past_len, kwargs)
+    if isinstance(plan, str):
+        self.rfa_announce(plan)
         return self.rfa_original_forward(hidden_states, position_embeddings, attention_mask,
                                          past_key_values=past_key_values, cache_position=cache_position, **kwargs)
+    the_band, tables = plan
 
     def tag(tensor):
         copy_device_tag((tensor,), hidden_states)
         return tensor
 
     batch, length = hidden_states.shape[0], hidden_states.shape[1]
-    query, key, value = (tag(ops.reshape(proj(hidden_states), (batch, length, -1, self.head_dim)))
+    query, key, value = (tag(ops.reshape(_project(proj, hidden_states, tag), (batch, length, -1, self.head_dim)))
                          for proj in (self.q_proj, self.k_proj, self.v_proj))
+    cos_table, sin_table = (tag(ops.cast(ms.Tensor(t), cos.dtype)) for t in tables)
     cache_kwargs = {"sin": sin, "cos": cos, "cache_position": cache_position}
     to_bnsd = (0, 2, 1, 3)
-    cos0, sin0 = cos[0], sin[0]
+    packed = {}
+    if not the_band.uniform:
+        q_offsets, kv_offsets = the_band.offsets()
+        packed = {"input_layout": "TND", "actual_seq_qlen": tag(ms.Tensor(q_offsets)),
+                  "actual_seq_kvlen": tag(ms.Tensor(kv_offsets))}
+
+    def tokens(x):  # (B, S, N, D) -> (B * S, N, D): a batch's TND form
+        return tag(ops.reshape(x, (-1,) + tuple(x.shape[2:])))
+
     if past_len == 0:
-        out, rotated_key = rotary_flash_attention(query, key, value, cos0, sin0, input_layout="BSND",
-                                                  scale=self.scaling, return_rotated_key=True)
+        if packed:
+            out, rotated_key = rotary_flash_attention(tokens(query), tokens(key), tokens(value), cos_table, sin_table,
+                                                      scale=self.scaling, return_rotated_key=True, **packed)
+            rotated_key = tag(ops.reshape(rotated_key, key.shape))
+        else:
+            out, rotated_key = rotary_flash_attention(query, key, value, cos_table, sin_table, input_layout="BSND",
+                                                      scale=self.scaling, return_rotated_key=True)
         if past_key_values is not None:
             past_key_values.update(tag(ops.transpose(rotated_key, to_bnsd)), tag(ops.transpose(value, to_bnsd)),
                                    self.layer_idx, cache_kwargs)
     else:
+        # The new keys rotated once, by HF's formula on HF's rows (one per sequence and query).
         key = tag(ops.transpose(key, to_bnsd))
-        c, s = tag(ops.expand_dims(cos0, 0)), tag(ops.expand_dims(sin0, 0))
+        c, s = tag(ops.expand_dims(cos, 1)), tag(ops.expand_dims(sin, 1))
         new_keys = tag(ops.cast(apply_rope(key, c, s, 0, self.head_dim), key.dtype))
         keys, values = past_key_values.update(new_keys, tag(ops.transpose(value, to_bnsd)), self.layer_idx,
                                               cache_kwargs)
-        # The op reads query i's rotation at table row kv_len - q_len + i: HF's rows go there.
-        pad = ops.zeros((keys.shape[2] - length, cos.shape[-1]), cos.dtype)
-        out = rotary_flash_attention(tag(ops.transpose(query, to_bnsd)), keys, values, ops.cat((pad, cos0)),
-                                     ops.cat((pad, sin0)), scale=self.scaling, key_rotated=True)
-        out = ops.transpose(out, to_bnsd)
-    return self.o_proj(tag(ops.reshape(out, (batch, length, -1)))), None
+        if packed:  # the cache's (B, Nkv, S, D) copied token-major: each sequence's rows its segments
+            keys, values = (tokens(tag(ops.transpose(x, to_bnsd))) for x in (keys, values))
+            out = rotary_flash_attention(tokens(query), keys, values, cos_table, sin_table, scale=self.scaling,
+                                         key_rotated=True, **packed)
+        else:
+            out = rotary_flash_attention(tag(ops.transpose(query, to_bnsd)), keys, values, cos_table, sin_table,
+                                         scale=self.scaling, key_rotated=True)
+            out = ops.transpose(out, to_bnsd)
+    return _project(self.o_proj, tag(ops.reshape(out, (batch, length, -1))), tag), None
 
 
 class HuggingFaceLlama(Family):
