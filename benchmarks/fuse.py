@@ -29,6 +29,13 @@ PYTHONS = {"mindformers": ROOT / ".venv-mindformers" / "bin" / "python",
            "mindnlp": ROOT / ".venv-mindnlp" / "bin" / "python"}
 
 
+def unequal_prompts(seed: int, lengths: list[int], vocab_size: int) -> list[list[int]]:
+    """One seeded prompt per length (ids never 0, MindFormers' pad id)."""
+    import ttft
+
+    return [ttft.prompt_ids(seed + 1 + i, 1, n, vocab_size)[0] for i, n in enumerate(lengths)]
+
+
 def _relative(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.abs(a - b).max() / np.abs(b).max())
@@ -101,7 +108,7 @@ def mindnlp_point(checkpoint: str, length: int, repeats: int, seed: int, decode_
                 steps.append(time.perf_counter() - begin)
         return steps, tokens
 
-    prompts = [ttft.prompt_ids(seed + 1 + i, 1, n, model.config.vocab_size)[0] for i, n in enumerate(batch_lengths)]
+    prompts = unequal_prompts(seed, batch_lengths, model.config.vocab_size)
     fallbacks = []
 
     class Fallbacks(logging.Handler):
@@ -136,6 +143,70 @@ def mindnlp_point(checkpoint: str, length: int, repeats: int, seed: int, decode_
             "original": original, "fused": fused, "logits_relative": _relative(got, want),
             "same_tokens": tokens == want_tokens, "tokens": tokens, "batch_lengths": batch_lengths,
             "batch_same_tokens": fused["batch_tokens"] == original["batch_tokens"]}
+
+
+def mindformers_serving_point(checkpoint: str, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Child process, in MindFormers' environment: its serving path, ``use_past=True`` (paged KV cache,
+    block size 16, prompts packed in the TH layout), fused, then ``generate`` greedily on the batch
+    right-padded with its pad id as MindFormers takes it. Unfused this path cannot run on a CPU."""
+    import mindspore as ms
+
+    import ttft
+    from ms_rope_attention import fuse
+
+    ms.set_device("CPU")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    width = max(map(len, prompts))
+    seq_length = -(-(width + new_tokens) // 16) * 16
+    lm, _, build_s = ttft.load_mindformers(checkpoint, seq_length, len(prompts), "float32", use_past=True,
+                                           is_dynamic=True, use_flash_attention=True, block_size=16,
+                                           num_blocks=len(prompts) * seq_length // 16)
+    report = fuse(lm)
+    start = time.perf_counter()
+    out = lm.generate([p + [0] * (width - len(p)) for p in prompts], max_new_tokens=new_tokens, do_sample=False)
+    generate_s = time.perf_counter() - start
+    return {"report": str(report), "all_fused": report.all_fused, "build_s": build_s, "generate_s": generate_s,
+            "tokens": [list(map(int, row))[len(p):len(p) + new_tokens] for row, p in zip(out, prompts)]}
+
+
+def transformers_tokens_point(checkpoint: str, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Child process, in mindnlp's environment: transformers' own Llama (4.57.1's modeling code on
+    mindtorch), unfused, greedy ``generate`` on each prompt alone: the reference tokens."""
+    from ms_rope_attention.fusion import mindnlp_compat
+    mindnlp_compat.install()
+    import mindnlp  # noqa: F401
+    import torch
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tokens = []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
+            tokens.append([int(t) for t in out[0, len(prompt):].numpy()])
+    return {"tokens": tokens, "eos_token_id": model.config.eos_token_id}
+
+
+def through_eos(tokens: list[int], eos: int) -> list[int]:
+    """A greedy sequence up to and including its first end-of-sequence token (each library stops or
+    pads differently after it)."""
+    return tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+def serving_agreement(checkpoint: str, prompts: list[list[int]], new_tokens: int) -> dict:
+    """MindFormers' fused serving path against transformers on the same weights: their greedy tokens."""
+    served = run_isolated("fuse", "mindformers_serving_point", {"checkpoint": checkpoint, "prompts": prompts,
+                                                                 "new_tokens": new_tokens},
+                          python=str(PYTHONS["mindformers"]))
+    reference = run_isolated("fuse", "transformers_tokens_point", {"checkpoint": checkpoint, "prompts": prompts,
+                                                                   "new_tokens": new_tokens},
+                             python=str(PYTHONS["mindnlp"]))
+    result = {"mindformers": served, "transformers": reference}
+    if served["status"] == "ok" and reference["status"] == "ok":
+        eos = reference["eos_token_id"]
+        result["same_tokens"] = all(through_eos(a, eos) == through_eos(b, eos)
+                                    for a, b in zip(served["tokens"], reference["tokens"]))
+    return result
 
 
 def summarise(runs: list[dict]) -> list[dict]:
@@ -215,8 +286,16 @@ def main(argv=None) -> dict:
                     kwargs.update(decode_steps=args.decode_steps, batch_lengths=args.batch_lengths)
                 runs.append({**base, **run_isolated("fuse", f"{library}_point", kwargs, python=str(PYTHONS[library]))})
                 print(f"{library} S={length}: {runs[-1]['status']}", flush=True)
+        serving = None
+        if set(args.libraries) == set(PYTHONS) and all(python.exists() for python in PYTHONS.values()):
+            vocab = json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"]
+            serving = serving_agreement(checkpoint, unequal_prompts(args.seed, args.batch_lengths, vocab),
+                                        args.decode_steps)
+            print(f"MindFormers use_past=True (fused) against transformers: same tokens "
+                  f"{serving.get('same_tokens')}", flush=True)
     rows = summarise(runs)
-    result = {"benchmark": "fuse", "machine": machine_info(), "settings": vars(args), "runs": runs, "rows": rows}
+    result = {"benchmark": "fuse", "machine": machine_info(), "settings": vars(args), "runs": runs, "rows": rows,
+              "serving": serving}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "fuse.json").write_text(json.dumps(result, indent=2, default=str))
@@ -226,6 +305,8 @@ def main(argv=None) -> dict:
             print(f"\n{run['library']} S={run['length']}:\n{run['report']}")
     print(f"wrote {out / 'fuse.json'}")
     disagreeing = disagreements(rows)
+    if serving is not None and serving.get("same_tokens") is not True:
+        disagreeing.append("MindFormers use_past=True against transformers")
     if disagreeing:
         raise RuntimeError(f"fused and original models disagree: {disagreeing}")
     return result

@@ -188,11 +188,11 @@ def hf_point(checkpoint: str, length: int, repeats: int, seed: int, batch: int, 
             "weights_checksum": weights_checksum(probe), "logits_probe": probe_logits}
 
 
-def load_mindformers(checkpoint: str, length: int, batch: int, dtype: str):
+def load_mindformers(checkpoint: str, length: int, batch: int, dtype: str, **settings):
     """(MindFormers' LlamaForCausalLM on ``checkpoint``'s weights, hf config dict, seconds to build it),
     configured as MindFormers runs on a CPU (no flash attention, sliced rotate-half RoPE, unfused
-    RMSNorm, no KV cache); GRAPH_MODE unless the caller set another mode. Runs in MindFormers' own
-    virtual environment."""
+    RMSNorm, no KV cache) unless ``settings`` (LlamaConfig fields) say otherwise; GRAPH_MODE unless
+    the caller set another mode. Runs in MindFormers' own virtual environment."""
     import mindformers_compat
     mindformers_compat.install()
     # MindFormers writes its logs under LOCAL_DEFAULT_PATH (./output by default): keep them out of the tree.
@@ -207,14 +207,16 @@ def load_mindformers(checkpoint: str, length: int, batch: int, dtype: str):
 
     hf = json.loads((Path(checkpoint) / "config.json").read_text())
     start = time.perf_counter()
-    config = LlamaConfig(
-        batch_size=batch, seq_length=length, hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
-        num_heads=hf["num_attention_heads"], n_kv_heads=hf["num_key_value_heads"],
-        intermediate_size=hf["intermediate_size"], vocab_size=hf["vocab_size"], rms_norm_eps=hf["rms_norm_eps"],
-        theta=hf["rope_theta"], max_position_embedding=max(length, hf["max_position_embeddings"]),
-        compute_dtype=dtype, layernorm_compute_type="float32", softmax_compute_type="float32",
-        rotary_dtype="float32", param_init_type=dtype, use_past=False, use_flash_attention=False,
-        use_rope_slice=True, fused_rms_norm=False)
+    config = LlamaConfig(**{
+        **dict(batch_size=batch, seq_length=length, hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+               num_heads=hf["num_attention_heads"], n_kv_heads=hf["num_key_value_heads"],
+               intermediate_size=hf["intermediate_size"], vocab_size=hf["vocab_size"], rms_norm_eps=hf["rms_norm_eps"],
+               theta=hf["rope_theta"], max_position_embedding=max(length, hf["max_position_embeddings"]),
+               compute_dtype=dtype, layernorm_compute_type="float32", softmax_compute_type="float32",
+               rotary_dtype="float32", param_init_type=dtype, use_past=False, use_flash_attention=False,
+               use_rope_slice=True, fused_rms_norm=False, bos_token_id=hf.get("bos_token_id", 1),
+               eos_token_id=hf.get("eos_token_id", 2), pad_token_id=0),
+        **settings})
     with no_init_parameters():  # every weight comes from the checkpoint, as in this project's loader
         lm = LlamaForCausalLM(config)
     lm.set_train(False)
@@ -235,7 +237,12 @@ def load_mindformers(checkpoint: str, length: int, batch: int, dtype: str):
                                        f"the model has {own[ms_name].shape}")
                 own[ms_name].set_data(value)
                 loaded.add(ms_name)
-    missing = sorted(set(own) - loaded)
+    missing = []
+    for name in sorted(set(own) - loaded):
+        if name.endswith(("key_cache", "value_cache")):  # use_past's paged KV cache: state, not weights
+            own[name].init_data()
+        else:
+            missing.append(name)
     if missing or unexpected:
         raise RuntimeError(f"MindFormers checkpoint mapping: missing {missing}, unexpected {unexpected}")
     return lm, hf, time.perf_counter() - start

@@ -246,15 +246,20 @@ def test_projections_benchmark_end_to_end(tmp_path):
 
 
 def test_fuse_benchmark_end_to_end(tmp_path):
-    """Both libraries' tiny models before and after fuse(), in their own environments."""
+    """Both libraries' tiny models before and after fuse(), in their own environments, and MindFormers'
+    fused serving path against transformers."""
     thirdparty_python("mindformers"), thirdparty_python("mindnlp")
-    results = fuse.main(["--model", "tiny", "--lengths", "37", "--repeats", "1", "--decode-steps", "2",
-                         "--batch-lengths", "9", "5", "7", "2", "--out", str(tmp_path)])
+    results = fuse.main(["--model", "tiny", "--lengths", "37", "--repeats", "1", "--decode-steps", "3",
+                         "--batch-lengths", "15", "5", "7", "2", "--out", str(tmp_path)])
     rows = {row["library"]: row for row in json.loads((tmp_path / "fuse.json").read_text())["rows"]}
     assert set(rows) == {"mindformers", "mindnlp"} and all(r["status"] == "ok" and r["all_fused"] for r in rows.values())
     assert rows["mindnlp"]["same_tokens"] and rows["mindnlp"]["fused_decode_step_median_s"] > 0
     assert rows["mindnlp"]["batch_same_tokens"] and rows["mindnlp"]["fused_batch_fallbacks"] == 0
     assert rows["mindnlp"]["fused_batch_step_median_s"] > 0
+    # MindFormers' serving path (use_past=True), fused, gives transformers' tokens on the same weights:
+    # a batch of unequal prompts, the first crossing its first 16-token block.
+    serving = results["serving"]
+    assert serving["mindformers"]["all_fused"] and serving["same_tokens"], serving
     assert "fused" in results["runs"][0]["report"]
     assert fuse.disagreements([dict(rows["mindnlp"], same_tokens=False)]) == ["mindnlp S=37"]
 
