@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._compat import drop_compiled_graphs
+from .attention_like import computes_attention
 from .family import class_path
 from .handwritten import HandWrittenAttention
 from .hf_llama import HuggingFaceLlama
@@ -26,7 +27,10 @@ from .project import ProjectAttention
 from .report import ALREADY_FUSED, FUSED, NOT_FUSED, FuseReport, FuseSite
 
 __all__ = ["fuse", "unfuse", "FuseReport", "FuseSite", "FuseError", "FAMILIES"]
-FAMILIES = (ProjectAttention(), MindFormersLlama(), MindFormersLlamaInfer(), HuggingFaceLlama(), HandWrittenAttention())
+HANDWRITTEN = HandWrittenAttention()
+FAMILIES = (ProjectAttention(), MindFormersLlama(), MindFormersLlamaInfer(), HuggingFaceLlama(), HANDWRITTEN)
+NO_ATTENTION = ("no attention found: no Cell is a recognised attention class, none is named ...Attention, and "
+                "none computes a softmax and a product of tensors or calls a known attention op")
 
 
 class FuseError(RuntimeError):
@@ -44,15 +48,25 @@ def _modules(net):
 
 
 def _sites(net):
-    """(name, object, family or None) per attention site, outermost first; nothing inside a site."""
+    """(name, object, family or None) per attention site, outermost first; nothing inside a site. A
+    site is what a family recognises, a class named ``...Attention``, or a Cell whose own code
+    computes attention (``attention_like``)."""
     claimed = []
     for name, obj in _modules(net):
         if any(name == c or name.startswith(c + ".") or c == "" for c in claimed):
             continue
         family = next((f for f in FAMILIES if f.recognises(obj)), None)
-        if family is not None or type(obj).__name__.endswith("Attention"):
+        if family is not None or type(obj).__name__.endswith("Attention") or computes_attention(obj):
             claimed.append(name)
             yield name, obj, family
+
+
+def _unrecognised(site) -> str:
+    """The reason of a site no family recognises: its class, and where the hand-written reading of its
+    code stopped."""
+    reason = f"no fuse family recognises {class_path(site)}"
+    detail = HANDWRITTEN.where_unrecognised(site) if computes_attention(site) else None
+    return f"{reason} (hand-written style: {detail})" if detail else reason
 
 
 def _relative_error(got, want) -> float:
@@ -106,13 +120,13 @@ def fuse(net, *, dry_run: bool = False, strict: bool = False, seed: int = 0) -> 
         family.bind(net)
     for name, site, family in _sites(net):
         if family is None:
-            rows.append(FuseSite(name, None, NOT_FUSED, f"no fuse family recognises {class_path(site)}"))
+            rows.append(FuseSite(name, None, NOT_FUSED, _unrecognised(site)))
             continue
         row = _fuse_site(family, site, name, dry_run, seed)
         rows.append(row)
         if row.status == FUSED and not dry_run:
             installed.append((family, site))
-    notes = []
+    notes = [] if rows else [NO_ATTENTION]
     if installed and _drop_compiled_graphs(net):
         notes.append("the network had been compiled in GRAPH_MODE: that graph was dropped, the next call "
                      "compiles the fused sites")

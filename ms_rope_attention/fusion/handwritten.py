@@ -253,6 +253,14 @@ class HandWrittenAttention(Family):
                 self._rebuilt[cls] = (None, str(exc), False)
         return self._rebuilt[cls]
 
+    def where_unrecognised(self, obj) -> str | None:
+        """For a Cell this family does not recognise: where reading its construct stopped (None when
+        there is no construct source to read)."""
+        if not isinstance(obj, nn.Cell):
+            return None
+        _, reason, recognised = self._plan(type(obj))
+        return None if recognised else reason
+
     def reason_not_fused(self, site, name):
         if "construct" in vars(site):
             return "its construct was replaced on the instance"
