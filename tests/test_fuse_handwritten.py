@@ -179,7 +179,7 @@ def test_a_padding_mask_runs_the_original_and_says_so(mode, caplog):
 
 
 @pytest.mark.parametrize("kind, reason", [
-    (LeakyAttention, "['k'] (rotated q/k, scores or probabilities) are read after the attention"),
+    (LeakyAttention, "['k'] (rotated q/k, repeated k/v, scores or probabilities) are read after the attention"),
     (OtherRopeAttention, "its RoPE function is not rotate-half RoPE (checked on a probe)"),
     (MethodRopeAttention, "its RoPE function 'self.rope' is not a module-level function (a name or module.name)"),
     (FactoryRopeAttention, "its RoPE function 'rope_factory()' is not a module-level function (a name or "

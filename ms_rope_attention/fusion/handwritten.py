@@ -56,15 +56,19 @@ def _name(node) -> str:
 
 
 def _transposed_last_two(node) -> str:
-    """The name of k in ``k.swapaxes(-1, -2)`` / ``k.transpose(0, 1, 3, 2)`` / ``ops.transpose(k, (0, 1, 3, 2))``."""
+    """The name of k in ``k.swapaxes(-1, -2)`` / ``k.transpose(0, 1, 3, 2)`` / ``k.permute(0, 1, 3, 2)`` /
+    ``ops.transpose(k, (0, 1, 3, 2))`` / ``ops.swapaxes(k, 2, 3)`` / ``ops.permute(k, (0, 1, 3, 2))``."""
     text = ast.unparse(node).replace(" ", "")
+    swaps = ("(-1,-2)", "(-2,-1)", "(2,3)", "(3,2)")
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-        if node.func.attr == "swapaxes" and text.endswith((".swapaxes(-1,-2)", ".swapaxes(-2,-1)", ".swapaxes(2,3)",
-                                                           ".swapaxes(3,2)")):
+        method = node.func.attr
+        if method == "swapaxes" and len(node.args) == 2 and text.endswith(swaps):
             return _name(node.func.value)
-        if node.func.attr == "transpose" and text.endswith(".transpose(0,1,3,2)"):
+        if method in ("transpose", "permute") and len(node.args) == 4 and text.endswith("(0,1,3,2)"):
             return _name(node.func.value)
-        if node.func.attr == "transpose" and len(node.args) == 2 and text.endswith(",(0,1,3,2))"):
+        if method in ("transpose", "permute") and len(node.args) == 2 and text.endswith(",(0,1,3,2))"):
+            return _name(node.args[0])
+        if method == "swapaxes" and len(node.args) == 3 and text.endswith(tuple(s.replace("(", ",") for s in swaps)):
             return _name(node.args[0])
     raise _NotMatched(f"expected key transposed on its last two axes, got {ast.unparse(node)!r}")
 
@@ -77,15 +81,99 @@ def _matmul_operands(node):
     raise _NotMatched(f"expected a matmul, got {ast.unparse(node)!r}")
 
 
-def _assigned(stmt) -> str:
-    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
-        raise _NotMatched(f"expected 'name = ...', got {ast.unparse(stmt)!r}")
-    return stmt.targets[0].id
+def _uncast(node):
+    """x of ``x.astype(t)`` / ``x.to(t)`` / ``x.float()`` / ``ops.cast(x, t)`` (any nesting): a softmax
+    in float32 cast back computes the same attention."""
+    while isinstance(node, ast.Call):
+        f = node.func
+        if isinstance(f, ast.Attribute) and f.attr in ("astype", "to", "float") and len(node.args) <= 1:
+            node = f.value
+        elif _call_name(node) == "cast" and len(node.args) == 2:
+            node = node.args[0]
+        else:
+            break
+    return node
+
+
+def _score_terms(node, q, keys):
+    """(scale factors as source, mask as (BinOp, side) or None) of ``matmul(q, key^T)`` scaled (``*``,
+    ``/``, either side) and at most once masked (``+ mask``, either side); ``keys``: the names that
+    hold the rotated key (repeated or not)."""
+    node = _uncast(node)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        for product, side in ((node.left, "right"), (node.right, "left")):
+            try:
+                factors, mask = _score_terms(product, q, keys)
+            except _NotMatched:
+                continue
+            if mask is None:
+                return factors, (node, side)
+        raise _NotMatched(f"expected 'scores + mask', got {ast.unparse(node)!r}")
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Div)):
+        sides = [(node.left, node.right)] + ([(node.right, node.left)] if isinstance(node.op, ast.Mult) else [])
+        for product, scale in sides:
+            try:
+                factors, mask = _score_terms(product, q, keys)
+            except _NotMatched:
+                continue
+            if mask is None:  # a scale applied after the mask would scale the mask too: not this form
+                text = ast.unparse(scale)
+                return factors + [text if isinstance(node.op, ast.Mult) else f"1.0 / ({text})"], None
+        raise _NotMatched(f"expected 'scores * scale', got {ast.unparse(node)!r}")
+    left, right = _matmul_operands(node)
+    if _name(_uncast(left)) != q or _transposed_last_two(_uncast(right)) not in keys:
+        raise _NotMatched(f"expected scores from q and key^T, got {ast.unparse(node)!r}")
+    return [], None
+
+
+def _targets(stmt) -> list:
+    """(name, value) pairs of ``a = x`` or ``a, b = x, y``; a refusal for anything else."""
+    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+        target, value = stmt.targets[0], stmt.value
+        if isinstance(target, ast.Name):
+            return [(target.id, value)]
+        if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) and len(target.elts) == len(value.elts) \
+                and all(isinstance(e, ast.Name) for e in target.elts):
+            return [(t.id, v) for t, v in zip(target.elts, value.elts)]
+    raise _NotMatched(f"expected 'name = ...', got {ast.unparse(stmt)!r}")
+
+
+def _is_softmax_last_axis(node) -> bool:
+    axis = [k.value for k in node.keywords if k.arg in ("axis", "dim")] or node.args[1:2]
+    return len(axis) == 1 and ast.unparse(axis[0]).replace(" ", "") == "-1" and \
+        all(k.arg in ("axis", "dim", "dtype") for k in node.keywords)
+
+
+_HOISTED = "rfa_attention_out"
+
+
+def _inline_output(stmt, probs):
+    """The ``matmul(probs, v)`` inside a larger expression of ``stmt`` (not a statement of its own)."""
+    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+        top = _uncast(stmt.value)
+        try:
+            _matmul_operands(top)
+            return None  # 'out = matmul(probs, v)': the plain form
+        except _NotMatched:
+            pass
+    for node in ast.walk(stmt):
+        try:
+            left, right = _matmul_operands(node)
+        except _NotMatched:
+            continue
+        if isinstance(_uncast(left), ast.Name) and _uncast(left).id == probs and isinstance(_uncast(right), ast.Name):
+            return node
+    return None
 
 
 def _match_block(stmts):
-    """The five statements from the RoPE call on: names and the scale expression (as source)."""
-    rope, s1, s2, s3, s4 = stmts
+    """From a RoPE call ``q, k = rope(q, k, cos, sin)`` to the attention's output ``out = probs @ v``:
+    the names, the scale (source), the mask's place, the head-repeat helpers it calls, whether the
+    probabilities go through dropout, and how many statements the block spans. In between, in this
+    order: head repeats of k and v (``k = repeat_kv(k, n)``, one or two per statement, checked on a
+    probe later), a scale on q, the scores (scaled and masked in one expression or in statements of
+    their own, casts anywhere), a softmax over the last axis (casts around it), dropout on it."""
+    rope = stmts[0]
     if not (isinstance(rope, ast.Assign) and isinstance(rope.targets[0], ast.Tuple) and len(rope.targets[0].elts) == 2
             and isinstance(rope.value, ast.Call) and len(rope.value.args) == 4 and not rope.value.keywords):
         raise _NotMatched("expected 'q, k = rope(q, k, cos, sin)'")
@@ -93,31 +181,95 @@ def _match_block(stmts):
     args = [_name(a) for a in rope.value.args]
     if args[:2] != [q, k]:
         raise _NotMatched("the RoPE call must rotate q and k in place: 'q, k = rope(q, k, cos, sin)'")
-    scores = _assigned(s1)
-    product, scale = s1.value, "1.0"
-    if isinstance(product, ast.BinOp) and isinstance(product.op, (ast.Mult, ast.Div)):
-        scale = ast.unparse(product.right)
-        scale = f"1.0 / ({scale})" if isinstance(product.op, ast.Div) else scale
-        product = product.left
-    left, right = _matmul_operands(product)
-    if _name(left) != q or _transposed_last_two(right) != k:
-        raise _NotMatched(f"expected scores from q and key^T, got {ast.unparse(s1.value)!r}")
-    if _assigned(s2) != scores or not (isinstance(s2.value, ast.BinOp) and isinstance(s2.value.op, ast.Add)):
-        raise _NotMatched(f"expected '{scores} = {scores} + mask', got {ast.unparse(s2)!r}")
-    operands = {ast.unparse(s2.value.left), ast.unparse(s2.value.right)}
-    if scores not in operands or len(operands) != 2:
-        raise _NotMatched(f"expected '{scores} = {scores} + mask', got {ast.unparse(s2)!r}")
-    mask = (operands - {scores}).pop()
-    probs = _assigned(s3)
-    softmax = ast.unparse(s3.value).replace(" ", "")
-    if _call_name(s3.value) != "softmax" or softmax not in (f"ops.softmax({scores},axis=-1)", f"ops.softmax({scores},-1)"):
-        raise _NotMatched(f"expected '{probs} = ops.softmax({scores}, axis=-1)', got {ast.unparse(s3)!r}")
-    out = _assigned(s4)
-    left, right = _matmul_operands(s4.value)
-    if _name(left) != probs:
-        raise _NotMatched(f"expected '{out} = matmul({probs}, v)', got {ast.unparse(s4)!r}")
-    return {"q": q, "k": k, "cos": args[2], "sin": args[3], "v": _name(right), "mask": mask, "scale": scale,
-            "scores": scores, "probs": probs, "out": out, "rope": rope.value.func}
+    keys, repeated, repeats = {k}, {}, []  # names holding the rotated key; repeated name -> its source
+    q_factors, factors, mask, scores, probs, dropout = [], [], None, None, None, False
+    for count, stmt in enumerate(stmts[1:], 2):
+        if probs is not None:
+            inline = _inline_output(stmt, probs)
+            if inline is not None:  # 'return o_proj(matmul(probs, v) ...)': the product hoisted into a name
+                v = _name(_uncast(_matmul_operands(inline)[1]))
+                if mask is None:
+                    raise _Refused("its scores have no mask: the attention is not causal")
+                return {"q": q, "k": k, "cos": args[2], "sin": args[3], "v": repeated.get(v, v), "mask": mask,
+                        "scale": " * ".join(q_factors + factors) or "1.0",
+                        "assigned": {q, k, scores, probs, *keys, *repeated}, "out": _HOISTED, "rope": rope.value.func,
+                        "repeats": repeats, "dropout": dropout, "count": count - 1, "inline": (stmt, inline)}
+        pairs = _targets(stmt)
+        values = [_uncast(v) for _, v in pairs]
+        if scores is None and all(isinstance(v, ast.Call) and len(v.args) == 2 and not v.keywords
+                                  and isinstance(v.args[0], ast.Name) and v.args[0].id != q
+                                  and _call_name(v) not in _MATMULS for v in values):  # head repeats: 'k = repeat_kv(k, n)'
+            for (target, _), value in zip(pairs, values):
+                source = value.args[0].id
+                repeats.append(value.func)
+                if source in keys:
+                    keys.add(target)
+                repeated[target] = repeated.get(source, source)
+            continue
+        if len(pairs) != 1:
+            raise _NotMatched(f"expected one assignment, got {ast.unparse(stmt)!r}")
+        (target, value), = pairs
+        if scores is None and target == q and isinstance(value, ast.BinOp) \
+                and isinstance(value.op, (ast.Mult, ast.Div)) and ast.unparse(value.left) == q:
+            text = ast.unparse(value.right)  # a scale on q
+            q_factors.append(text if isinstance(value.op, ast.Mult) else f"1.0 / ({text})")
+            continue
+        if scores is None:
+            try:
+                factors, mask = _score_terms(value, q, keys)
+            except _NotMatched:
+                raise _NotMatched(f"expected the scores from q and the key (scaled, plus one mask), got "
+                                  f"{ast.unparse(stmt)!r}") from None
+            scores = target
+            continue
+        if probs is None:
+            inner = _uncast(value)
+            if _call_name(inner) == "softmax" and inner.args and not _is_softmax_last_axis(inner):
+                raise _NotMatched(f"a softmax not over the last axis (the keys): {ast.unparse(stmt)!r}")
+            if _call_name(inner) == "softmax" and inner.args:
+                if not (isinstance(_uncast(inner.args[0]), ast.Name) and _uncast(inner.args[0]).id == scores):
+                    raise _NotMatched(f"expected a softmax of {scores}, got {ast.unparse(stmt)!r}")
+                probs = target
+                continue
+            if target != scores:
+                raise _NotMatched(f"expected '{scores} = ...' or a softmax over the last axis, got {ast.unparse(stmt)!r}")
+            if isinstance(inner, ast.Name) and inner.id == scores:  # a cast of the scores
+                continue
+            if isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Add) and mask is None:
+                operands = [inner.left, inner.right]
+                sides = [ast.unparse(o) for o in operands]
+                if sides.count(scores) == 1:
+                    mask = (inner, "right" if sides[0] == scores else "left")
+                    continue
+            if isinstance(inner, ast.BinOp) and isinstance(inner.op, (ast.Mult, ast.Div)) and mask is None \
+                    and ast.unparse(inner.left) == scores:
+                text = ast.unparse(inner.right)
+                factors.append(text if isinstance(inner.op, ast.Mult) else f"1.0 / ({text})")
+                continue
+            raise _NotMatched(f"expected the scores scaled or masked, got {ast.unparse(stmt)!r}")
+        inner = _uncast(value)
+        if isinstance(inner, ast.Name) and inner.id == probs and target == probs:
+            continue  # the probabilities cast back
+        if target == probs and isinstance(inner, ast.Call) and "dropout" in (_call_name(inner) or "").lower() \
+                and inner.args and isinstance(inner.args[0], ast.Name) and inner.args[0].id == probs:
+            dropout = True
+            continue
+        if isinstance(inner, ast.Call) and target == probs and len(inner.args) == 1 and not inner.keywords \
+                and isinstance(inner.func, ast.Attribute) and "dropout" in inner.func.attr.lower():
+            dropout = True
+            continue
+        left, right = _matmul_operands(inner)
+        if not (isinstance(_uncast(left), ast.Name) and _uncast(left).id == probs):
+            raise _NotMatched(f"expected '{target} = matmul({probs}, v)', got {ast.unparse(stmt)!r}")
+        v = _name(_uncast(right))
+        if mask is None:
+            raise _Refused("its scores have no mask: the attention is not causal")
+        return {"q": q, "k": k, "cos": args[2], "sin": args[3], "v": repeated.get(v, v), "mask": mask,
+                "scale": " * ".join(q_factors + factors) or "1.0", "assigned": {q, k, scores, probs, *keys,
+                                                                                 *repeated},
+                "out": target, "rope": rope.value.func, "repeats": repeats, "dropout": dropout,
+                "count": count}
+    raise _NotMatched("the block after the RoPE call ends before the attention's output")
 
 
 def _reads(stmts, names) -> set:
@@ -135,32 +287,47 @@ def _rebuild(function):
     if not isinstance(fn, ast.FunctionDef) or fn.decorator_list:
         raise _NotMatched("construct is not a plain method")
     body = fn.body
-    for i in range(len(body) - 4):
+    reason = "no 'q, k = rope(q, k, cos, sin)' followed by the scores, a softmax and its product with v"
+    for i in range(len(body)):
         try:
-            found = _match_block(body[i:i + 5])
-        except _NotMatched:
+            found = _match_block(body[i:])
+        except _NotMatched as exc:
+            if i and isinstance(body[i], ast.Assign) and isinstance(body[i].targets[0], ast.Tuple) \
+                    and isinstance(body[i].value, ast.Call) and len(body[i].value.args) == 4:
+                reason = f"after its RoPE call: {exc}"  # the nearest miss says where reading stopped
             continue
-        later = body[i + 5:]
-        # the fused branch leaves q and k un-rotated and computes no scores/probs: nothing after may read them
-        # (unless it first assigns them again, which this check does not follow: it refuses instead)
-        used = _reads(later, {found["q"], found["k"], found["scores"], found["probs"]})
+        block, later = body[i:i + found["count"]], body[i + found["count"]:]
+        if "inline" in found:  # the product becomes a statement of the block; its statement reads the name
+            stmt, product = found["inline"]
+            hoisted = ast.Assign(targets=[ast.Name(_HOISTED, ast.Store())], value=product)
+            for parent in ast.walk(stmt):
+                for field, child in ast.iter_fields(parent):
+                    if child is product:
+                        setattr(parent, field, ast.Name(_HOISTED, ast.Load()))
+                    elif isinstance(child, list) and any(c is product for c in child):
+                        setattr(parent, field, [ast.Name(_HOISTED, ast.Load()) if c is product else c for c in child])
+            block = block + [hoisted]
+        # the fused branch leaves q and k un-rotated, v un-repeated and computes no scores/probs: nothing
+        # after may read a name the block assigned, but its output (unless it first assigns it again,
+        # which this check does not follow: it refuses instead)
+        used = _reads(later, found["assigned"] - {found["out"]})
         if used:
-            raise _Refused(f"{sorted(used)} (rotated q/k, scores or probabilities) are read after the attention")
+            raise _Refused(f"{sorted(used)} (rotated q/k, repeated k/v, scores or probabilities) are read after "
+                           f"the attention")
         # Only self's methods and the block's own names: MindSpore's graph parser resolves every other
         # name in the user's module.
         attend = ast.parse(f"{found['out']} = self.rfa_attend({found['q']}, {found['k']}, {found['v']}, "
                            f"{found['cos']}, {found['sin']}, {found['scale']})").body
-        # the fallback's announcement wraps the mask operand of 'scores = scores + mask' (the mask may be
-        # any expression: it is never assigned to)
-        masked = body[i + 2].value
-        side = "left" if ast.unparse(masked.left) == found["mask"] else "right"
-        setattr(masked, side, _expression(f"self.rfa_fallback({found['mask']})"))
-        fused = ast.If(test=_expression(f"self.rfa_mask_is_causal({found['mask']})"), body=attend,
-                       orelse=body[i:i + 5])
+        masked, side = found["mask"]
+        mask_source = ast.unparse(getattr(masked, side))
+        # the fallback's announcement wraps the mask operand (the mask may be any expression)
+        setattr(masked, side, _expression(f"self.rfa_fallback({mask_source})"))
+        fused = ast.If(test=_expression(f"self.rfa_applies({mask_source}, {found['cos']})"), body=attend,
+                       orelse=block)
         fn.body = body[:i] + [fused] + later
         fn.name = "construct"
-        return ast.unparse(ast.fix_missing_locations(tree)), found
-    raise _NotMatched("no 'q, k = rope(q, k, cos, sin)' followed by matmul, + mask, softmax, matmul")
+        return ast.unparse(ast.fix_missing_locations(tree)), dict(found, mask=mask_source)
+    raise _NotMatched(reason)
 
 
 def _compile(source: str, globals_: dict):
@@ -196,7 +363,8 @@ def _rope_function(expr, globals_):
 
 
 def _is_rotate_half_rope(rope) -> str | None:
-    """Whether ``rope(q, k, cos, sin)`` computes rotate-half RoPE (on a probe); the reason if not."""
+    """Whether ``rope(q, k, cos, sin)`` computes rotate-half RoPE (on a probe, with (S, D) tables or,
+    for a function that expects a batch axis, (1, S, D)); the reason if not."""
     rng = np.random.default_rng(7)
     q, k = (rng.standard_normal((1, 2, 5, 8)).astype(np.float32) for _ in range(2))
     cos, sin = (rng.standard_normal((5, 8)).astype(np.float32) for _ in range(2))
@@ -204,17 +372,37 @@ def _is_rotate_half_rope(rope) -> str | None:
     def expected(x):
         return x * cos + np.concatenate([-x[..., 4:], x[..., :4]], -1) * sin
 
+    failure = None
+    for tables in ((cos, sin), (cos[None], sin[None])):
+        try:
+            with eager():
+                got = rope(*(Tensor(a) for a in (q, k, *tables)))
+            ok = all(g.shape == x.shape and np.allclose(g.asnumpy(), expected(x), atol=1e-5) for g, x in zip(got, (q, k)))
+        except Exception as exc:  # noqa: BLE001
+            failure = f"its RoPE function failed on a probe ({type(exc).__name__}: {exc})"
+            continue
+        return None if ok else "its RoPE function is not rotate-half RoPE (checked on a probe)"
+    return failure
+
+
+def _is_head_repeat(function) -> bool:
+    """Whether ``function(x, n)`` repeats each of x's (B, N, S, D) heads n times in place (``repeat_kv``),
+    on a probe."""
+    x = np.random.default_rng(3).standard_normal((1, 2, 3, 4)).astype(np.float32)
     try:
         with eager():
-            got = rope(*(Tensor(a) for a in (q, k, cos, sin)))
-        ok = all(np.allclose(g.asnumpy(), expected(x), atol=1e-5) for g, x in zip(got, (q, k)))
-    except Exception as exc:  # noqa: BLE001
-        return f"its RoPE function failed on a probe ({type(exc).__name__}: {exc})"
-    return None if ok else "its RoPE function is not rotate-half RoPE (checked on a probe)"
+            return all(np.array_equal(function(Tensor(x), n).asnumpy(), np.repeat(x, n, axis=1)) for n in (1, 2))
+    except Exception:  # noqa: BLE001
+        return False
 
 
-def _mask_is_causal(self, mask):
-    return additive_mask_is_causal(mask)
+def _applies(self, mask, cos):
+    """Whether this call is the fused op's: an exactly causal mask, one set of rotations for the whole
+    batch, and no dropout while training."""
+    if self.rfa_dropout and self.training:
+        return Tensor(False)
+    rows = ops.reshape(cos, (-1, cos.shape[-2], cos.shape[-1]))
+    return ops.logical_and(additive_mask_is_causal(mask), ops.all(ops.equal(rows, rows[:1])))
 
 
 def _fallback(self, mask):
@@ -223,15 +411,32 @@ def _fallback(self, mask):
 
 
 def _attend(self, query, key, value, cos, sin, scale):
-    """The fused op on the block's BNSD q/k/v, with the tables as (S, D)."""
-    cos = ops.reshape(cos, (cos.shape[-2], cos.shape[-1]))
-    sin = ops.reshape(sin, (sin.shape[-2], sin.shape[-1]))
+    """The fused op on the block's BNSD q/k/v (k and v before any head repeat: the op's GQA), with the
+    tables as (S, D) (their first row set: ``_applies`` checked they are the batch's)."""
+    cos = ops.reshape(cos, (-1, cos.shape[-2], cos.shape[-1]))[0]
+    sin = ops.reshape(sin, (-1, sin.shape[-2], sin.shape[-1]))[0]
     return rotary_flash_attention(query, key, value, cos, sin, scale=scale)
+
+
+def _helpers_refused(found, globals_) -> str | None:
+    """Why the block's RoPE function or head-repeat helpers cannot be trusted (None: all checked)."""
+    reason = _is_rotate_half_rope(_rope_function(found["rope"], globals_))
+    if reason:
+        return reason
+    for expr in found["repeats"]:
+        try:
+            helper = _rope_function(expr, globals_)
+        except _Refused:
+            return f"its helper {ast.unparse(expr)!r} before the scores is not a module-level function"
+        if not _is_head_repeat(helper):
+            return f"its helper {ast.unparse(expr)!r} before the scores is not a head repeat (repeat_kv) on a probe"
+    return None
 
 
 class HandWrittenAttention(Family):
     name = "handwritten"
     _rebuilt: dict = {}
+    _probe_shape: dict = {}  # id(site) -> the table shape its original ran with, until the fused probe
 
     def recognises(self, obj) -> bool:
         cls = getattr(type(obj), "rfa_original_class", type(obj))
@@ -242,10 +447,11 @@ class HandWrittenAttention(Family):
         if cls not in self._rebuilt:
             try:
                 source, found = _rebuild(cls.construct)
-                reason = _is_rotate_half_rope(_rope_function(found["rope"], cls.construct.__globals__))
+                reason = _helpers_refused(found, cls.construct.__globals__)
                 fused = None if reason else type(f"RotaryFused{cls.__name__}", (cls,), {
                     "construct": _compile(source, cls.construct.__globals__), "rfa_attend": _attend,
-                    "rfa_mask_is_causal": _mask_is_causal, "rfa_fallback": _fallback, "rfa_original_class": cls})
+                    "rfa_applies": _applies, "rfa_fallback": _fallback, "rfa_original_class": cls,
+                    "rfa_dropout": found["dropout"]})
                 self._rebuilt[cls] = (fused, reason, True)
             except _Refused as exc:
                 self._rebuilt[cls] = (None, str(exc), True)
@@ -267,7 +473,8 @@ class HandWrittenAttention(Family):
         return self._plan(type(site))[1]
 
     def install(self, site, name):
-        site.rfa_announce = fallback_announcer(name, "the mask is not exactly causal")
+        site.rfa_announce = fallback_announcer(name, "the mask is not exactly causal (or the rotations differ "
+                                                     "across the batch, or dropout runs while training)")
         site.__class__ = self._plan(type(site))[0]
 
     def uninstall(self, site):
@@ -278,19 +485,32 @@ class HandWrittenAttention(Family):
         return hasattr(type(site), "rfa_original_class")
 
     def probe(self, site, seed):
-        """The site on seeded inputs shaped from its construct's signature: (x, cos, sin, mask)."""
+        """The site on seeded inputs shaped from its construct's signature: (x, cos, sin, mask), the
+        tables (S, D), or (1, S, D) for a site that expects a batch axis (the first shape its original
+        code runs with, remembered for the fused code's run)."""
         rng = np.random.default_rng(seed)
         params = list(inspect.signature(site.rfa_original_class.construct if self.is_installed(site)
                                         else type(site).construct).parameters)[1:]
         hidden, dim = _dims(site)
         length = 7
         x = Tensor(rng.standard_normal((2, length, hidden), dtype=np.float32))
-        tables = tuple(Tensor(t) for t in rope_tables(dim, length))
         mask = Tensor(np.triu(np.full((length, length), -1e9, np.float32), 1))
         if len(params) != 4:
             raise TypeError(f"the probe calls construct(x, cos, sin, mask); this one takes {params}")
-        with eager():
-            return site(x, *tables, mask).asnumpy().astype(np.float64)
+        known = self._probe_shape.pop(id(site), None) if self.is_installed(site) else None
+        shapes = [known] if known else [(length, dim), (1, length, dim)]
+        for i, shape in enumerate(shapes):
+            tables = tuple(Tensor(t.reshape(shape)) for t in rope_tables(dim, length))
+            try:
+                with eager():
+                    out = site(x, *tables, mask).asnumpy().astype(np.float64)
+            except Exception:  # noqa: BLE001
+                if i == len(shapes) - 1:
+                    raise
+                continue
+            if not self.is_installed(site):
+                self._probe_shape[id(site)] = shape
+            return out
 
 
 def _dims(site) -> tuple[int, int]:
