@@ -1,6 +1,6 @@
 """fuse() on a MindSpore Llama written in the common hand-written style (rotate_half,
 q*cos + rotate_half(q)*sin, matmul / + mask / softmax / matmul), GRAPH_MODE and PyNative, and its
-near-misses: a padding mask, rotated q/k read after the attention, a RoPE that is not rotate-half,
+near-misses: a padding mask, rotated q/k read after the attention, a RoPE the op does not compute,
 a RoPE that is a method or an expression. The rebuilt construct is never read from a file another
 user could plant (issue 37)."""
 import hashlib
@@ -32,8 +32,12 @@ def rotate_every_two(x):
     return ops.stack((-x[..., 1::2], x[..., ::2]), -1).reshape(x.shape)
 
 
-def apply_interleaved(q, k, cos, sin):  # GPT-J's interleaved RoPE, not rotate-half: must be refused
+def apply_interleaved(q, k, cos, sin):  # GPT-J's interleaved RoPE: the op's rotary_mode 1
     return q * cos + rotate_every_two(q) * sin, k * cos + rotate_every_two(k) * sin
+
+
+def apply_swapped(q, k, cos, sin):  # sin and cos swapped: no RoPE the op computes
+    return q * sin + rotate_half(q) * cos, k * sin + rotate_half(k) * cos
 
 
 class Attention(nn.Cell):
@@ -73,7 +77,7 @@ class OtherRopeAttention(Attention):
     def construct(self, x, cos, sin, mask):
         b, s, _ = x.shape
         q, k, v = self.heads(self.q_proj(x)), self.heads(self.k_proj(x)), self.heads(self.v_proj(x))
-        q, k = apply_interleaved(q, k, cos, sin)
+        q, k = apply_swapped(q, k, cos, sin)
         scores = ops.matmul(q, k.swapaxes(-1, -2)) / math.sqrt(self.head_dim)
         scores = scores + mask
         probs = ops.softmax(scores, axis=-1)
@@ -180,7 +184,7 @@ def test_a_padding_mask_runs_the_original_and_says_so(mode, caplog):
 
 @pytest.mark.parametrize("kind, reason", [
     (LeakyAttention, "['k'] (rotated q/k, repeated k/v, scores or probabilities) are read after the attention"),
-    (OtherRopeAttention, "its RoPE function is not rotate-half RoPE (checked on a probe)"),
+    (OtherRopeAttention, "its RoPE function is neither rotate-half nor interleaved RoPE (checked on a probe)"),
     (MethodRopeAttention, "its RoPE function 'self.rope' is not a module-level function (a name or module.name)"),
     (FactoryRopeAttention, "its RoPE function 'rope_factory()' is not a module-level function (a name or "
                            "module.name)")])

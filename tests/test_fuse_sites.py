@@ -12,7 +12,7 @@ import pytest
 from mindspore import Tensor, nn, ops
 
 from ms_rope_attention import FuseError, fuse
-from ms_rope_attention.fusion import attention_like
+from ms_rope_attention.fusion import attention_like, handwritten
 
 HIDDEN, HEADS, KV_HEADS, LENGTH, VOCAB = 32, 4, 2, 9, 50
 HEAD_DIM = HIDDEN // HEADS
@@ -121,6 +121,72 @@ class ScaleFirst(SelfAttn):
         return self.o_proj(ops.swapaxes(ops.matmul(probs, v), 1, 2).reshape(b, s, -1))
 
 
+def rotate_every_two(x):
+    return ops.stack((-x[..., 1::2], x[..., ::2]), -1).reshape(x.shape)
+
+
+def apply_interleaved(q, k, cos, sin):
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_every_two(q) * sin, k * cos + rotate_every_two(k) * sin
+
+
+class BooleanHide(SelfAttn):
+    """A boolean mask, True where a key is hidden, by masked_fill; interleaved (GPT-J) RoPE."""
+
+    def construct(self, x, cos, sin, mask):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, HEADS, HEAD_DIM).swapaxes(1, 2)
+        k = self.k_proj(x).view(b, s, KV_HEADS, HEAD_DIM).swapaxes(1, 2)
+        v = self.v_proj(x).view(b, s, KV_HEADS, HEAD_DIM).swapaxes(1, 2)
+        q, k = apply_interleaved(q, k, cos, sin)
+        k, v = repeat_kv(k, HEADS // KV_HEADS), repeat_kv(v, HEADS // KV_HEADS)
+        w = ops.matmul(q, k.swapaxes(2, 3)) * self.scaling
+        w = w.masked_fill(mask < 0, float("-inf"))
+        w = ops.softmax(w, axis=-1)
+        return self.o_proj(ops.matmul(w, v).swapaxes(1, 2).reshape(b, s, -1))
+
+
+class BooleanKeep(SelfAttn):
+    """A boolean mask, True where a key is attended, by ops.where."""
+
+    def construct(self, x, cos, sin, mask):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, HEADS, HEAD_DIM).swapaxes(1, 2)
+        k = self.k_proj(x).view(b, s, KV_HEADS, HEAD_DIM).swapaxes(1, 2)
+        v = self.v_proj(x).view(b, s, KV_HEADS, HEAD_DIM).swapaxes(1, 2)
+        q, k = apply_rotary(q, k, cos, sin)
+        k, v = repeat_kv(k, HEADS // KV_HEADS), repeat_kv(v, HEADS // KV_HEADS)
+        w = ops.matmul(q, k.swapaxes(2, 3)) / math.sqrt(HEAD_DIM)
+        w = ops.where(mask == 0, w, -1e9)
+        w = ops.softmax(w, axis=-1)
+        return self.o_proj(ops.matmul(w, v).swapaxes(1, 2).reshape(b, s, -1))
+
+
+def apply_rotary_merged(q, k, cos, sin):  # (B * H, S, D) against (1, S, D) tables
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class MergedHeads(SelfAttn):
+    """Batch and heads merged into one axis, (B * H, S, D), and ops.bmm (no GQA here: 4 KV heads)."""
+
+    def __init__(self):
+        super().__init__()
+        self.k_proj = nn.Dense(HIDDEN, HEADS * HEAD_DIM, has_bias=False)
+        self.v_proj = nn.Dense(HIDDEN, HEADS * HEAD_DIM, has_bias=False)
+
+    def construct(self, x, cos, sin, mask):
+        b, s, _ = x.shape
+        q = self.q_proj(x).reshape(b, s, HEADS, HEAD_DIM).swapaxes(1, 2).reshape(b * HEADS, s, HEAD_DIM)
+        k = self.k_proj(x).reshape(b, s, HEADS, HEAD_DIM).swapaxes(1, 2).reshape(b * HEADS, s, HEAD_DIM)
+        v = self.v_proj(x).reshape(b, s, HEADS, HEAD_DIM).swapaxes(1, 2).reshape(b * HEADS, s, HEAD_DIM)
+        q, k = apply_rotary_merged(q, k, cos, sin)
+        scores = ops.bmm(q, k.transpose(0, 2, 1)) * self.scaling
+        scores = scores + mask
+        probs = ops.softmax(scores, axis=-1)
+        out = ops.bmm(probs, v)
+        return self.o_proj(out.reshape(b, HEADS, s, HEAD_DIM).swapaxes(1, 2).reshape(b, s, -1))
+
+
 class QOnlyRope(SelfAttn):
     """Near-miss: RoPE on q only."""
 
@@ -219,16 +285,28 @@ def relative(a, b):
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-@pytest.mark.parametrize("attention", [SelfAttn, PackedQKV, ScaleFirst])
-def test_the_zoo_is_fused_in_both_modes(attention, mode):
+@pytest.mark.parametrize("attention", [SelfAttn, PackedQKV, ScaleFirst, BooleanHide, BooleanKeep,
+                                       MergedHeads])
+def test_the_zoo_is_fused_in_both_modes(attention, mode, monkeypatch):
     ms.set_seed(0)
     model = Ported(attention)
     model.set_train(False)
     want = model(ids()).asnumpy()
     report = fuse(model, strict=True)
     assert report.fused == ["blocks.0.attn", "blocks.1.attn"] and {s.family for s in report} == {"handwritten"}
+    calls = []
+    if mode == "pynative":  # counted eagerly (a graph would trace the counter once, and cannot parse it)
+        real = handwritten.rotary_flash_attention
+
+        def counting(*args, **kwargs):
+            calls.append(1)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(handwritten, "rotary_flash_attention", counting)
     got = model(ids()).asnumpy()
     assert 0 < relative(got, want) < 1e-4, str(report)  # close, and not the original's bits: the op ran
+    if mode == "pynative":
+        assert len(calls) == 2  # once per layer
 
 
 @pytest.mark.parametrize("attention, reason", [

@@ -1,17 +1,21 @@
-"""A MindSpore Cell written in the common hand-written style, recognised from its ``construct``'s
-source: ``q, k = <rope>(q, k, cos, sin)`` with a rotate-half RoPE function, then, in order,
+"""A MindSpore Cell whose attention is written by hand, as people port it from Hugging Face's eager
+code, recognised from its ``construct``'s source and checked by what it computes:
 
-    scores = ops.matmul(q, <k transposed on its last two axes>) * SCALE   (or / SCALE, or @)
-    scores = scores + mask                                                (additive, causal)
-    probs = ops.softmax(scores, axis=-1)                                  (or ops.softmax(scores, -1))
-    out = ops.matmul(probs, v)                                            (or probs @ v)
+    q, k = <rope>(q, k, cos, sin)        a module-level function: rotate-half or interleaved RoPE on a probe
+    k = repeat_kv(k, n); v = ...         optional head repeats (a probe says they repeat heads)
+    q = q * scale                        optional
+    scores = q @ k^T * scale + mask      in one expression or several statements; ``masked_fill`` /
+                                         ``where`` with a boolean mask; casts anywhere
+    probs = softmax(scores, axis=-1)     any spelling of the last axis; casts around it; dropout after
+    out = probs @ v                      or inside the next statement (``return o_proj(probs @ v ...)``)
 
-on BNSD tensors. ``construct`` is rebuilt from its own syntax tree with those five statements inside
-``if <mask is exactly causal>: out = <fused op> else: <the five statements>``, compiled from memory
-(no file: MindSpore's graph parser reads the source a file would hold from ``linecache``), and
-installed by a class swap on the instance. Refused, with the reason: any other shape of code, a RoPE
-function that is not a module-level function or not rotate-half on the probe, or rotated q/k, scores
-or probabilities read after the block.
+on BNSD tensors, or (B * N, S, D) ones for ``bmm``. ``construct`` is rebuilt from its own syntax tree
+with that block inside ``if <this call is the op's>: out = <fused op> else: <the block>`` (the check:
+an exactly causal mask, one set of rotations for the batch, no dropout while training), compiled
+from memory (no file: MindSpore's graph parser reads the source a file would hold from
+``linecache``), and installed by a class swap on the instance. Refused, with the reason: any other
+shape of code (where the reading stopped), a RoPE or head-repeat function that is not a module-level
+function or fails its probe, or names the block assigns read after it.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from mindspore import Tensor, nn, ops
 from ..functional import rotary_flash_attention
 from ..rope import rope_tables
 from .family import Family, eager
-from .masks import additive_mask_is_causal, fallback_announcer
+from .masks import additive_mask_is_causal, bool_mask_is_causal, fallback_announcer
 
 _MATMULS = {"matmul", "bmm", "BatchMatMul"}
 
@@ -59,14 +63,16 @@ def _transposed_last_two(node) -> str:
     """The name of k in ``k.swapaxes(-1, -2)`` / ``k.transpose(0, 1, 3, 2)`` / ``k.permute(0, 1, 3, 2)`` /
     ``ops.transpose(k, (0, 1, 3, 2))`` / ``ops.swapaxes(k, 2, 3)`` / ``ops.permute(k, (0, 1, 3, 2))``."""
     text = ast.unparse(node).replace(" ", "")
-    swaps = ("(-1,-2)", "(-2,-1)", "(2,3)", "(3,2)")
+    swaps = ("(-1,-2)", "(-2,-1)", "(2,3)", "(3,2)", "(1,2)", "(2,1)")  # the last two: (B * N, S, D) tensors
+    orders = ("(0,1,3,2)", "(0,2,1)")
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
         method = node.func.attr
         if method == "swapaxes" and len(node.args) == 2 and text.endswith(swaps):
             return _name(node.func.value)
-        if method in ("transpose", "permute") and len(node.args) == 4 and text.endswith("(0,1,3,2)"):
+        if method in ("transpose", "permute") and len(node.args) in (3, 4) and text.endswith(orders):
             return _name(node.func.value)
-        if method in ("transpose", "permute") and len(node.args) == 2 and text.endswith(",(0,1,3,2))"):
+        if method in ("transpose", "permute") and len(node.args) == 2 and text.endswith(
+                tuple(f",{o})" for o in orders)):
             return _name(node.args[0])
         if method == "swapaxes" and len(node.args) == 3 and text.endswith(tuple(s.replace("(", ",") for s in swaps)):
             return _name(node.args[0])
@@ -107,7 +113,7 @@ def _score_terms(node, q, keys):
             except _NotMatched:
                 continue
             if mask is None:
-                return factors, (node, side)
+                return factors, (node, side, None, "additive")
         raise _NotMatched(f"expected 'scores + mask', got {ast.unparse(node)!r}")
     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Div)):
         sides = [(node.left, node.right)] + ([(node.right, node.left)] if isinstance(node.op, ast.Mult) else [])
@@ -124,6 +130,23 @@ def _score_terms(node, q, keys):
     if _name(_uncast(left)) != q or _transposed_last_two(_uncast(right)) not in keys:
         raise _NotMatched(f"expected scores from q and key^T, got {ast.unparse(node)!r}")
     return [], None
+
+
+def _boolean_mask(node, scores):
+    """(call, "args", index, kind) of a boolean mask applied to the scores: ``scores.masked_fill(m, x)``
+    or ``ops.masked_fill(scores, m, x)`` (True hides: kind "hide"), ``ops.where(m, scores, x)`` (True
+    keeps: kind "keep"); None for anything else. The fill value is not read: the probe judges it."""
+    if not isinstance(node, ast.Call) or node.keywords:
+        return None
+    name, args = _call_name(node), [ast.unparse(a) for a in node.args]
+    method = isinstance(node.func, ast.Attribute) and ast.unparse(node.func.value) == scores
+    if name == "masked_fill" and method and len(args) == 2:
+        return node, "args", 0, "hide"
+    if name == "masked_fill" and len(args) == 3 and args[0] == scores:
+        return node, "args", 1, "hide"
+    if name == "where" and len(args) == 3 and args[1] == scores:
+        return node, "args", 0, "keep"
+    return None
 
 
 def _targets(stmt) -> list:
@@ -239,8 +262,11 @@ def _match_block(stmts):
                 operands = [inner.left, inner.right]
                 sides = [ast.unparse(o) for o in operands]
                 if sides.count(scores) == 1:
-                    mask = (inner, "right" if sides[0] == scores else "left")
+                    mask = (inner, "right" if sides[0] == scores else "left", None, "additive")
                     continue
+            if mask is None and _boolean_mask(inner, scores) is not None:
+                mask = _boolean_mask(inner, scores)
+                continue
             if isinstance(inner, ast.BinOp) and isinstance(inner.op, (ast.Mult, ast.Div)) and mask is None \
                     and ast.unparse(inner.left) == scores:
                 text = ast.unparse(inner.right)
@@ -318,15 +344,20 @@ def _rebuild(function):
         # name in the user's module.
         attend = ast.parse(f"{found['out']} = self.rfa_attend({found['q']}, {found['k']}, {found['v']}, "
                            f"{found['cos']}, {found['sin']}, {found['scale']})").body
-        masked, side = found["mask"]
-        mask_source = ast.unparse(getattr(masked, side))
+        masked, field, index, kind = found["mask"]
+        operand = getattr(masked, field) if index is None else getattr(masked, field)[index]
+        mask_source = ast.unparse(operand)
         # the fallback's announcement wraps the mask operand (the mask may be any expression)
-        setattr(masked, side, _expression(f"self.rfa_fallback({mask_source})"))
+        wrapped = _expression(f"self.rfa_fallback({mask_source})")
+        if index is None:
+            setattr(masked, field, wrapped)
+        else:
+            getattr(masked, field)[index] = wrapped
         fused = ast.If(test=_expression(f"self.rfa_applies({mask_source}, {found['cos']})"), body=attend,
                        orelse=block)
         fn.body = body[:i] + [fused] + later
         fn.name = "construct"
-        return ast.unparse(ast.fix_missing_locations(tree)), dict(found, mask=mask_source)
+        return ast.unparse(ast.fix_missing_locations(tree)), dict(found, mask=mask_source, mask_kind=kind)
     raise _NotMatched(reason)
 
 
@@ -362,27 +393,29 @@ def _rope_function(expr, globals_):
     return found
 
 
-def _is_rotate_half_rope(rope) -> str | None:
-    """Whether ``rope(q, k, cos, sin)`` computes rotate-half RoPE (on a probe, with (S, D) tables or,
-    for a function that expects a batch axis, (1, S, D)); the reason if not."""
+def _rope_mode(rope):
+    """(rotary_mode, None) when ``rope(q, k, cos, sin)`` computes rotate-half (mode 0) or interleaved
+    (mode 1, GPT-J's rotate-every-two) RoPE on a probe, with (S, D) tables or, for a function that
+    expects a batch axis, (1, S, D); (None, the reason) otherwise."""
     rng = np.random.default_rng(7)
     q, k = (rng.standard_normal((1, 2, 5, 8)).astype(np.float32) for _ in range(2))
     cos, sin = (rng.standard_normal((5, 8)).astype(np.float32) for _ in range(2))
-
-    def expected(x):
-        return x * cos + np.concatenate([-x[..., 4:], x[..., :4]], -1) * sin
+    rotations = {0: lambda x: np.concatenate([-x[..., 4:], x[..., :4]], -1),
+                 1: lambda x: np.stack([-x[..., 1::2], x[..., ::2]], -1).reshape(x.shape)}
 
     failure = None
     for tables in ((cos, sin), (cos[None], sin[None])):
         try:
             with eager():
-                got = rope(*(Tensor(a) for a in (q, k, *tables)))
-            ok = all(g.shape == x.shape and np.allclose(g.asnumpy(), expected(x), atol=1e-5) for g, x in zip(got, (q, k)))
+                got = [g.asnumpy() for g in rope(*(Tensor(a) for a in (q, k, *tables)))]
         except Exception as exc:  # noqa: BLE001
             failure = f"its RoPE function failed on a probe ({type(exc).__name__}: {exc})"
             continue
-        return None if ok else "its RoPE function is not rotate-half RoPE (checked on a probe)"
-    return failure
+        for mode, rotate in rotations.items():
+            if all(g.shape == x.shape and np.allclose(g, x * cos + rotate(x) * sin, atol=1e-5) for g, x in zip(got, (q, k))):
+                return mode, None
+        return None, "its RoPE function is neither rotate-half nor interleaved RoPE (checked on a probe)"
+    return None, failure
 
 
 def _is_head_repeat(function) -> bool:
@@ -402,7 +435,13 @@ def _applies(self, mask, cos):
     if self.rfa_dropout and self.training:
         return Tensor(False)
     rows = ops.reshape(cos, (-1, cos.shape[-2], cos.shape[-1]))
-    return ops.logical_and(additive_mask_is_causal(mask), ops.all(ops.equal(rows, rows[:1])))
+    if self.rfa_mask_kind == "additive":
+        causal = additive_mask_is_causal(mask)
+    elif self.rfa_mask_kind == "hide":
+        causal = bool_mask_is_causal(ops.logical_not(mask))
+    else:
+        causal = bool_mask_is_causal(mask)
+    return ops.logical_and(causal, ops.all(ops.equal(rows, rows[:1])))
 
 
 def _fallback(self, mask):
@@ -411,16 +450,21 @@ def _fallback(self, mask):
 
 
 def _attend(self, query, key, value, cos, sin, scale):
-    """The fused op on the block's BNSD q/k/v (k and v before any head repeat: the op's GQA), with the
+    """The fused op on the block's BNSD q/k/v (k and v before any head repeat: the op's GQA), or on
+    (B * N, S, D) ones (batch and heads merged, as for ``bmm``: one batch of B * N heads), with the
     tables as (S, D) (their first row set: ``_applies`` checked they are the batch's)."""
     cos = ops.reshape(cos, (-1, cos.shape[-2], cos.shape[-1]))[0]
     sin = ops.reshape(sin, (-1, sin.shape[-2], sin.shape[-1]))[0]
-    return rotary_flash_attention(query, key, value, cos, sin, scale=scale)
+    if query.ndim == 3:
+        out = rotary_flash_attention(ops.expand_dims(query, 0), ops.expand_dims(key, 0), ops.expand_dims(value, 0),
+                                     cos, sin, scale=scale, rotary_mode=self.rfa_rotary_mode)
+        return ops.squeeze(out, 0)
+    return rotary_flash_attention(query, key, value, cos, sin, scale=scale, rotary_mode=self.rfa_rotary_mode)
 
 
 def _helpers_refused(found, globals_) -> str | None:
     """Why the block's RoPE function or head-repeat helpers cannot be trusted (None: all checked)."""
-    reason = _is_rotate_half_rope(_rope_function(found["rope"], globals_))
+    found["rotary_mode"], reason = _rope_mode(_rope_function(found["rope"], globals_))
     if reason:
         return reason
     for expr in found["repeats"]:
@@ -451,7 +495,8 @@ class HandWrittenAttention(Family):
                 fused = None if reason else type(f"RotaryFused{cls.__name__}", (cls,), {
                     "construct": _compile(source, cls.construct.__globals__), "rfa_attend": _attend,
                     "rfa_applies": _applies, "rfa_fallback": _fallback, "rfa_original_class": cls,
-                    "rfa_dropout": found["dropout"]})
+                    "rfa_dropout": found["dropout"], "rfa_mask_kind": found["mask_kind"],
+                    "rfa_rotary_mode": found["rotary_mode"]})
                 self._rebuilt[cls] = (fused, reason, True)
             except _Refused as exc:
                 self._rebuilt[cls] = (None, str(exc), True)
@@ -485,8 +530,9 @@ class HandWrittenAttention(Family):
         return hasattr(type(site), "rfa_original_class")
 
     def probe(self, site, seed):
-        """The site on seeded inputs shaped from its construct's signature: (x, cos, sin, mask), the
-        tables (S, D), or (1, S, D) for a site that expects a batch axis (the first shape its original
+        """The site on seeded inputs shaped from its construct's signature: (x, cos, sin, mask), the mask
+        causal in the site's form (additive, or boolean hiding or keeping), the tables of its RoPE's
+        mode, (S, D) or (1, S, D) for a site that expects a batch axis (the first shape its original
         code runs with, remembered for the fused code's run)."""
         rng = np.random.default_rng(seed)
         params = list(inspect.signature(site.rfa_original_class.construct if self.is_installed(site)
@@ -494,13 +540,16 @@ class HandWrittenAttention(Family):
         hidden, dim = _dims(site)
         length = 7
         x = Tensor(rng.standard_normal((2, length, hidden), dtype=np.float32))
-        mask = Tensor(np.triu(np.full((length, length), -1e9, np.float32), 1))
+        fused = self._plan(site.rfa_original_class if self.is_installed(site) else type(site))[0]
+        kind, mode = (fused.rfa_mask_kind, fused.rfa_rotary_mode) if fused is not None else ("additive", 0)
+        keep = np.tril(np.ones((length, length), bool))
+        mask = Tensor({"additive": np.where(keep, 0.0, -1e9).astype(np.float32), "hide": ~keep, "keep": keep}[kind])
         if len(params) != 4:
             raise TypeError(f"the probe calls construct(x, cos, sin, mask); this one takes {params}")
         known = self._probe_shape.pop(id(site), None) if self.is_installed(site) else None
         shapes = [known] if known else [(length, dim), (1, length, dim)]
         for i, shape in enumerate(shapes):
-            tables = tuple(Tensor(t.reshape(shape)) for t in rope_tables(dim, length))
+            tables = tuple(Tensor(t.reshape(shape)) for t in rope_tables(dim, length, rotary_mode=mode))
             try:
                 with eager():
                     out = site(x, *tables, mask).asnumpy().astype(np.float64)
