@@ -185,9 +185,8 @@ def test_a_padding_mask_runs_the_original_and_says_so(mode, caplog):
 @pytest.mark.parametrize("kind, reason", [
     (LeakyAttention, "['k'] (rotated q/k, repeated k/v, scores or probabilities) are read after the attention"),
     (OtherRopeAttention, "its RoPE function is neither rotate-half nor interleaved RoPE (checked on a probe)"),
-    (MethodRopeAttention, "its RoPE function 'self.rope' is not a module-level function (a name or module.name)"),
-    (FactoryRopeAttention, "its RoPE function 'rope_factory()' is not a module-level function (a name or "
-                           "module.name)")])
+    (FactoryRopeAttention, "its helper 'rope_factory()' is not a function of its module (a name or module.name) "
+                           "nor a method or sub-Cell (self.name)")])
 def test_near_misses_are_left_alone_with_their_reason(kind, reason):
     model = Model(kind, layers=1)
     report = fuse(model)
@@ -198,9 +197,10 @@ def test_near_misses_are_left_alone_with_their_reason(kind, reason):
     assert FACTORY_CALLS == []  # fuse looks the RoPE function up; it evaluates no expression of the user's
 
 
-def test_a_module_function_rope_and_a_mask_expression_are_fused():
+@pytest.mark.parametrize("kind", [ModuleRopeCastMaskAttention, MethodRopeAttention])
+def test_a_module_function_or_method_rope_and_a_mask_expression_are_fused(kind):
     ms.set_seed(0)
-    model = Model(ModuleRopeCastMaskAttention, layers=1)
+    model = Model(kind, layers=1)
     want = run(model, inputs())
     assert fuse(model, strict=True).fused == ["layers.0"]
     assert 0 < np.abs(run(model, inputs()) - want).max() / np.abs(want).max() < 1e-4

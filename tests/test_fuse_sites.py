@@ -187,6 +187,32 @@ class MergedHeads(SelfAttn):
         return self.o_proj(out.reshape(b, HEADS, s, HEAD_DIM).swapaxes(1, 2).reshape(b, s, -1))
 
 
+class RotaryCell(nn.Cell):
+    def construct(self, q, k, cos, sin):
+        return apply_rotary(q, k, cos, sin)
+
+
+class HelperMethods(SelfAttn):
+    """RoPE by a rotary sub-Cell, head repeats by a method of the class."""
+
+    def __init__(self):
+        super().__init__()
+        self.rotary = RotaryCell()
+
+    def repeat(self, x, n):
+        return repeat_kv(x, n)
+
+    def construct(self, x, cos, sin, mask):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, HEADS, HEAD_DIM).swapaxes(1, 2)
+        k = self.k_proj(x).view(b, s, KV_HEADS, HEAD_DIM).swapaxes(1, 2)
+        v = self.v_proj(x).view(b, s, KV_HEADS, HEAD_DIM).swapaxes(1, 2)
+        q, k = self.rotary(q, k, cos, sin)
+        k, v = self.repeat(k, HEADS // KV_HEADS), self.repeat(v, HEADS // KV_HEADS)
+        w = ops.softmax(ops.matmul(q, k.swapaxes(2, 3)) * self.scaling + mask, axis=-1)
+        return self.o_proj(ops.matmul(w, v).swapaxes(1, 2).reshape(b, s, -1))
+
+
 class QOnlyRope(SelfAttn):
     """Near-miss: RoPE on q only."""
 
@@ -286,7 +312,7 @@ def relative(a, b):
 
 
 @pytest.mark.parametrize("attention", [SelfAttn, PackedQKV, ScaleFirst, BooleanHide, BooleanKeep,
-                                       MergedHeads])
+                                       MergedHeads, HelperMethods])
 def test_the_zoo_is_fused_in_both_modes(attention, mode, monkeypatch):
     ms.set_seed(0)
     model = Ported(attention)

@@ -1,7 +1,8 @@
 """A MindSpore Cell whose attention is written by hand, as people port it from Hugging Face's eager
 code, recognised from its ``construct``'s source and checked by what it computes:
 
-    q, k = <rope>(q, k, cos, sin)        a module-level function: rotate-half or interleaved RoPE on a probe
+    q, k = <rope>(q, k, cos, sin)        a function of its module, or a method or sub-Cell of the site:
+                                         rotate-half or interleaved RoPE on a probe
     k = repeat_kv(k, n); v = ...         optional head repeats (a probe says they repeat heads)
     q = q * scale                        optional
     scores = q @ k^T * scale + mask      in one expression or several statements; ``masked_fill`` /
@@ -14,8 +15,8 @@ with that block inside ``if <this call is the op's>: out = <fused op> else: <the
 an exactly causal mask, one set of rotations for the batch, no dropout while training), compiled
 from memory (no file: MindSpore's graph parser reads the source a file would hold from
 ``linecache``), and installed by a class swap on the instance. Refused, with the reason: any other
-shape of code (where the reading stopped), a RoPE or head-repeat function that is not a module-level
-function or fails its probe, or names the block assigns read after it.
+shape of code (where the reading stopped), a RoPE or head-repeat callee given by an expression (never
+evaluated) or failing its probe, or names the block assigns read after it.
 """
 from __future__ import annotations
 
@@ -238,12 +239,15 @@ def _match_block(stmts):
             q_factors.append(text if isinstance(value.op, ast.Mult) else f"1.0 / ({text})")
             continue
         if scores is None:
-            try:
-                factors, mask = _score_terms(value, q, keys)
+            inner = _uncast(value)
+            softmax = _call_name(inner) == "softmax" and inner.args and _is_softmax_last_axis(inner)
+            try:  # the scores, or a softmax of them in the same expression
+                factors, mask = _score_terms(inner.args[0] if softmax else value, q, keys)
             except _NotMatched:
                 raise _NotMatched(f"expected the scores from q and the key (scaled, plus one mask), got "
                                   f"{ast.unparse(stmt)!r}") from None
             scores = target
+            probs = target if softmax else None
             continue
         if probs is None:
             inner = _uncast(value)
@@ -377,9 +381,20 @@ def _compile(source: str, globals_: dict):
     return construct
 
 
-def _rope_function(expr, globals_):
-    """The RoPE callee ``name`` or ``module.name``, looked up in the construct's module without
-    evaluating anything (a method or a call could run the user's code, or need the instance)."""
+_PER_SITE = "decided per site"  # a helper that is the site's own method or sub-Cell
+
+
+def _helper(expr, globals_, site=None):
+    """The callee of a RoPE or head-repeat call, found without evaluating anything (a call expression
+    could run the user's code): ``name`` or ``module.name`` in the construct's module, or ``self.name``,
+    a method or sub-Cell of the site (``_PER_SITE`` while there is no site to read it from)."""
+    if isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name) and expr.value.id == "self":
+        if site is None:
+            return _PER_SITE
+        found = getattr(site, expr.attr, None)
+        if not callable(found):
+            raise _Refused(f"its helper {ast.unparse(expr)!r} is not callable")
+        return found
     node, path = expr, []
     while isinstance(node, ast.Attribute):
         path.insert(0, node.attr)
@@ -388,8 +403,8 @@ def _rope_function(expr, globals_):
     for attr in path:
         found = vars(found).get(attr) if inspect.ismodule(found) else None
     if not callable(found):
-        raise _Refused(f"its RoPE function {ast.unparse(expr)!r} is not a module-level function (a name or "
-                       f"module.name)")
+        raise _Refused(f"its helper {ast.unparse(expr)!r} is not a function of its module (a name or module.name) "
+                       f"nor a method or sub-Cell (self.name)")
     return found
 
 
@@ -462,46 +477,51 @@ def _attend(self, query, key, value, cos, sin, scale):
     return rotary_flash_attention(query, key, value, cos, sin, scale=scale, rotary_mode=self.rfa_rotary_mode)
 
 
-def _helpers_refused(found, globals_) -> str | None:
-    """Why the block's RoPE function or head-repeat helpers cannot be trusted (None: all checked)."""
-    found["rotary_mode"], reason = _rope_mode(_rope_function(found["rope"], globals_))
+def _check_helpers(found, globals_, site=None):
+    """(rotary_mode, None) when the block's RoPE function and head-repeat helpers compute what the
+    fused op assumes, on probes; (None, the reason) otherwise; (None, ``_PER_SITE``) when one is the
+    site's own method or sub-Cell and no site is given."""
+    rope = _helper(found["rope"], globals_, site)
+    helpers = [_helper(expr, globals_, site) for expr in found["repeats"]]
+    if rope is _PER_SITE or _PER_SITE in helpers:
+        return None, _PER_SITE
+    mode, reason = _rope_mode(rope)
     if reason:
-        return reason
-    for expr in found["repeats"]:
-        try:
-            helper = _rope_function(expr, globals_)
-        except _Refused:
-            return f"its helper {ast.unparse(expr)!r} before the scores is not a module-level function"
+        return None, reason
+    for expr, helper in zip(found["repeats"], helpers):
         if not _is_head_repeat(helper):
-            return f"its helper {ast.unparse(expr)!r} before the scores is not a head repeat (repeat_kv) on a probe"
-    return None
+            return None, f"its helper {ast.unparse(expr)!r} before the scores is not a head repeat (repeat_kv) on a probe"
+    return mode, None
 
 
 class HandWrittenAttention(Family):
     name = "handwritten"
     _rebuilt: dict = {}
     _probe_shape: dict = {}  # id(site) -> the table shape its original ran with, until the fused probe
+    _site_mode: dict = {}  # id(site) -> the rotary mode its own RoPE method computes, until it is installed
 
     def recognises(self, obj) -> bool:
         cls = getattr(type(obj), "rfa_original_class", type(obj))
         return isinstance(obj, nn.Cell) and self._plan(cls)[2]
 
     def _plan(self, cls):
-        """(fused class or None, reason or None, whether the style was recognised), once per class."""
+        """(fused class or None, reason or None, whether the style was recognised, the matched block when
+        its helpers are checked per site), once per class."""
         if cls not in self._rebuilt:
             try:
                 source, found = _rebuild(cls.construct)
-                reason = _helpers_refused(found, cls.construct.__globals__)
+                mode, reason = _check_helpers(found, cls.construct.__globals__)
+                per_site = found if reason is _PER_SITE else None
+                reason = None if per_site else reason
                 fused = None if reason else type(f"RotaryFused{cls.__name__}", (cls,), {
                     "construct": _compile(source, cls.construct.__globals__), "rfa_attend": _attend,
                     "rfa_applies": _applies, "rfa_fallback": _fallback, "rfa_original_class": cls,
-                    "rfa_dropout": found["dropout"], "rfa_mask_kind": found["mask_kind"],
-                    "rfa_rotary_mode": found["rotary_mode"]})
-                self._rebuilt[cls] = (fused, reason, True)
+                    "rfa_dropout": found["dropout"], "rfa_mask_kind": found["mask_kind"], "rfa_rotary_mode": mode or 0})
+                self._rebuilt[cls] = (fused, reason, True, per_site)
             except _Refused as exc:
-                self._rebuilt[cls] = (None, str(exc), True)
+                self._rebuilt[cls] = (None, str(exc), True, None)
             except (_NotMatched, OSError, TypeError, SyntaxError) as exc:
-                self._rebuilt[cls] = (None, str(exc), False)
+                self._rebuilt[cls] = (None, str(exc), False, None)
         return self._rebuilt[cls]
 
     def where_unrecognised(self, obj) -> str | None:
@@ -509,22 +529,36 @@ class HandWrittenAttention(Family):
         there is no construct source to read)."""
         if not isinstance(obj, nn.Cell):
             return None
-        _, reason, recognised = self._plan(type(obj))
+        _, reason, recognised, _ = self._plan(type(obj))
         return None if recognised else reason
 
     def reason_not_fused(self, site, name):
         if "construct" in vars(site):
             return "its construct was replaced on the instance"
-        return self._plan(type(site))[1]
+        _, reason, _, per_site = self._plan(type(site))
+        if per_site is None:
+            return reason
+        try:  # its RoPE or head repeat is its own method or sub-Cell: probed on this site
+            mode, reason = _check_helpers(per_site, type(site).construct.__globals__, site)
+        except _Refused as exc:
+            return str(exc)
+        if reason is None:
+            self._site_mode[id(site)] = mode
+        return reason
 
     def install(self, site, name):
         site.rfa_announce = fallback_announcer(name, "the mask is not exactly causal (or the rotations differ "
                                                      "across the batch, or dropout runs while training)")
+        mode = self._site_mode.pop(id(site), None)
         site.__class__ = self._plan(type(site))[0]
+        if mode is not None:
+            site.rfa_rotary_mode = mode
 
     def uninstall(self, site):
         site.__class__ = site.rfa_original_class
         del site.rfa_announce
+        if "rfa_rotary_mode" in vars(site):
+            del site.rfa_rotary_mode
 
     def is_installed(self, site) -> bool:
         return hasattr(type(site), "rfa_original_class")
@@ -541,7 +575,8 @@ class HandWrittenAttention(Family):
         length = 7
         x = Tensor(rng.standard_normal((2, length, hidden), dtype=np.float32))
         fused = self._plan(site.rfa_original_class if self.is_installed(site) else type(site))[0]
-        kind, mode = (fused.rfa_mask_kind, fused.rfa_rotary_mode) if fused is not None else ("additive", 0)
+        kind = fused.rfa_mask_kind if fused is not None else "additive"
+        mode = self._site_mode.get(id(site), getattr(site if self.is_installed(site) else fused, "rfa_rotary_mode", 0))
         keep = np.tril(np.ones((length, length), bool))
         mask = Tensor({"additive": np.where(keep, 0.0, -1e9).astype(np.float32), "hide": ~keep, "keep": keep}[kind])
         if len(params) != 4:
