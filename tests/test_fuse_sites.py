@@ -421,3 +421,20 @@ class Router(nn.Cell):  # a softmax without a product of tensors: not attention
                                             (Router, False), (Block, False), (Ported, False)])
 def test_attention_is_recognised_by_what_the_code_calls(cell, computes):
     assert attention_like.computes_attention(cell) is computes
+
+
+def test_rotations_that_differ_across_the_batch_run_the_original_and_say_so(caplog):
+    """Per-sequence positions (the second sequence 3 positions on): the original runs, bit-identical,
+    and the announcement names that reason alone."""
+    ms.set_seed(0)
+    model = Ported(SelfAttn)
+    positions = Tensor(np.stack([np.arange(LENGTH), np.arange(LENGTH) + 3]).astype(np.int32))
+    cos, sin = model.rotary(positions)
+    x = Tensor(np.random.default_rng(2).standard_normal((2, LENGTH, HIDDEN)).astype(np.float32))
+    causal = Tensor(np.triu(np.full((LENGTH, LENGTH), -1e9, np.float32), 1))
+    attn = model.blocks[1].attn
+    want = attn(x, cos, sin, causal).asnumpy()
+    fuse(model, strict=True)
+    np.testing.assert_array_equal(attn(x, cos, sin, causal).asnumpy(), want)
+    messages = [r.getMessage() for r in caplog.records if "rotary_fusion_fallback: blocks.1.attn" in r.getMessage()]
+    assert len(messages) == 1 and "the rotations differ across the batch" in messages[0], messages

@@ -352,7 +352,7 @@ def _rebuild(function):
         operand = getattr(masked, field) if index is None else getattr(masked, field)[index]
         mask_source = ast.unparse(operand)
         # the fallback's announcement wraps the mask operand (the mask may be any expression)
-        wrapped = _expression(f"self.rfa_fallback({mask_source})")
+        wrapped = _expression(f"self.rfa_fallback({mask_source}, {found['cos']})")
         if index is None:
             setattr(masked, field, wrapped)
         else:
@@ -444,24 +444,37 @@ def _is_head_repeat(function) -> bool:
         return False
 
 
+FALLBACK_REASONS = ("the mask is not exactly causal", "the rotations differ across the batch",
+                    "dropout runs while training")
+
+
+def _causal(self, mask):
+    if self.rfa_mask_kind == "additive":
+        return additive_mask_is_causal(mask)
+    return bool_mask_is_causal(ops.logical_not(mask) if self.rfa_mask_kind == "hide" else mask)
+
+
+def _shared_rows(cos):
+    rows = ops.reshape(cos, (-1, cos.shape[-2], cos.shape[-1]))
+    return ops.all(ops.equal(rows, rows[:1]))
+
+
 def _applies(self, mask, cos):
     """Whether this call is the fused op's: an exactly causal mask, one set of rotations for the whole
     batch, and no dropout while training."""
     if self.rfa_dropout and self.training:
         return Tensor(False)
-    rows = ops.reshape(cos, (-1, cos.shape[-2], cos.shape[-1]))
-    if self.rfa_mask_kind == "additive":
-        causal = additive_mask_is_causal(mask)
-    elif self.rfa_mask_kind == "hide":
-        causal = bool_mask_is_causal(ops.logical_not(mask))
-    else:
-        causal = bool_mask_is_causal(mask)
-    return ops.logical_and(causal, ops.all(ops.equal(rows, rows[:1])))
+    return ops.logical_and(_causal(self, mask), _shared_rows(cos))
 
 
-def _fallback(self, mask):
-    """The mask, after the site's announcement (a dependency keeps the announcing op in the graph)."""
-    return ops.depend(mask, self.rfa_announce(ops.ones((1,), ms.int32)))
+def _fallback(self, mask, cos):
+    """The mask, after the site's announcement of why this call runs the original code (bit i of the
+    code: ``FALLBACK_REASONS[i]``; a dependency keeps the announcing op in the graph)."""
+    code = ops.cast(ops.logical_not(_causal(self, mask)), ms.int32) + \
+        2 * ops.cast(ops.logical_not(_shared_rows(cos)), ms.int32)
+    if self.rfa_dropout and self.training:
+        code = code + 4
+    return ops.depend(mask, self.rfa_announce(ops.reshape(code, (1,))))
 
 
 def _attend(self, query, key, value, cos, sin, scale):
@@ -547,8 +560,7 @@ class HandWrittenAttention(Family):
         return reason
 
     def install(self, site, name):
-        site.rfa_announce = fallback_announcer(name, "the mask is not exactly causal (or the rotations differ "
-                                                     "across the batch, or dropout runs while training)")
+        site.rfa_announce = fallback_announcer(name, *FALLBACK_REASONS)
         mode = self._site_mode.pop(id(site), None)
         site.__class__ = self._plan(type(site))[0]
         if mode is not None:

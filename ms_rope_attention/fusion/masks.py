@@ -5,6 +5,7 @@ replaces those with versions that refuse a tensor without its device tag."""
 from __future__ import annotations
 
 import mindspore as ms
+import numpy as np
 from mindspore import ops
 
 from .family import MASKED_BELOW, SiteAnnouncer
@@ -28,14 +29,19 @@ def bool_mask_is_causal(mask):
     return ops.all(ops.equal(mask, _causal_keep(mask.shape[-2], mask.shape[-1])))
 
 
-def fallback_announcer(site: str, reason: str):
-    """An op for a fallback branch: run (eagerly or by the graph, on the CPU as a ``pyfunc`` op),
-    it logs the site's one ``rotary_fusion_fallback`` warning. Takes and returns a dummy tensor."""
+def fallback_announcer(site: str, *reasons: str):
+    """An op for a fallback branch: run (eagerly or by the graph, on the CPU as a ``pyfunc`` op), it
+    logs the site's ``rotary_fusion_fallback`` warning for each reason whose bit is set in its int32
+    argument (bit i: ``reasons[i]``; ``ops.ones((1,), ms.int32)`` for a single reason), once per
+    reason. Returns its argument."""
 
     announcer = SiteAnnouncer(site)
 
-    def announce(flag):
-        announcer(reason)
-        return flag
+    def announce(code):
+        bits = int(np.asarray(code).reshape(-1)[0])
+        for i, reason in enumerate(reasons):
+            if bits >> i & 1:
+                announcer(reason)
+        return code
 
     return ops.Custom(announce, out_shape=lambda shape: shape, out_dtype=lambda dtype: dtype, func_type="pyfunc")
