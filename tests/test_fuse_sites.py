@@ -213,6 +213,31 @@ class HelperMethods(SelfAttn):
         return self.o_proj(ops.matmul(w, v).swapaxes(1, 2).reshape(b, s, -1))
 
 
+def apply_partial(q, k, cos, sin):  # GPT-NeoX / Phi: RoPE on the first cos.shape[-1] features
+    rd = cos.shape[-1]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    q_rot, q_pass = q[..., :rd], q[..., rd:]
+    k_rot, k_pass = k[..., :rd], k[..., rd:]
+    q_rot = q_rot * cos + rotate_half(q_rot) * sin
+    k_rot = k_rot * cos + rotate_half(k_rot) * sin
+    return ops.cat((q_rot, q_pass), axis=-1), ops.cat((k_rot, k_pass), axis=-1)
+
+
+class PartialRotary(SelfAttn):
+    """Partial rotary: RoPE on half of each head."""
+    rotary_dim = HEAD_DIM // 2
+
+    def construct(self, x, cos, sin, mask):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, HEADS, HEAD_DIM).swapaxes(1, 2)
+        k = self.k_proj(x).view(b, s, KV_HEADS, HEAD_DIM).swapaxes(1, 2)
+        v = self.v_proj(x).view(b, s, KV_HEADS, HEAD_DIM).swapaxes(1, 2)
+        q, k = apply_partial(q, k, cos, sin)
+        k, v = repeat_kv(k, HEADS // KV_HEADS), repeat_kv(v, HEADS // KV_HEADS)
+        w = ops.softmax(ops.matmul(q, k.swapaxes(2, 3)) * self.scaling + mask, axis=-1)
+        return self.o_proj(ops.matmul(w, v).swapaxes(1, 2).reshape(b, s, -1))
+
+
 class QOnlyRope(SelfAttn):
     """Near-miss: RoPE on q only."""
 
@@ -272,7 +297,7 @@ class Ported(nn.Cell):
     def __init__(self, attention=SelfAttn, layers=2):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.rotary = Rotary(HEAD_DIM)
+        self.rotary = Rotary(getattr(attention, "rotary_dim", HEAD_DIM))
         self.blocks = nn.CellList([Block(attention) for _ in range(layers)])
         self.head = nn.Dense(HIDDEN, VOCAB, has_bias=False)
 
@@ -312,7 +337,7 @@ def relative(a, b):
 
 
 @pytest.mark.parametrize("attention", [SelfAttn, PackedQKV, ScaleFirst, BooleanHide, BooleanKeep,
-                                       MergedHeads, HelperMethods])
+                                       MergedHeads, HelperMethods, PartialRotary])
 def test_the_zoo_is_fused_in_both_modes(attention, mode, monkeypatch):
     ms.set_seed(0)
     model = Ported(attention)

@@ -2,7 +2,8 @@
 code, recognised from its ``construct``'s source and checked by what it computes:
 
     q, k = <rope>(q, k, cos, sin)        a function of its module, or a method or sub-Cell of the site:
-                                         rotate-half or interleaved RoPE on a probe
+                                         rotate-half or interleaved RoPE on a probe, whole
+                                         heads or their first half (partial rotary)
     k = repeat_kv(k, n); v = ...         optional head repeats (a probe says they repeat heads)
     q = q * scale                        optional
     scores = q @ k^T * scale + mask      in one expression or several statements; ``masked_fill`` /
@@ -410,26 +411,37 @@ def _helper(expr, globals_, site=None):
 
 def _rope_mode(rope):
     """(rotary_mode, None) when ``rope(q, k, cos, sin)`` computes rotate-half (mode 0) or interleaved
-    (mode 1, GPT-J's rotate-every-two) RoPE on a probe, with (S, D) tables or, for a function that
-    expects a batch axis, (1, S, D); (None, the reason) otherwise."""
+    (mode 1, GPT-J's rotate-every-two) RoPE on a probe, over the whole head or, with tables half its
+    width, over its first half (partial rotary: the rest passes through), with (S, W) tables or, for a
+    function that expects a batch axis, (1, S, W); (None, the reason) otherwise."""
     rng = np.random.default_rng(7)
     q, k = (rng.standard_normal((1, 2, 5, 8)).astype(np.float32) for _ in range(2))
-    cos, sin = (rng.standard_normal((5, 8)).astype(np.float32) for _ in range(2))
-    rotations = {0: lambda x: np.concatenate([-x[..., 4:], x[..., :4]], -1),
-                 1: lambda x: np.stack([-x[..., 1::2], x[..., ::2]], -1).reshape(x.shape)}
+
+    def rotations(width):
+        half = width // 2
+        return {0: lambda x: np.concatenate([-x[..., half:], x[..., :half]], -1),
+                1: lambda x: np.stack([-x[..., 1::2], x[..., ::2]], -1).reshape(x.shape)}
+
+    def rotated(x, cos, sin, rotate):
+        width = cos.shape[-1]
+        part = x[..., :width]
+        return np.concatenate([part * cos + rotate(part) * sin, x[..., width:]], -1)
 
     failure = None
-    for tables in ((cos, sin), (cos[None], sin[None])):
-        try:
-            with eager():
-                got = [g.asnumpy() for g in rope(*(Tensor(a) for a in (q, k, *tables)))]
-        except Exception as exc:  # noqa: BLE001
-            failure = f"its RoPE function failed on a probe ({type(exc).__name__}: {exc})"
-            continue
-        for mode, rotate in rotations.items():
-            if all(g.shape == x.shape and np.allclose(g, x * cos + rotate(x) * sin, atol=1e-5) for g, x in zip(got, (q, k))):
-                return mode, None
-        return None, "its RoPE function is neither rotate-half nor interleaved RoPE (checked on a probe)"
+    for width in (8, 4):
+        cos, sin = (rng.standard_normal((5, width)).astype(np.float32) for _ in range(2))
+        for tables in ((cos, sin), (cos[None], sin[None])):
+            try:
+                with eager():
+                    got = [g.asnumpy() for g in rope(*(Tensor(a) for a in (q, k, *tables)))]
+            except Exception as exc:  # noqa: BLE001
+                failure = failure or f"its RoPE function failed on a probe ({type(exc).__name__}: {exc})"
+                continue
+            for mode, rotate in rotations(width).items():
+                if all(g.shape == x.shape and np.allclose(g, rotated(x, cos, sin, rotate), atol=1e-5)
+                       for g, x in zip(got, (q, k))):
+                    return mode, None
+            return None, "its RoPE function is neither rotate-half nor interleaved RoPE (checked on a probe)"
     return None, failure
 
 
@@ -483,11 +495,12 @@ def _attend(self, query, key, value, cos, sin, scale):
     tables as (S, D) (their first row set: ``_applies`` checked they are the batch's)."""
     cos = ops.reshape(cos, (-1, cos.shape[-2], cos.shape[-1]))[0]
     sin = ops.reshape(sin, (-1, sin.shape[-2], sin.shape[-1]))[0]
+    mode, width = self.rfa_rotary_mode, cos.shape[-1]  # partial rotary: the tables' width
     if query.ndim == 3:
         out = rotary_flash_attention(ops.expand_dims(query, 0), ops.expand_dims(key, 0), ops.expand_dims(value, 0),
-                                     cos, sin, scale=scale, rotary_mode=self.rfa_rotary_mode)
+                                     cos, sin, scale=scale, rotary_mode=mode, rotary_dim=width)
         return ops.squeeze(out, 0)
-    return rotary_flash_attention(query, key, value, cos, sin, scale=scale, rotary_mode=self.rfa_rotary_mode)
+    return rotary_flash_attention(query, key, value, cos, sin, scale=scale, rotary_mode=mode, rotary_dim=width)
 
 
 def _check_helpers(found, globals_, site=None):
@@ -578,7 +591,8 @@ class HandWrittenAttention(Family):
     def probe(self, site, seed):
         """The site on seeded inputs shaped from its construct's signature: (x, cos, sin, mask), the mask
         causal in the site's form (additive, or boolean hiding or keeping), the tables of its RoPE's
-        mode, (S, D) or (1, S, D) for a site that expects a batch axis (the first shape its original
+        mode, (S, W) or (1, S, W) for a site that expects a batch axis, W the head dim or half of it
+        (partial rotary) (the first shape its original
         code runs with, remembered for the fused code's run)."""
         rng = np.random.default_rng(seed)
         params = list(inspect.signature(site.rfa_original_class.construct if self.is_installed(site)
@@ -594,9 +608,10 @@ class HandWrittenAttention(Family):
         if len(params) != 4:
             raise TypeError(f"the probe calls construct(x, cos, sin, mask); this one takes {params}")
         known = self._probe_shape.pop(id(site), None) if self.is_installed(site) else None
-        shapes = [known] if known else [(length, dim), (1, length, dim)]
+        shapes = [known] if known else [(length, width) for width in (dim, dim // 2)] + \
+            [(1, length, width) for width in (dim, dim // 2)]
         for i, shape in enumerate(shapes):
-            tables = tuple(Tensor(t.reshape(shape)) for t in rope_tables(dim, length, rotary_mode=mode))
+            tables = tuple(Tensor(t.reshape(shape)) for t in rope_tables(shape[-1], length, rotary_mode=mode))
             try:
                 with eager():
                     out = site(x, *tables, mask).asnumpy().astype(np.float64)
