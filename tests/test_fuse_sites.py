@@ -85,9 +85,10 @@ class PackedQKV(SelfAttn):
     def construct(self, x, cos, sin, mask):
         b, s, _ = x.shape
         qkv = self.qkv(x)
-        q = qkv[..., :HEADS * HEAD_DIM].reshape(b, s, HEADS, HEAD_DIM).transpose(0, 2, 1, 3)
-        k = qkv[..., HEADS * HEAD_DIM:(HEADS + KV_HEADS) * HEAD_DIM].reshape(b, s, KV_HEADS, HEAD_DIM).transpose(0, 2, 1, 3)
-        v = qkv[..., (HEADS + KV_HEADS) * HEAD_DIM:].reshape(b, s, KV_HEADS, HEAD_DIM).transpose(0, 2, 1, 3)
+        q_end, k_end = HEADS * HEAD_DIM, (HEADS + KV_HEADS) * HEAD_DIM
+        q = qkv[..., :q_end].reshape(b, s, HEADS, HEAD_DIM).transpose(0, 2, 1, 3)
+        k = qkv[..., q_end:k_end].reshape(b, s, KV_HEADS, HEAD_DIM).transpose(0, 2, 1, 3)
+        v = qkv[..., k_end:].reshape(b, s, KV_HEADS, HEAD_DIM).transpose(0, 2, 1, 3)
         q, k = apply_rotary(q, k, cos, sin)
         k = repeat_kv(k, HEADS // KV_HEADS)
         v = repeat_kv(v, HEADS // KV_HEADS)
@@ -238,6 +239,31 @@ class PartialRotary(SelfAttn):
         return self.o_proj(ops.matmul(w, v).swapaxes(1, 2).reshape(b, s, -1))
 
 
+def rotate_pairs(x, freqs_cis):
+    pairs = x.reshape(x.shape[:-1] + (-1, 2))
+    rotated = ops.Complex()(pairs[..., 0], pairs[..., 1]) * freqs_cis
+    return ops.stack((ops.real(rotated), ops.imag(rotated)), -1).reshape(x.shape)
+
+
+def apply_rotary_emb(q, k, freqs_cis):  # Meta's Llama: feature pairs rotated as complex numbers
+    return rotate_pairs(q, freqs_cis), rotate_pairs(k, freqs_cis)
+
+
+class ComplexPairs(SelfAttn):
+    """Interleaved RoPE by complex pairs (``freqs_cis``, (S, D / 2) complex), construct(x, freqs_cis, mask)."""
+    complex_rotations = True
+
+    def construct(self, x, freqs_cis, mask):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, HEADS, HEAD_DIM).swapaxes(1, 2)
+        k = self.k_proj(x).view(b, s, KV_HEADS, HEAD_DIM).swapaxes(1, 2)
+        v = self.v_proj(x).view(b, s, KV_HEADS, HEAD_DIM).swapaxes(1, 2)
+        q, k = apply_rotary_emb(q, k, freqs_cis)
+        k, v = repeat_kv(k, HEADS // KV_HEADS), repeat_kv(v, HEADS // KV_HEADS)
+        w = ops.softmax(ops.matmul(q, k.swapaxes(2, 3)) * self.scaling + mask, axis=-1)
+        return self.o_proj(ops.matmul(w, v).swapaxes(1, 2).reshape(b, s, -1))
+
+
 class QOnlyRope(SelfAttn):
     """Near-miss: RoPE on q only."""
 
@@ -293,6 +319,12 @@ class Block(nn.Cell):
         return x + self.mlp(x)
 
 
+class ComplexBlock(Block):
+    def construct(self, x, freqs_cis, mask):
+        x = x + self.attn(x, freqs_cis, mask)
+        return x + self.mlp(x)
+
+
 class Ported(nn.Cell):
     def __init__(self, attention=SelfAttn, layers=2):
         super().__init__()
@@ -308,6 +340,23 @@ class Ported(nn.Cell):
         x = self.embed(ids)
         for block in self.blocks:
             x = block(x, cos, sin, mask)
+        return self.head(x)
+
+
+class PortedComplex(Ported):
+    def __init__(self, attention=ComplexPairs, layers=2):
+        super().__init__(attention, layers)
+        self.blocks = nn.CellList([ComplexBlock(attention) for _ in range(layers)])
+        self.inv_freq = Tensor(1.0 / (10000.0 ** (np.arange(0, HEAD_DIM, 2, dtype=np.float32) / HEAD_DIM)))
+
+    def construct(self, ids):
+        s = ids.shape[1]
+        angles = ops.arange(s).astype(ms.float32).reshape(s, 1) * self.inv_freq
+        freqs_cis = ops.polar(ops.ones_like(angles), angles)
+        mask = ops.triu(ops.full((s, s), -1e9, dtype=ms.float32), diagonal=1)
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x, freqs_cis, mask)
         return self.head(x)
 
 
@@ -337,10 +386,10 @@ def relative(a, b):
 
 
 @pytest.mark.parametrize("attention", [SelfAttn, PackedQKV, ScaleFirst, BooleanHide, BooleanKeep,
-                                       MergedHeads, HelperMethods, PartialRotary])
+                                       MergedHeads, HelperMethods, PartialRotary, ComplexPairs])
 def test_the_zoo_is_fused_in_both_modes(attention, mode, monkeypatch):
     ms.set_seed(0)
-    model = Ported(attention)
+    model = PortedComplex(attention) if getattr(attention, "complex_rotations", False) else Ported(attention)
     model.set_train(False)
     want = model(ids()).asnumpy()
     report = fuse(model, strict=True)

@@ -1,7 +1,8 @@
 """A MindSpore Cell whose attention is written by hand, as people port it from Hugging Face's eager
 code, recognised from its ``construct``'s source and checked by what it computes:
 
-    q, k = <rope>(q, k, cos, sin)        a function of its module, or a method or sub-Cell of the site:
+    q, k = <rope>(q, k, cos, sin)        (or <rope>(q, k, freqs_cis), complex pairs) a function of its
+                                         module, or a method or sub-Cell of the site:
                                          rotate-half or interleaved RoPE on a probe, whole
                                          heads or their first half (partial rotary)
     k = repeat_kv(k, n); v = ...         optional head repeats (a probe says they repeat heads)
@@ -200,30 +201,38 @@ def _match_block(stmts):
     their own, casts anywhere), a softmax over the last axis (casts around it), dropout on it."""
     rope = stmts[0]
     if not (isinstance(rope, ast.Assign) and isinstance(rope.targets[0], ast.Tuple) and len(rope.targets[0].elts) == 2
-            and isinstance(rope.value, ast.Call) and len(rope.value.args) == 4 and not rope.value.keywords):
-        raise _NotMatched("expected 'q, k = rope(q, k, cos, sin)'")
+            and isinstance(rope.value, ast.Call) and len(rope.value.args) in (3, 4) and not rope.value.keywords):
+        raise _NotMatched("expected 'q, k = rope(q, k, cos, sin)' or 'q, k = rope(q, k, freqs_cis)'")
     q, k = (_name(e) for e in rope.targets[0].elts)
     args = [_name(a) for a in rope.value.args]
+    if len(args) == 3:  # rope(q, k, freqs_cis): complex rotations, whose real and imaginary parts are the tables
+        args = [q, k, f"self.rfa_cos_of({args[2]})", f"self.rfa_sin_of({args[2]})"]
     if args[:2] != [q, k]:
         raise _NotMatched("the RoPE call must rotate q and k in place: 'q, k = rope(q, k, cos, sin)'")
     keys, repeated, repeats = {k}, {}, []  # names holding the rotated key; repeated name -> its source
     q_factors, factors, mask, scores, probs, dropout = [], [], None, None, None, False
+
+    def matched(out, value, count, **extra):
+        """What was found, once the product of the probabilities with ``value`` (v) is reached."""
+        if mask is None:
+            raise _Refused("its scores have no mask: the attention is not causal")
+        v = _name(value)
+        return {"q": q, "k": k, "cos": args[2], "sin": args[3], "v": repeated.get(v, v), "mask": mask,
+                "scale": " * ".join(q_factors + factors) or "1.0", "out": out, "count": count,
+                "assigned": {q, k, scores, probs, *keys, *repeated}, "rope": rope.value.func,
+                "complex": len(rope.value.args) == 3, "repeats": repeats, "dropout": dropout, **extra}
+
     for count, stmt in enumerate(stmts[1:], 2):
         if probs is not None:
             inline = _inline_output(stmt, probs)
             if inline is not None:  # 'return o_proj(matmul(probs, v) ...)': the product hoisted into a name
-                v = _name(_uncast(_matmul_operands(inline)[1]))
-                if mask is None:
-                    raise _Refused("its scores have no mask: the attention is not causal")
-                return {"q": q, "k": k, "cos": args[2], "sin": args[3], "v": repeated.get(v, v), "mask": mask,
-                        "scale": " * ".join(q_factors + factors) or "1.0",
-                        "assigned": {q, k, scores, probs, *keys, *repeated}, "out": _HOISTED, "rope": rope.value.func,
-                        "repeats": repeats, "dropout": dropout, "count": count - 1, "inline": (stmt, inline)}
+                return matched(_HOISTED, _uncast(_matmul_operands(inline)[1]), count - 1, inline=(stmt, inline))
         pairs = _targets(stmt)
         values = [_uncast(v) for _, v in pairs]
+        # head repeats: 'k = repeat_kv(k, n)'
         if scores is None and all(isinstance(v, ast.Call) and len(v.args) == 2 and not v.keywords
                                   and isinstance(v.args[0], ast.Name) and v.args[0].id != q
-                                  and _call_name(v) not in _MATMULS for v in values):  # head repeats: 'k = repeat_kv(k, n)'
+                                  and _call_name(v) not in _MATMULS for v in values):
             for (target, _), value in zip(pairs, values):
                 source = value.args[0].id
                 repeats.append(value.func)
@@ -260,7 +269,8 @@ def _match_block(stmts):
                 probs = target
                 continue
             if target != scores:
-                raise _NotMatched(f"expected '{scores} = ...' or a softmax over the last axis, got {ast.unparse(stmt)!r}")
+                raise _NotMatched(f"expected '{scores} = ...' or a softmax over the last axis, got "
+                                  f"{ast.unparse(stmt)!r}")
             if isinstance(inner, ast.Name) and inner.id == scores:  # a cast of the scores
                 continue
             if isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Add) and mask is None:
@@ -292,14 +302,7 @@ def _match_block(stmts):
         left, right = _matmul_operands(inner)
         if not (isinstance(_uncast(left), ast.Name) and _uncast(left).id == probs):
             raise _NotMatched(f"expected '{target} = matmul({probs}, v)', got {ast.unparse(stmt)!r}")
-        v = _name(_uncast(right))
-        if mask is None:
-            raise _Refused("its scores have no mask: the attention is not causal")
-        return {"q": q, "k": k, "cos": args[2], "sin": args[3], "v": repeated.get(v, v), "mask": mask,
-                "scale": " * ".join(q_factors + factors) or "1.0", "assigned": {q, k, scores, probs, *keys,
-                                                                                 *repeated},
-                "out": target, "rope": rope.value.func, "repeats": repeats, "dropout": dropout,
-                "count": count}
+        return matched(target, _uncast(right), count)
     raise _NotMatched("the block after the RoPE call ends before the attention's output")
 
 
@@ -324,7 +327,7 @@ def _rebuild(function):
             found = _match_block(body[i:])
         except _NotMatched as exc:
             if i and isinstance(body[i], ast.Assign) and isinstance(body[i].targets[0], ast.Tuple) \
-                    and isinstance(body[i].value, ast.Call) and len(body[i].value.args) == 4:
+                    and isinstance(body[i].value, ast.Call) and len(body[i].value.args) in (3, 4):
                 reason = f"after its RoPE call: {exc}"  # the nearest miss says where reading stopped
             continue
         block, later = body[i:i + found["count"]], body[i + found["count"]:]
@@ -409,7 +412,7 @@ def _helper(expr, globals_, site=None):
     return found
 
 
-def _rope_mode(rope):
+def _rope_mode(rope, complex_rotations=False):
     """(rotary_mode, None) when ``rope(q, k, cos, sin)`` computes rotate-half (mode 0) or interleaved
     (mode 1, GPT-J's rotate-every-two) RoPE on a probe, over the whole head or, with tables half its
     width, over its first half (partial rotary: the rest passes through), with (S, W) tables or, for a
@@ -427,6 +430,8 @@ def _rope_mode(rope):
         part = x[..., :width]
         return np.concatenate([part * cos + rotate(part) * sin, x[..., width:]], -1)
 
+    if complex_rotations:
+        return _complex_rope_mode(rope, q, k)
     failure = None
     for width in (8, 4):
         cos, sin = (rng.standard_normal((5, width)).astype(np.float32) for _ in range(2))
@@ -443,6 +448,36 @@ def _rope_mode(rope):
                     return mode, None
             return None, "its RoPE function is neither rotate-half nor interleaved RoPE (checked on a probe)"
     return None, failure
+
+
+def _complex_rotations(angles):
+    return ops.polar(ops.ones_like(angles), angles)
+
+
+def _complex_rope_mode(rope, q, k):
+    """(1, None) when ``rope(q, k, freqs_cis)`` rotates each pair (2i, 2i + 1) of features as a complex
+    number by ``freqs_cis`` ((S, D / 2) complex, Meta's Llama): interleaved RoPE with each table
+    entry twice; (None, the reason) otherwise."""
+    angles = np.random.default_rng(5).standard_normal((5, 4)).astype(np.float32)
+    cos, sin = np.repeat(np.cos(angles), 2, -1), np.repeat(np.sin(angles), 2, -1)
+    try:
+        with eager():
+            got = [g.asnumpy() for g in rope(Tensor(q), Tensor(k), _complex_rotations(Tensor(angles)))]
+    except Exception as exc:  # noqa: BLE001
+        return None, f"its RoPE function failed on a probe ({type(exc).__name__}: {exc})"
+    every_two = lambda x: np.stack([-x[..., 1::2], x[..., ::2]], -1).reshape(x.shape)  # noqa: E731
+    if all(g.shape == x.shape and np.allclose(g, x * cos + every_two(x) * sin, atol=1e-5) for g, x in zip(got, (q, k))):
+        return 1, None
+    return None, "its RoPE function does not rotate feature pairs by freqs_cis (checked on a probe)"
+
+
+def _cos_of(self, freqs):
+    """The op's (.., S, D) interleaved cos table of complex rotations (.., S, D / 2)."""
+    return ops.repeat_interleave(ops.real(freqs), 2, -1)
+
+
+def _sin_of(self, freqs):
+    return ops.repeat_interleave(ops.imag(freqs), 2, -1)
 
 
 def _is_head_repeat(function) -> bool:
@@ -511,12 +546,13 @@ def _check_helpers(found, globals_, site=None):
     helpers = [_helper(expr, globals_, site) for expr in found["repeats"]]
     if rope is _PER_SITE or _PER_SITE in helpers:
         return None, _PER_SITE
-    mode, reason = _rope_mode(rope)
+    mode, reason = _rope_mode(rope, found["complex"])
     if reason:
         return None, reason
     for expr, helper in zip(found["repeats"], helpers):
         if not _is_head_repeat(helper):
-            return None, f"its helper {ast.unparse(expr)!r} before the scores is not a head repeat (repeat_kv) on a probe"
+            return None, (f"its helper {ast.unparse(expr)!r} before the scores is not a head repeat (repeat_kv) "
+                          f"on a probe")
     return mode, None
 
 
@@ -542,6 +578,7 @@ class HandWrittenAttention(Family):
                 fused = None if reason else type(f"RotaryFused{cls.__name__}", (cls,), {
                     "construct": _compile(source, cls.construct.__globals__), "rfa_attend": _attend,
                     "rfa_applies": _applies, "rfa_fallback": _fallback, "rfa_original_class": cls,
+                    "rfa_cos_of": _cos_of, "rfa_sin_of": _sin_of,
                     "rfa_dropout": found["dropout"], "rfa_mask_kind": found["mask_kind"], "rfa_rotary_mode": mode or 0})
                 self._rebuilt[cls] = (fused, reason, True, per_site)
             except _Refused as exc:
@@ -605,8 +642,13 @@ class HandWrittenAttention(Family):
         mode = self._site_mode.get(id(site), getattr(site if self.is_installed(site) else fused, "rfa_rotary_mode", 0))
         keep = np.tril(np.ones((length, length), bool))
         mask = Tensor({"additive": np.where(keep, 0.0, -1e9).astype(np.float32), "hide": ~keep, "keep": keep}[kind])
-        if len(params) != 4:
-            raise TypeError(f"the probe calls construct(x, cos, sin, mask); this one takes {params}")
+        if len(params) not in (3, 4):
+            raise TypeError(f"the probe calls construct(x, cos, sin, mask) or construct(x, freqs_cis, mask); "
+                            f"this one takes {params}")
+        if len(params) == 3:  # complex rotations, (S, D / 2)
+            angles = np.outer(np.arange(length), 1.0 / 10000.0 ** (np.arange(0, dim, 2) / dim)).astype(np.float32)
+            with eager():
+                return site(x, _complex_rotations(Tensor(angles)), mask).asnumpy().astype(np.float64)
         known = self._probe_shape.pop(id(site), None) if self.is_installed(site) else None
         shapes = [known] if known else [(length, width) for width in (dim, dim // 2)] + \
             [(1, length, width) for width in (dim, dim // 2)]
