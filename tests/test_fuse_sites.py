@@ -72,6 +72,17 @@ class SelfAttn(nn.Cell):
         out = ops.matmul(w, v)
         return self.o_proj(out.swapaxes(1, 2).reshape(b, s, -1))
 
+    def heads(self, x):
+        """(q, k, v) in BNSD, for the variants below (their spelling is what follows)."""
+        b, s, _ = x.shape
+        return (self.q_proj(x).view(b, s, HEADS, HEAD_DIM).swapaxes(1, 2),
+                self.k_proj(x).view(b, s, KV_HEADS, HEAD_DIM).swapaxes(1, 2),
+                self.v_proj(x).view(b, s, KV_HEADS, HEAD_DIM).swapaxes(1, 2))
+
+    def merge(self, out):
+        b, _, s, _ = out.shape
+        return self.o_proj(out.swapaxes(1, 2).reshape(b, s, -1))
+
 
 class PackedQKV(SelfAttn):
     """One qkv projection split three ways; the scale on q after RoPE; ``@``; transpose(0, 1, 3, 2);
@@ -135,32 +146,26 @@ class BooleanHide(SelfAttn):
     """A boolean mask, True where a key is hidden, by masked_fill; interleaved (GPT-J) RoPE."""
 
     def construct(self, x, cos, sin, mask):
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, HEADS, HEAD_DIM).swapaxes(1, 2)
-        k = self.k_proj(x).view(b, s, KV_HEADS, HEAD_DIM).swapaxes(1, 2)
-        v = self.v_proj(x).view(b, s, KV_HEADS, HEAD_DIM).swapaxes(1, 2)
+        q, k, v = self.heads(x)
         q, k = apply_interleaved(q, k, cos, sin)
         k, v = repeat_kv(k, HEADS // KV_HEADS), repeat_kv(v, HEADS // KV_HEADS)
         w = ops.matmul(q, k.swapaxes(2, 3)) * self.scaling
         w = w.masked_fill(mask < 0, float("-inf"))
         w = ops.softmax(w, axis=-1)
-        return self.o_proj(ops.matmul(w, v).swapaxes(1, 2).reshape(b, s, -1))
+        return self.merge(ops.matmul(w, v))
 
 
 class BooleanKeep(SelfAttn):
     """A boolean mask, True where a key is attended, by ops.where."""
 
     def construct(self, x, cos, sin, mask):
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, HEADS, HEAD_DIM).swapaxes(1, 2)
-        k = self.k_proj(x).view(b, s, KV_HEADS, HEAD_DIM).swapaxes(1, 2)
-        v = self.v_proj(x).view(b, s, KV_HEADS, HEAD_DIM).swapaxes(1, 2)
+        q, k, v = self.heads(x)
         q, k = apply_rotary(q, k, cos, sin)
         k, v = repeat_kv(k, HEADS // KV_HEADS), repeat_kv(v, HEADS // KV_HEADS)
         w = ops.matmul(q, k.swapaxes(2, 3)) / math.sqrt(HEAD_DIM)
         w = ops.where(mask == 0, w, -1e9)
         w = ops.softmax(w, axis=-1)
-        return self.o_proj(ops.matmul(w, v).swapaxes(1, 2).reshape(b, s, -1))
+        return self.merge(ops.matmul(w, v))
 
 
 def apply_rotary_merged(q, k, cos, sin):  # (B * H, S, D) against (1, S, D) tables
@@ -204,14 +209,11 @@ class HelperMethods(SelfAttn):
         return repeat_kv(x, n)
 
     def construct(self, x, cos, sin, mask):
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, HEADS, HEAD_DIM).swapaxes(1, 2)
-        k = self.k_proj(x).view(b, s, KV_HEADS, HEAD_DIM).swapaxes(1, 2)
-        v = self.v_proj(x).view(b, s, KV_HEADS, HEAD_DIM).swapaxes(1, 2)
+        q, k, v = self.heads(x)
         q, k = self.rotary(q, k, cos, sin)
         k, v = self.repeat(k, HEADS // KV_HEADS), self.repeat(v, HEADS // KV_HEADS)
         w = ops.softmax(ops.matmul(q, k.swapaxes(2, 3)) * self.scaling + mask, axis=-1)
-        return self.o_proj(ops.matmul(w, v).swapaxes(1, 2).reshape(b, s, -1))
+        return self.merge(ops.matmul(w, v))
 
 
 def apply_partial(q, k, cos, sin):  # GPT-NeoX / Phi: RoPE on the first cos.shape[-1] features
@@ -229,14 +231,11 @@ class PartialRotary(SelfAttn):
     rotary_dim = HEAD_DIM // 2
 
     def construct(self, x, cos, sin, mask):
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, HEADS, HEAD_DIM).swapaxes(1, 2)
-        k = self.k_proj(x).view(b, s, KV_HEADS, HEAD_DIM).swapaxes(1, 2)
-        v = self.v_proj(x).view(b, s, KV_HEADS, HEAD_DIM).swapaxes(1, 2)
+        q, k, v = self.heads(x)
         q, k = apply_partial(q, k, cos, sin)
         k, v = repeat_kv(k, HEADS // KV_HEADS), repeat_kv(v, HEADS // KV_HEADS)
         w = ops.softmax(ops.matmul(q, k.swapaxes(2, 3)) * self.scaling + mask, axis=-1)
-        return self.o_proj(ops.matmul(w, v).swapaxes(1, 2).reshape(b, s, -1))
+        return self.merge(ops.matmul(w, v))
 
 
 def rotate_pairs(x, freqs_cis):
@@ -254,58 +253,48 @@ class ComplexPairs(SelfAttn):
     complex_rotations = True
 
     def construct(self, x, freqs_cis, mask):
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, HEADS, HEAD_DIM).swapaxes(1, 2)
-        k = self.k_proj(x).view(b, s, KV_HEADS, HEAD_DIM).swapaxes(1, 2)
-        v = self.v_proj(x).view(b, s, KV_HEADS, HEAD_DIM).swapaxes(1, 2)
+        q, k, v = self.heads(x)
         q, k = apply_rotary_emb(q, k, freqs_cis)
         k, v = repeat_kv(k, HEADS // KV_HEADS), repeat_kv(v, HEADS // KV_HEADS)
         w = ops.softmax(ops.matmul(q, k.swapaxes(2, 3)) * self.scaling + mask, axis=-1)
-        return self.o_proj(ops.matmul(w, v).swapaxes(1, 2).reshape(b, s, -1))
+        return self.merge(ops.matmul(w, v))
 
 
 class QOnlyRope(SelfAttn):
     """Near-miss: RoPE on q only."""
 
     def construct(self, x, cos, sin, mask):
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, HEADS, HEAD_DIM).swapaxes(1, 2)
-        k = repeat_kv(self.k_proj(x).view(b, s, KV_HEADS, HEAD_DIM).swapaxes(1, 2), HEADS // KV_HEADS)
-        v = repeat_kv(self.v_proj(x).view(b, s, KV_HEADS, HEAD_DIM).swapaxes(1, 2), HEADS // KV_HEADS)
+        q, k, v = self.heads(x)
+        k, v = repeat_kv(k, HEADS // KV_HEADS), repeat_kv(v, HEADS // KV_HEADS)
         q = q * cos.unsqueeze(1) + rotate_half(q) * sin.unsqueeze(1)
         w = ops.softmax(ops.matmul(q, k.swapaxes(2, 3)) / math.sqrt(HEAD_DIM) + mask, axis=-1)
-        return self.o_proj(ops.matmul(w, v).swapaxes(1, 2).reshape(b, s, -1))
+        return self.merge(ops.matmul(w, v))
 
 
 class AlibiLike(SelfAttn):
     """Near-miss: a position bias added to the scores besides the mask."""
 
     def construct(self, x, cos, sin, mask):
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, HEADS, HEAD_DIM).swapaxes(1, 2)
-        k = self.k_proj(x).view(b, s, KV_HEADS, HEAD_DIM).swapaxes(1, 2)
-        v = self.v_proj(x).view(b, s, KV_HEADS, HEAD_DIM).swapaxes(1, 2)
+        q, k, v = self.heads(x)
         q, k = apply_rotary(q, k, cos, sin)
         k, v = repeat_kv(k, HEADS // KV_HEADS), repeat_kv(v, HEADS // KV_HEADS)
+        s = x.shape[1]
         bias = -ops.abs(ops.arange(s).reshape(1, s) - ops.arange(s).reshape(s, 1)).astype(ms.float32) * 0.5
         w = ops.matmul(q, k.swapaxes(2, 3)) * self.scaling + bias + mask
         w = ops.softmax(w, axis=-1)
-        return self.o_proj(ops.matmul(w, v).swapaxes(1, 2).reshape(b, s, -1))
+        return self.merge(ops.matmul(w, v))
 
 
 class WrongAxis(SelfAttn):
     """Near-miss: the softmax over the queries' axis."""
 
     def construct(self, x, cos, sin, mask):
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, HEADS, HEAD_DIM).swapaxes(1, 2)
-        k = self.k_proj(x).view(b, s, KV_HEADS, HEAD_DIM).swapaxes(1, 2)
-        v = self.v_proj(x).view(b, s, KV_HEADS, HEAD_DIM).swapaxes(1, 2)
+        q, k, v = self.heads(x)
         q, k = apply_rotary(q, k, cos, sin)
         k, v = repeat_kv(k, HEADS // KV_HEADS), repeat_kv(v, HEADS // KV_HEADS)
         w = ops.matmul(q, k.swapaxes(2, 3)) * self.scaling + mask
         w = ops.softmax(w, axis=-2)
-        return self.o_proj(ops.matmul(w, v).swapaxes(1, 2).reshape(b, s, -1))
+        return self.merge(ops.matmul(w, v))
 
 
 class Block(nn.Cell):
