@@ -5,6 +5,8 @@ Supported: MindSpore 2.10.0; mindnlp 0.5.1 with transformers 4.57.1.
 """
 from __future__ import annotations
 
+import sys
+
 import mindspore as ms
 
 try:  # private: a fast read of the execution mode (0.6 us a call, ms.get_context("mode") 31 us)
@@ -69,8 +71,6 @@ def has_forward_hooks(module) -> bool:
     own (the private ``_forward_hooks`` / ``_forward_pre_hooks`` dicts, as PyTorch names them) or a
     global one (module-level dicts of ``nn.modules.module``). There is no public query; a module
     without the attributes counts as hooked, so its call is never bypassed."""
-    import sys
-
     own = [getattr(module, name, None) for name in ("_forward_hooks", "_forward_pre_hooks")]
     if any(hooks is None for hooks in own):
         return True

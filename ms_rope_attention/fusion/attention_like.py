@@ -21,9 +21,12 @@ PRODUCTS = frozenset({"matmul", "bmm", "BatchMatMul", "MatMul", "batch_matmul", 
 _HELPER_DEPTH = 2  # construct -> helper -> helper's helper
 
 
-def _called_name(call: ast.Call) -> str | None:
-    f = call.func
-    return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+def call_name(node) -> str | None:
+    """The called name of ``f(...)`` / ``obj.f(...)`` (None for anything else)."""
+    if isinstance(node, ast.Call):
+        f = node.func
+        return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+    return None
 
 
 def _function_tree(function) -> ast.AST | None:
@@ -44,7 +47,8 @@ def _helpers(tree, cls, globals_) -> list:
         target = None
         if isinstance(f, ast.Name):
             target = globals_.get(f.id)
-        elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and cls is not None:
+        elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" \
+                and cls is not None:
             target = inspect.getattr_static(cls, f.attr, None)
         if inspect.isfunction(target):
             found.append(target)
@@ -65,7 +69,7 @@ def _calls(function, cls) -> set:
                 continue
             for node in ast.walk(tree):
                 if isinstance(node, ast.Call):
-                    names.add(_called_name(node))
+                    names.add(call_name(node))
                 elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
                     names.add("matmul")
             following += _helpers(tree, cls, getattr(fn, "__globals__", {}))

@@ -33,7 +33,8 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from ..functional import rotary_flash_attention
-from ..rope import rope_tables
+from ..rope import interleaved_permutation, rope_tables
+from .attention_like import call_name
 from .family import Family, eager
 from .masks import additive_mask_is_causal, bool_mask_is_causal, fallback_announcer
 
@@ -47,13 +48,6 @@ class _NotMatched(Exception):
 class _Refused(Exception):
     """The construct is in the style, but is not fused: fusing it would change what it computes, or
     its RoPE function cannot be checked (the reason)."""
-
-
-def _call_name(node) -> str | None:
-    if isinstance(node, ast.Call):
-        f = node.func
-        return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
-    return None
 
 
 def _name(node) -> str:
@@ -85,7 +79,7 @@ def _transposed_last_two(node) -> str:
 def _matmul_operands(node):
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
         return node.left, node.right
-    if _call_name(node) in _MATMULS and len(node.args) == 2:
+    if call_name(node) in _MATMULS and len(node.args) == 2:
         return node.args
     raise _NotMatched(f"expected a matmul, got {ast.unparse(node)!r}")
 
@@ -97,11 +91,17 @@ def _uncast(node):
         f = node.func
         if isinstance(f, ast.Attribute) and f.attr in ("astype", "to", "float") and len(node.args) <= 1:
             node = f.value
-        elif _call_name(node) == "cast" and len(node.args) == 2:
+        elif call_name(node) == "cast" and len(node.args) == 2:
             node = node.args[0]
         else:
             break
     return node
+
+
+def _factor(op, scale) -> str:
+    """The factor ``x * scale`` / ``x / scale`` applies, as source."""
+    text = ast.unparse(scale)
+    return text if isinstance(op, ast.Mult) else f"1.0 / ({text})"
 
 
 def _score_terms(node, q, keys):
@@ -126,8 +126,7 @@ def _score_terms(node, q, keys):
             except _NotMatched:
                 continue
             if mask is None:  # a scale applied after the mask would scale the mask too: not this form
-                text = ast.unparse(scale)
-                return factors + [text if isinstance(node.op, ast.Mult) else f"1.0 / ({text})"], None
+                return factors + [_factor(node.op, scale)], None
         raise _NotMatched(f"expected 'scores * scale', got {ast.unparse(node)!r}")
     left, right = _matmul_operands(node)
     if _name(_uncast(left)) != q or _transposed_last_two(_uncast(right)) not in keys:
@@ -141,7 +140,7 @@ def _boolean_mask(node, scores):
     keeps: kind "keep"); None for anything else. The fill value is not read: the probe judges it."""
     if not isinstance(node, ast.Call) or node.keywords:
         return None
-    name, args = _call_name(node), [ast.unparse(a) for a in node.args]
+    name, args = call_name(node), [ast.unparse(a) for a in node.args]
     method = isinstance(node.func, ast.Attribute) and ast.unparse(node.func.value) == scores
     if name == "masked_fill" and method and len(args) == 2:
         return node, "args", 0, "hide"
@@ -232,7 +231,7 @@ def _match_block(stmts):
         # head repeats: 'k = repeat_kv(k, n)'
         if scores is None and all(isinstance(v, ast.Call) and len(v.args) == 2 and not v.keywords
                                   and isinstance(v.args[0], ast.Name) and v.args[0].id != q
-                                  and _call_name(v) not in _MATMULS for v in values):
+                                  and call_name(v) not in _MATMULS for v in values):
             for (target, _), value in zip(pairs, values):
                 source = value.args[0].id
                 repeats.append(value.func)
@@ -245,12 +244,11 @@ def _match_block(stmts):
         (target, value), = pairs
         if scores is None and target == q and isinstance(value, ast.BinOp) \
                 and isinstance(value.op, (ast.Mult, ast.Div)) and ast.unparse(value.left) == q:
-            text = ast.unparse(value.right)  # a scale on q
-            q_factors.append(text if isinstance(value.op, ast.Mult) else f"1.0 / ({text})")
+            q_factors.append(_factor(value.op, value.right))  # a scale on q
             continue
         if scores is None:
             inner = _uncast(value)
-            softmax = _call_name(inner) == "softmax" and inner.args and _is_softmax_last_axis(inner)
+            softmax = call_name(inner) == "softmax" and inner.args and _is_softmax_last_axis(inner)
             try:  # the scores, or a softmax of them in the same expression
                 factors, mask = _score_terms(inner.args[0] if softmax else value, q, keys)
             except _NotMatched:
@@ -261,9 +259,9 @@ def _match_block(stmts):
             continue
         if probs is None:
             inner = _uncast(value)
-            if _call_name(inner) == "softmax" and inner.args and not _is_softmax_last_axis(inner):
+            if call_name(inner) == "softmax" and inner.args and not _is_softmax_last_axis(inner):
                 raise _NotMatched(f"a softmax not over the last axis (the keys): {ast.unparse(stmt)!r}")
-            if _call_name(inner) == "softmax" and inner.args:
+            if call_name(inner) == "softmax" and inner.args:
                 if not (isinstance(_uncast(inner.args[0]), ast.Name) and _uncast(inner.args[0]).id == scores):
                     raise _NotMatched(f"expected a softmax of {scores}, got {ast.unparse(stmt)!r}")
                 probs = target
@@ -279,25 +277,21 @@ def _match_block(stmts):
                 if sides.count(scores) == 1:
                     mask = (inner, "right" if sides[0] == scores else "left", None, "additive")
                     continue
-            if mask is None and _boolean_mask(inner, scores) is not None:
-                mask = _boolean_mask(inner, scores)
+            boolean = _boolean_mask(inner, scores) if mask is None else None
+            if boolean is not None:
+                mask = boolean
                 continue
             if isinstance(inner, ast.BinOp) and isinstance(inner.op, (ast.Mult, ast.Div)) and mask is None \
                     and ast.unparse(inner.left) == scores:
-                text = ast.unparse(inner.right)
-                factors.append(text if isinstance(inner.op, ast.Mult) else f"1.0 / ({text})")
+                factors.append(_factor(inner.op, inner.right))
                 continue
             raise _NotMatched(f"expected the scores scaled or masked, got {ast.unparse(stmt)!r}")
         inner = _uncast(value)
         if isinstance(inner, ast.Name) and inner.id == probs and target == probs:
             continue  # the probabilities cast back
-        if target == probs and isinstance(inner, ast.Call) and "dropout" in (_call_name(inner) or "").lower() \
+        if target == probs and "dropout" in (call_name(inner) or "").lower() \
                 and inner.args and isinstance(inner.args[0], ast.Name) and inner.args[0].id == probs:
-            dropout = True
-            continue
-        if isinstance(inner, ast.Call) and target == probs and len(inner.args) == 1 and not inner.keywords \
-                and isinstance(inner.func, ast.Attribute) and "dropout" in inner.func.attr.lower():
-            dropout = True
+            dropout = True  # 'probs = dropout(probs, ...)' / 'probs = self.attn_dropout(probs)'
             continue
         left, right = _matmul_operands(inner)
         if not (isinstance(_uncast(left), ast.Name) and _uncast(left).id == probs):
@@ -412,6 +406,14 @@ def _helper(expr, globals_, site=None):
     return found
 
 
+def _reference_rotation(mode: int, width: int):
+    """rot(x) of the op's rotary mode over ``width`` features, in numpy (the probes' reference)."""
+    if mode == 0:
+        return lambda x: np.concatenate([-x[..., width // 2:], x[..., :width // 2]], -1)
+    index, sign = interleaved_permutation(width)
+    return lambda x: x[..., index] * sign
+
+
 def _rope_mode(rope, complex_rotations=False):
     """(rotary_mode, None) when ``rope(q, k, cos, sin)`` computes rotate-half (mode 0) or interleaved
     (mode 1, GPT-J's rotate-every-two) RoPE on a probe, over the whole head or, with tables half its
@@ -419,19 +421,14 @@ def _rope_mode(rope, complex_rotations=False):
     function that expects a batch axis, (1, S, W); (None, the reason) otherwise."""
     rng = np.random.default_rng(7)
     q, k = (rng.standard_normal((1, 2, 5, 8)).astype(np.float32) for _ in range(2))
-
-    def rotations(width):
-        half = width // 2
-        return {0: lambda x: np.concatenate([-x[..., half:], x[..., :half]], -1),
-                1: lambda x: np.stack([-x[..., 1::2], x[..., ::2]], -1).reshape(x.shape)}
+    if complex_rotations:
+        return _complex_rope_mode(rope, q, k)
 
     def rotated(x, cos, sin, rotate):
         width = cos.shape[-1]
         part = x[..., :width]
         return np.concatenate([part * cos + rotate(part) * sin, x[..., width:]], -1)
 
-    if complex_rotations:
-        return _complex_rope_mode(rope, q, k)
     failure = None
     for width in (8, 4):
         cos, sin = (rng.standard_normal((5, width)).astype(np.float32) for _ in range(2))
@@ -442,7 +439,8 @@ def _rope_mode(rope, complex_rotations=False):
             except Exception as exc:  # noqa: BLE001
                 failure = failure or f"its RoPE function failed on a probe ({type(exc).__name__}: {exc})"
                 continue
-            for mode, rotate in rotations(width).items():
+            for mode in (0, 1):
+                rotate = _reference_rotation(mode, width)
                 if all(g.shape == x.shape and np.allclose(g, rotated(x, cos, sin, rotate), atol=1e-5)
                        for g, x in zip(got, (q, k))):
                     return mode, None
@@ -465,7 +463,7 @@ def _complex_rope_mode(rope, q, k):
             got = [g.asnumpy() for g in rope(Tensor(q), Tensor(k), _complex_rotations(Tensor(angles)))]
     except Exception as exc:  # noqa: BLE001
         return None, f"its RoPE function failed on a probe ({type(exc).__name__}: {exc})"
-    every_two = lambda x: np.stack([-x[..., 1::2], x[..., ::2]], -1).reshape(x.shape)  # noqa: E731
+    every_two = _reference_rotation(1, q.shape[-1])
     if all(g.shape == x.shape and np.allclose(g, x * cos + every_two(x) * sin, atol=1e-5) for g, x in zip(got, (q, k))):
         return 1, None
     return None, "its RoPE function does not rotate feature pairs by freqs_cis (checked on a probe)"
@@ -629,8 +627,7 @@ class HandWrittenAttention(Family):
         """The site on seeded inputs shaped from its construct's signature: (x, cos, sin, mask), the mask
         causal in the site's form (additive, or boolean hiding or keeping), the tables of its RoPE's
         mode, (S, W) or (1, S, W) for a site that expects a batch axis, W the head dim or half of it
-        (partial rotary) (the first shape its original
-        code runs with, remembered for the fused code's run)."""
+        (partial rotary): the first shape its original code runs with, remembered for the fused run."""
         rng = np.random.default_rng(seed)
         params = list(inspect.signature(site.rfa_original_class.construct if self.is_installed(site)
                                         else type(site).construct).parameters)[1:]

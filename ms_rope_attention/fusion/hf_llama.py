@@ -72,16 +72,20 @@ def _band(mask, implementation, batch, q_len, past_len) -> padded_batch.Band | s
     return decided
 
 
-def _tables(cos, sin, the_band) -> tuple[np.ndarray, np.ndarray] | str:
-    """The cos/sin tables (rows by position) HF's per-query rows fill, remembered on ``cos`` (every
-    layer of one forward gets the same), or why there are none."""
+def _tables(cos, sin, the_band) -> tuple | str:
+    """The cos/sin tables (rows by position, in cos's dtype and with its device tag) HF's per-query
+    rows fill, or why there are none; made once per forward and remembered on ``cos`` (every layer of
+    one forward gets the same)."""
     key = (tuple(the_band.starts.tolist()), the_band.past, the_band.q_len)
     known = getattr(cos, "rfa_tables", None)
     if known is not None and known[0] == key:
         return known[1]
-    tables = tuple(padded_batch.position_table(t.float().numpy(), the_band) for t in (cos, sin))
-    if any(table is None for table in tables):
+    rows = tuple(padded_batch.position_table(t.float().numpy(), the_band) for t in (cos, sin))
+    if any(table is None for table in rows):
         tables = "positions do not follow the mask (two queries at one position with different rotations)"
+    else:
+        tables = tuple(ops.cast(ms.Tensor(table), cos.dtype) for table in rows)
+        copy_device_tag(tables, cos)
     cos.rfa_tables = (key, tables)
     return tables
 
@@ -138,7 +142,7 @@ def _fused_forward(self, hidden_states, position_embeddings, attention_mask, pas
         self.rfa_announce(plan)
         return self.rfa_original_forward(hidden_states, position_embeddings, attention_mask,
                                          past_key_values=past_key_values, cache_position=cache_position, **kwargs)
-    the_band, tables = plan
+    the_band, (cos_table, sin_table) = plan
 
     def tag(tensor):
         copy_device_tag((tensor,), hidden_states)
@@ -147,7 +151,6 @@ def _fused_forward(self, hidden_states, position_embeddings, attention_mask, pas
     batch, length = hidden_states.shape[0], hidden_states.shape[1]
     query, key, value = (tag(ops.reshape(_project(proj, hidden_states, tag), (batch, length, -1, self.head_dim)))
                          for proj in (self.q_proj, self.k_proj, self.v_proj))
-    cos_table, sin_table = (tag(ops.cast(ms.Tensor(t), cos.dtype)) for t in tables)
     cache_kwargs = {"sin": sin, "cos": cos, "cache_position": cache_position}
     to_bnsd = (0, 2, 1, 3)
     packed = {}
