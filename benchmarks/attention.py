@@ -34,6 +34,7 @@ def _inputs(length, heads, kv_heads, head_dim, seed=0):
 
 
 def run_mindspore(backend, length, heads, kv_heads, head_dim, dtype, repeats):
+    import ms_rope_attention  # noqa: F401  before MindSpore, as users run it (docs/threads.md)
     import mindspore as ms
     from mindspore import Tensor, nn
 

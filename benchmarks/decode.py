@@ -58,6 +58,7 @@ def project_point(backend: str, checkpoint: str, context: int, batch: str, new_t
                   weight_dtype: str = "auto") -> dict:
     """This project's ``Generator`` in GRAPH_MODE on its in-place KV cache (``weight_dtype`` as
     ``load_checkpoint`` takes it; the cache the model's default)."""
+    import ms_rope_attention  # noqa: F401  before MindSpore, as users run it (docs/threads.md)
     import mindspore as ms
 
     ms.set_device("CPU")

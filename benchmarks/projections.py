@@ -69,6 +69,7 @@ def op_series(length: int, out_features: int, in_features: int) -> dict:
 
 def model_series(config, length: int, seed: int) -> dict:
     """{projections: callable} running one prefill of the model, both models on the same weights."""
+    import ms_rope_attention  # noqa: F401  before MindSpore, as users run it (docs/threads.md)
     import mindspore as ms
 
     from models.llama import LlamaForCausalLM
@@ -93,6 +94,7 @@ def summarize(times: dict, flop: float) -> dict:
 
 
 def main(argv=None) -> dict:
+    import ms_rope_attention  # noqa: F401  before MindSpore, as users run it (docs/threads.md)
     import mindspore as ms
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

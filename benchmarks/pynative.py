@@ -23,6 +23,7 @@ from harness import alternate, machine_info
 
 def measure(length: int, heads: int, head_dim: int, repeats: int, with_backward: bool) -> dict:
     """{series: times} for the eager call and the GRAPH_MODE Cell at one length."""
+    import ms_rope_attention  # noqa: F401  before MindSpore, as users run it (docs/threads.md)
     import mindspore as ms
     from mindspore import Tensor, nn
 
@@ -94,6 +95,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
+    import ms_rope_attention  # noqa: F401  before MindSpore, as users run it (docs/threads.md)
     import mindspore as ms
     ms.set_device("CPU")
     rows = []

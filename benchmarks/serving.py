@@ -47,6 +47,7 @@ GIB = 2 ** 30
 
 
 def _model(checkpoint: str, max_positions: int):
+    import ms_rope_attention  # noqa: F401  before MindSpore, as users run it (docs/threads.md)
     import mindspore as ms
 
     ms.set_device("CPU")

@@ -33,6 +33,7 @@ def _inputs(length, heads, head_dim, seed=0):
 
 def run_mindspore(backend, length, heads, head_dim, repeats):
     """ms.grad of sum(RotaryFlashAttention(q, k, v) * dO) w.r.t. q, k, v, GRAPH_MODE."""
+    import ms_rope_attention  # noqa: F401  before MindSpore, as users run it (docs/threads.md)
     import mindspore as ms
     from mindspore import Tensor, nn
 
@@ -119,6 +120,7 @@ def run_direct(length, heads, head_dim, repeats):
 
 def run_llama_step(backend, model, length, layers, repeats):
     """One AdamW training step of a Llama preset (``layers`` decoder layers), batch 1."""
+    import ms_rope_attention  # noqa: F401  before MindSpore, as users run it (docs/threads.md)
     import mindspore as ms
     from mindspore import Tensor, nn
 

@@ -81,6 +81,7 @@ def timed_prefill(last_logits, repeats: int) -> tuple[float, list[float], list]:
 
 def ttft_point(model: str, layers: int, dtype: str, batch: int, backend: str, length: int, repeats: int,
                checkpoint: str | None, seed: int, device: str) -> dict:
+    import ms_rope_attention  # noqa: F401  before MindSpore, as users run it (docs/threads.md)
     import mindspore as ms
     from mindspore import Tensor, nn, ops
 

@@ -18,6 +18,7 @@ from harness import machine_info, stats, timed
 
 
 def steps(length: int, heads: int, head_dim: int, repeats: int) -> dict:
+    import ms_rope_attention  # noqa: F401  before MindSpore, as users run it (docs/threads.md)
     import mindspore as ms
     from mindspore import Tensor, nn, ops
 

@@ -9,6 +9,14 @@ Public API:
 - ``fuse(net)`` / ``unfuse(net)``: the fused op inside existing MindFormers, Hugging Face (mindnlp)
   models (``ms_rope_attention.fusion``), with a ``FuseReport``.
 """
+import os as _os
+
+# The kernels' OpenMP threads sleep between calls instead of spinning: spinning, libgomp's default,
+# kept a core busy for milliseconds after each call, which MindSpore's own threads then waited for
+# (docs/threads.md). libgomp reads this once, when it loads, which `import mindspore` does: it takes
+# effect when this package (or `models`) is imported first; a value already set is kept.
+_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from .functional import RotaryFusionFallbackError, rotary_flash_attention
 from .fusion import FuseError, FuseReport, fuse, unfuse
 from .nn import RotaryFlashAttention, RotaryFlashAttentionOp

@@ -7,6 +7,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import ms_rope_attention  # noqa: E402,F401  before MindSpore, as users import it (docs/threads.md)
 import mindspore as ms  # noqa: E402
 
 ms.set_device("CPU")
