@@ -100,6 +100,50 @@ def write_half_checkpoint(model: str, layers: int, seed: int, directory: str) ->
     return {"directory": directory, "bytes": int(sum(a.nbytes for a in state.values()))}
 
 
+def paired_point(checkpoint: str, context: int, new_tokens: int, seed: int, prefills: int = 3) -> dict:
+    """This project's float32 and half weights of one checkpoint in one process, their graph calls
+    alternating one at a time (which goes first turns each call): the host's drift (its read bandwidth
+    moved between 16.7 and 30.7 GB/s from one run to the next here) falls on both alike, and each
+    ratio is taken within a pair of neighbouring calls. ``prefills`` alternated prefills (TTFT's graph
+    call), then one generation of ``new_tokens`` each, step against step."""
+    import ms_rope_attention  # noqa: F401  before MindSpore, as users run it (docs/threads.md)
+    import mindspore as ms
+
+    ms.set_device("CPU")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    from decode import WARM_UP_TOKENS, prompts_for
+    from models.llama.generate import Generator
+    from models.llama.kv_cache import bucket_capacity
+    from models.llama.weights import load_checkpoint
+
+    gens = {}
+    for system, weight_dtype in (("fused-float32", "float32"), ("fused-half", "auto")):
+        lm = load_checkpoint(checkpoint, max_positions=context + new_tokens, progress=False, weight_dtype=weight_dtype)
+        gens[system] = Generator(lm, slots=1, capacity=bucket_capacity(context + new_tokens, lm.max_positions))
+    prompt = prompts_for("1", context, lm.vocab_size, seed)[0]
+    for gen in gens.values():
+        gen.warm_up([prompt[:WARM_UP_TOKENS]])
+    prefill_s = {system: [] for system in gens}
+    for i in range(prefills):
+        for system in turned(list(gens), i):
+            start = time.perf_counter()
+            gens[system].prefill_logits([prompt])
+            prefill_s[system].append(time.perf_counter() - start)
+    calls = {system: [] for system in gens}  # seconds of each graph call: the prefill, then each step
+    streams = {system: gen.stream([prompt], new_tokens, eos_ids=(), on_step=lambda _, s, c=calls[system]: c.append(s))
+               for system, gen in gens.items()}
+    tokens = {system: [] for system in gens}
+    for i in range(new_tokens):
+        for system in turned(list(gens), i):
+            tokens[system].append(next(streams[system]).token)
+    steps = {system: [1e3 * s for s in c[1:]] for system, c in calls.items()}
+    pairs = [f / h for f, h in zip(steps["fused-float32"], steps["fused-half"])]
+    prefill_pairs = [h / f for f, h in zip(prefill_s["fused-float32"], prefill_s["fused-half"])]
+    return {"context": context, "prefill_s": prefill_s, "step_ms": steps, "tokens": tokens,
+            "decode_speedup_median": statistics.median(pairs), "decode_speedup_pairs": pairs,
+            "prefill_ratio_median": statistics.median(prefill_pairs), "prefill_ratio_pairs": prefill_pairs}
+
+
 def summarize(runs: list[dict]) -> list[dict]:
     rows = []
     for key in sorted({(r["system"], r["context"]) for r in runs}, key=lambda k: (k[1], k[0])):
@@ -157,6 +201,15 @@ def table(results: dict) -> str:
     lines += ["", "| context | fused-half against | decode speedup | TTFT ratio |", "|---|---|---|---|"]
     lines += [f"| {r['context']} | {r['against']} | x{r['decode_speedup']:.2f} | {r['ttft_ratio']:.2f} |"
               for r in results["ratios"]]
+    if results["paired"]:
+        lines += ["", "Paired, one process per context (float32 and half weights alternating call by call):",
+                  "| context | float32 / half step, median of pairs (min..max) | half / float32 prefill, median of pairs "
+                  "| step median ms float32 / half |", "|---|---|---|---|"]
+        for p in results["paired"]:
+            steps = p["step_ms"]
+            lines.append(f"| {p['context']} | x{p['decode_speedup_median']:.2f} ({min(p['decode_speedup_pairs']):.2f}.."
+                         f"{max(p['decode_speedup_pairs']):.2f}) | {p['prefill_ratio_median']:.2f} | "
+                         f"{statistics.median(steps['fused-float32']):.1f} / {statistics.median(steps['fused-half']):.1f} |")
     return "\n".join(lines)
 
 
@@ -213,15 +266,26 @@ def main(argv=None) -> dict:
                                                       "batch": "1", "new_tokens": args.new_tokens, "seed": args.seed,
                                                       **extra}, memory_limit_bytes=limit, timeout_s=7200)
             runs.append({"system": system, "context": context, "round": round_, **result})
+        paired = []
+        if {"fused-float32", "fused-half"} <= set(args.systems):
+            for context in tqdm(args.contexts, desc="paired float32 / half", unit="process"):
+                result = run_isolated("half_weights", "paired_point",
+                                      {"checkpoint": scratch, "context": context, "new_tokens": args.new_tokens,
+                                       "seed": args.seed}, memory_limit_bytes=limit, timeout_s=7200)
+                if result["status"] != "ok":
+                    raise RuntimeError(f"paired point at {context} failed: {result.get('error')}\n"
+                                       f"{result.get('log_tail', '')}")
+                paired.append(result)
     summary = summarize(runs)
     ours = {r["context"]: {} for r in summary}
     for r in summary:
         if r["status"] == "ok" and r["system"].startswith("fused"):
             ours[r["context"]][r["system"]] = r["tokens"]
     disagree = [c for c, t in ours.items() if len(t) == 2 and t["fused-half"] != t["fused-float32"]]
+    disagree += [p["context"] for p in paired if p["tokens"]["fused-half"] != p["tokens"]["fused-float32"]]
     results = {"machine": machine_info(), "settings": vars(args), "gemm": gemm,
                "checkpoint_gb": written["bytes"] / 1e9, "runs": runs, "summary": summary,
-               "ratios": ratios(summary), "tokens_disagree": disagree}
+               "ratios": ratios(summary), "paired": paired, "tokens_disagree": sorted(set(disagree))}
     save(results, args.out, "half_weights.json", "half_weights.png", plot, table)
     if disagree:
         raise RuntimeError(f"half and float32 weights gave different greedy tokens at contexts {disagree}")

@@ -307,8 +307,9 @@ def test_decode_benchmark_end_to_end(tmp_path):
 
 
 def test_half_weights_benchmark_on_the_tiny_model(tmp_path):
-    """The GEMM point on a small W, then this project's two systems on a tiny float16 checkpoint:
-    the same greedy tokens (main raises otherwise), ratios against float32, JSON and plot written."""
+    """The GEMM point on a small W, then this project's two systems on a tiny float16 checkpoint, each
+    alone and both in one process: the same greedy tokens (main raises otherwise), ratios against
+    float32, JSON and plot written."""
     gemm = half_weights.gemm_point(out_features=36, in_features=40, repeats=2)
     assert {(r["weight_dtype"], r["m"]) for r in gemm["rows"]} >= {(d, m) for d in ("float16", "bfloat16")
                                                                     for m in half_weights.GEMM_ROWS}
@@ -316,6 +317,11 @@ def test_half_weights_benchmark_on_the_tiny_model(tmp_path):
                                  "--systems", "fused-float32", "fused-half", "--no-gemm", "--out", str(tmp_path)])
     assert [r["status"] for r in results["summary"]] == ["ok", "ok"] and not results["tokens_disagree"]
     assert [r["against"] for r in results["ratios"]] == ["fused-float32"]
+    paired = results["paired"][0]  # both systems in one process, call by call: 3 prefills and 2 steps each
+    assert [len(paired["prefill_s"][s]) for s in ("fused-float32", "fused-half")] == [3, 3]
+    assert len(paired["decode_speedup_pairs"]) == 2 and paired["decode_speedup_median"] > 0
+    assert paired["tokens"]["fused-half"] == paired["tokens"]["fused-float32"] == results["summary"][0]["tokens"][0]
+    assert "Paired" in half_weights.table(results)
     assert (tmp_path / "half_weights.json").exists() and (tmp_path / "half_weights.png").exists()
 
 
