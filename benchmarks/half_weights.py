@@ -281,11 +281,11 @@ def main(argv=None) -> dict:
     for r in summary:
         if r["status"] == "ok" and r["system"].startswith("fused"):
             ours[r["context"]][r["system"]] = r["tokens"]
-    disagree = [c for c, t in ours.items() if len(t) == 2 and t["fused-half"] != t["fused-float32"]]
-    disagree += [p["context"] for p in paired if p["tokens"]["fused-half"] != p["tokens"]["fused-float32"]]
+    disagree = sorted({c for c, t in ours.items() if len(t) == 2 and t["fused-half"] != t["fused-float32"]}
+                      | {p["context"] for p in paired if p["tokens"]["fused-half"] != p["tokens"]["fused-float32"]})
     results = {"machine": machine_info(), "settings": vars(args), "gemm": gemm,
                "checkpoint_gb": written["bytes"] / 1e9, "runs": runs, "summary": summary,
-               "ratios": ratios(summary), "paired": paired, "tokens_disagree": sorted(set(disagree))}
+               "ratios": ratios(summary), "paired": paired, "tokens_disagree": disagree}
     save(results, args.out, "half_weights.json", "half_weights.png", plot, table)
     if disagree:
         raise RuntimeError(f"half and float32 weights gave different greedy tokens at contexts {disagree}")
