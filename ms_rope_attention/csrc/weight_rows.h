@@ -49,6 +49,26 @@ inline void RowToFloat(const BFloat16 *src, float *dst, int64_t n) {
   simd::BFloat16ToFloat(&src->bits, dst, n);
 }
 
+// How far ahead of the reads each of the four rows of W is prefetched. The hardware prefetcher alone
+// kept a float16 W (11008, 4096) read at ~0.85x the rate float32 rows reached (and a plain sum of
+// the same bytes); asking for each row's line 1 KB ahead, once per line, brought it to ~0.92x, the
+// float16 product from 1.71x to 1.83x less time than float32 (M = 1, 2 threads, AVX-512; float32
+// itself ~2% faster). 256 B ahead gained half of that, 4 KB none.
+constexpr int64_t kPrefetchBytes = 1024;
+
+// Asks for the cache line kPrefetchBytes ahead of w + j in each row, when w + j starts a line's
+// worth of W (j counts weights from the rows' start, a multiple of kLanes). A prefetch never
+// faults, so past the last row it costs nothing.
+template <typename W>
+inline void PrefetchRows(const W *w0, const W *w1, const W *w2, const W *w3, int64_t j) {
+  constexpr int64_t kLine = 64 / sizeof(W), kAhead = kPrefetchBytes / sizeof(W);
+  if (j % kLine != 0) return;
+  __builtin_prefetch(w0 + j + kAhead);
+  __builtin_prefetch(w1 + j + kAhead);
+  __builtin_prefetch(w2 + j + kAhead);
+  __builtin_prefetch(w3 + j + kAhead);
+}
+
 // y[:, r:r+4] = x W[r:r+4]^T for the four consecutive rows of W at w0 (each k long): dotted with two
 // rows of x at a time, x staying in cache.
 template <typename W>
@@ -60,6 +80,7 @@ void FourRows(int64_t m, int64_t n, int64_t k, const float *x, const W *w0, floa
     const float *xa = x + i * k, *xb = xa + k;
     vf a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
     for (int64_t j = 0; j < kv; j += kLanes) {
+      PrefetchRows(w0, w1, w2, w3, j);
       const vf u = simd::Load(xa + j), v = simd::Load(xb + j);
       const vf r0 = LoadAsFloat(w0 + j), r1 = LoadAsFloat(w1 + j), r2 = LoadAsFloat(w2 + j), r3 = LoadAsFloat(w3 + j);
       a0 += r0 * u; a1 += r1 * u; a2 += r2 * u; a3 += r3 * u;
@@ -79,6 +100,7 @@ void FourRows(int64_t m, int64_t n, int64_t k, const float *x, const W *w0, floa
     const float *xa = x + i * k;
     vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
     for (int64_t j = 0; j < kv; j += kLanes) {
+      PrefetchRows(w0, w1, w2, w3, j);
       const vf u = simd::Load(xa + j);
       a0 += LoadAsFloat(w0 + j) * u; a1 += LoadAsFloat(w1 + j) * u;
       a2 += LoadAsFloat(w2 + j) * u; a3 += LoadAsFloat(w3 + j) * u;
