@@ -16,6 +16,10 @@ import os as _os
 # (docs/threads.md). libgomp reads this once, when it loads, which `import mindspore` does: it takes
 # effect when this package (or `models`) is imported first; a value already set is kept.
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenBLAS's worker threads (the prefill projections' SGEMM) likewise: by default they spin for 2^28
+# clock ticks (~0.1 s) after each call, through the attention and the ops between the GEMMs and into
+# the first decode step after a prefill (docs/threads.md). OpenBLAS reads this when linear.py loads it.
+_os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 from .functional import RotaryFusionFallbackError, rotary_flash_attention
 from .fusion import FuseError, FuseReport, fuse, unfuse

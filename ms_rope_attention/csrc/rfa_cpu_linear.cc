@@ -99,9 +99,12 @@ std::string Validate(const int *ndims, int64_t *const *shapes, const char *const
 // SGEMM to go to without a float32 copy, and halves the bytes to read: it streams up to M = 16.
 constexpr int64_t kSmallRows = 8, kSmallRowsHalf = 16;
 
-// Prefill-sized products with a half W: panels of W's rows converted to float32 (in parallel, the
-// conversion is a read of the half rows) and multiplied by SGEMM, which packs them as it would a
-// float32 W. A panel of this many bytes is large enough that SGEMM's repacking of x per panel stays
+// Prefill-sized products with a half W: panels of W's rows converted to float32 on the OpenMP
+// threads and multiplied by SGEMM, which packs them as it would a float32 W. (Converting on the
+// OpenMP threads lost to one thread while OpenBLAS's idle workers spun for ~0.1 s after each SGEMM;
+// with them asleep (OPENBLAS_THREAD_TIMEOUT, ms_rope_attention/__init__.py) it won: x (512, 4096) by
+// W (11008, 4096) or (4096, 4096) float16 ran at 0.80-0.96x float32's speed against one thread's
+// 0.74-0.90x, faster in each of 8 same-process comparisons (docs/threads.md).) A panel of this many bytes is large enough that SGEMM's repacking of x per panel stays
 // a few percent of the product, small enough to be no burden on the process's memory.
 constexpr int64_t kPanelBytes = int64_t(32) << 20;
 
@@ -133,8 +136,10 @@ void PanelGemm(const Gemm &g, const float *x, const W *w, float *y) {
   thread_local std::vector<float> panel;  // MindSpore may launch on several threads at once
   panel.resize(static_cast<size_t>(std::min(panel_rows, g.n) * g.k));
   float *const buffer = panel.data();  // this thread's: inside the parallel loop `panel` is each worker's own
+  const int threads = omp_get_max_threads();
   for (int64_t n0 = 0; n0 < g.n; n0 += panel_rows) {
     const int64_t cols = std::min(panel_rows, g.n - n0);
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < cols; ++r) rfa::weights::RowToFloat(w + (n0 + r) * g.k, buffer + r * g.k, g.k);
     Sgemm(g, x, buffer, cols, y + n0);
   }
