@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -139,12 +139,22 @@ inline vf HalfVector(const Half *src) {
 
 // kLanes bfloat16 values (uint16 bits) at `src` as float32: the bits shifted into the high half.
 inline vf BFloat16Vector(const uint16_t *src) {
+// One widening load (vpmovzxwd): GCC 12 splits the vector-extension form in two halves and
+// reassembles them, which made bfloat16 products with several rows of x 1.4x slower than float16.
+#if defined(__AVX512F__)  // the maskz form, as in HalfVector
+  const vu w = (vu)_mm512_maskz_cvtepu16_epi32(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i *>(src)));
+  return (vf)(w << 16);
+#elif defined(__AVX2__)
+  const vu w = (vu)_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(src)));
+  return (vf)(w << 16);
+#else
   vh h;
   std::memcpy(&h, src, sizeof h);
   const vu w = __builtin_convertvector(h, vu) << 16;
   vf f;
   std::memcpy(&f, &w, sizeof f);
   return f;
+#endif
 }
 
 // float16 <-> float32 rows. Float -> half rounds to nearest even (F16C where the build has it, GCC's
