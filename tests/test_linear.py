@@ -50,8 +50,8 @@ def test_kernel_equals_float64_reference(x_shape, out_features, weight_dtype, is
 
 @pytest.mark.parametrize("weight_dtype", ["float16", "bfloat16"])
 def test_prefill_sized_half_product_spans_several_panels(weight_dtype, rng):
-    """More W rows than one 32 MiB float32 panel holds (K = 8192: 1024 rows a panel), so the panel
-    loop and its last, partial panel are exercised."""
+    """More W rows than one 64 MiB float32 panel holds (K = 8192: 2048 rows a panel), so the panel
+    loop and its last, partial panel (52 rows) are exercised."""
     x = rng.standard_normal((24, 8192)).astype(np.float32)
     w = rng.standard_normal((2100, 8192)).astype(np.float32).astype(WEIGHT_DTYPES[weight_dtype])
     expected, tol = reference(x, w)

@@ -104,9 +104,12 @@ constexpr int64_t kSmallRows = 8, kSmallRowsHalf = 16;
 // OpenMP threads lost to one thread while OpenBLAS's idle workers spun for ~0.1 s after each SGEMM;
 // with them asleep (OPENBLAS_THREAD_TIMEOUT, ms_rope_attention/__init__.py) it won: x (512, 4096) by
 // W (11008, 4096) or (4096, 4096) float16 ran at 0.80-0.96x float32's speed against one thread's
-// 0.74-0.90x, faster in each of 8 same-process comparisons (docs/threads.md).) A panel of this many bytes is large enough that SGEMM's repacking of x per panel stays
-// a few percent of the product, small enough to be no burden on the process's memory.
-constexpr int64_t kPanelBytes = int64_t(32) << 20;
+// 0.74-0.90x, faster in each of 8 same-process comparisons (docs/threads.md).)
+// SGEMM packs x again for each panel, so fewer, larger panels cost less: 64 MB panels (a whole
+// (4096, 4096) W, a third of an (11008, 4096) one) ran 1-5% faster than 32 MB ones in each of 6
+// same-process comparisons (x (512, 4096 or 11008), float16 W; 128 MB gained nothing more). The
+// buffer is one per launching thread, a fraction of a percent of a 7B model's half weights.
+constexpr int64_t kPanelBytes = int64_t(64) << 20;
 
 template <typename W>
 void SmallRows(const Gemm &g, const float *x, const W *w, float *y) {
