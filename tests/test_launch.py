@@ -75,7 +75,17 @@ def test_a_job_that_succeeds_removes_its_log_folder(job):
     run, _ = _launch(job, "ok")
     assert run.returncode == 0, run.logs
     assert "rank 1 iteration 2" in run.logs[1] and run.log_dir is None
+    assert "rank 1 MS_NODE_TIMEOUT=10" in run.logs[1]  # the launcher's default
     assert not list(job.glob("msrun-*"))
+    _assert_none_left(job)
+
+
+def test_the_environments_cluster_settings_win_over_the_launchers(job, monkeypatch):
+    """The launcher's shortened timeouts are defaults: a value the user's environment sets is kept."""
+    monkeypatch.setenv("MS_NODE_TIMEOUT", "45")
+    run, _ = _launch(job, "ok")
+    assert run.returncode == 0, run.logs
+    assert "rank 0 MS_NODE_TIMEOUT=45" in run.logs[0] and "rank 1 MS_NODE_TIMEOUT=45" in run.logs[1]
     _assert_none_left(job)
 
 

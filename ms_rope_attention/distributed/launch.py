@@ -32,7 +32,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# Cluster building polls every 1 s instead of 3-5 s, and a node lost for 10 s ends the job.
+# Cluster building polls every 1 s instead of 3-5 s, and a node lost for 10 s ends the job; defaults
+# only: a value set in the environment is kept.
 FAST_CLUSTER = {"MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1", "MS_NODE_TIMEOUT": "10"}
 # Set to a fresh random value in the environment of each launch's msrun: every process of the job inherits it.
 JOB_VARIABLE = "MS_ROPE_ATTENTION_LAUNCH"
@@ -215,7 +216,7 @@ def launch(script, args=(), *, workers: int = 2, log_dir=None, timeout: float = 
     # (msrun.log here): the launcher reads the log files. msrun starts its workers with the `python` of PATH: this
     # interpreter's comes first.
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    run_env = {**os.environ, **FAST_CLUSTER, "PATH": path, **(env or {})}
+    run_env = {**FAST_CLUSTER, **os.environ, "PATH": path, **(env or {})}
 
     received: list[int] = []
     previous = {}

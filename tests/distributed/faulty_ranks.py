@@ -2,7 +2,7 @@
 starts in (msrun's scheduler and each worker) first writes its pid to DIR/<pid>, before MindSpore is
 imported, so the test can check by pid that none survives the launch. Then, by MODE:
 
-- ok: the ranks run 3 small AllReduces and exit 0;
+- ok: the ranks print the MS_NODE_TIMEOUT they run with, run 3 small AllReduces and exit 0;
 - exit-early: rank 1 raises before its first collective while rank 0 waits in one;
 - die-mid-run: the ranks loop the AllReduce and rank 1 SIGKILLs itself after 3 iterations;
 - hang: every rank prints ``RESULT sleeping`` and sleeps, alive; a SIGINT or SIGTERM is written to
@@ -38,6 +38,7 @@ from mindspore.communication import get_rank, init  # noqa: E402
 ms.set_device("CPU")
 init()
 rank = get_rank()
+print(f"rank {rank} MS_NODE_TIMEOUT={os.environ.get('MS_NODE_TIMEOUT')}", flush=True)
 if mode == "exit-early" and rank == 1:
     raise RuntimeError("rank 1 fails on purpose")
 all_reduce = ms.ops.AllReduce()
