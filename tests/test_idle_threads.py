@@ -14,13 +14,21 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def fresh_python(code: str, unset: str, **env) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter on this checkout, with ``unset`` removed from this process's
+    environment (the variable under test) and ``env`` added; asserts it succeeded."""
+    child_env = {k: v for k, v in os.environ.items() if k != unset}
+    child_env.update(env, PYTHONPATH=ROOT)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env, cwd=ROOT,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run
+
+
 def spin_count(code: str, **env) -> tuple[str, str]:
     """(libgomp's GOMP_SPINCOUNT, os.environ's OMP_WAIT_POLICY after ``code``) in a fresh process."""
-    child_env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    child_env.update(env, OMP_DISPLAY_ENV="VERBOSE", PYTHONPATH=ROOT)
-    run = subprocess.run([sys.executable, "-c", code + "; import os; print('policy', os.environ.get('OMP_WAIT_POLICY'))"],
-                         capture_output=True, text=True, env=child_env, cwd=ROOT, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
+    run = fresh_python(code + "; import os; print('policy', os.environ.get('OMP_WAIT_POLICY'))", "OMP_WAIT_POLICY",
+                       OMP_DISPLAY_ENV="VERBOSE", **env)
     counts = re.findall(r"GOMP_SPINCOUNT = '(\d+)'", run.stderr + run.stdout)
     assert counts, "libgomp printed no GOMP_SPINCOUNT: " + run.stderr[-2000:]
     return counts[0], run.stdout.split("policy ")[-1].strip()
@@ -62,11 +70,7 @@ print("burned", min(burned))
 
 def cpu_burned_while_asleep(**env) -> float:
     """Seconds of CPU the process used in a 0.3 s sleep right after an SGEMM (min of 3)."""
-    child_env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
-    child_env.update(env, PYTHONPATH=ROOT, OPENBLAS_NUM_THREADS="2")
-    run = subprocess.run([sys.executable, "-c", IDLE_AFTER_SGEMM], capture_output=True, text=True, env=child_env,
-                         cwd=ROOT, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
+    run = fresh_python(IDLE_AFTER_SGEMM, "OPENBLAS_THREAD_TIMEOUT", OPENBLAS_NUM_THREADS="2", **env)
     return float(run.stdout.split("burned ")[-1])
 
 

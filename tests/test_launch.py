@@ -70,8 +70,9 @@ def _launch(job, mode, **options):
     return run, time.monotonic() - start
 
 
-def test_a_job_that_succeeds_removes_its_log_folder(job):
+def test_a_job_that_succeeds_removes_its_log_folder(job, monkeypatch):
     """The control: no fault, status 0, no process left, and the launcher's temporary log folder is gone."""
+    monkeypatch.delenv("MS_NODE_TIMEOUT", raising=False)  # so the launcher's default applies
     run, _ = _launch(job, "ok")
     assert run.returncode == 0, run.logs
     assert "rank 1 iteration 2" in run.logs[1] and run.log_dir is None

@@ -1,8 +1,9 @@
 """Run by tests/test_launch.py under msrun: ``faulty_ranks.py MODE DIR``. Every process the script
 starts in (msrun's scheduler and each worker) first writes its pid to DIR/<pid>, before MindSpore is
-imported, so the test can check by pid that none survives the launch. Then, by MODE:
+imported, so the test can check by pid that none survives the launch. After init() every rank prints
+the MS_NODE_TIMEOUT it runs with. Then, by MODE:
 
-- ok: the ranks print the MS_NODE_TIMEOUT they run with, run 3 small AllReduces and exit 0;
+- ok: the ranks run 3 small AllReduces and exit 0;
 - exit-early: rank 1 raises before its first collective while rank 0 waits in one;
 - die-mid-run: the ranks loop the AllReduce and rank 1 SIGKILLs itself after 3 iterations;
 - hang: every rank prints ``RESULT sleeping`` and sleeps, alive; a SIGINT or SIGTERM is written to
