@@ -1,8 +1,9 @@
 // simd::HalfVector (the kernels' float16 -> float32 conversion, read in registers from a float16 KV
 // cache) against a conversion written here from the IEEE binary16 definition, for all 65536 bit
 // patterns: zeros, subnormals, normals, infinities and NaNs. Built once per instruction set by
-// tests/test_cross_builds.py (the portable x86-64 build converts with integer vector ops, the others
-// with F16C / AVX-512 / aarch64 instructions). Exit status 0 when every pattern agrees.
+// tests/test_cross_builds.py (the portable x86-64 build looks values up in a table built with integer
+// vector ops, the others convert with F16C / AVX-512 / aarch64 instructions). Exit status 0 when
+// every pattern agrees.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
