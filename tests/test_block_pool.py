@@ -22,6 +22,12 @@ blocks_for, prefix_keys = bp.blocks_for, bp.prefix_keys
 BS = 16
 
 
+def token_pool(num_blocks: int, **settings) -> BlockPool:
+    """A pool whose partial matches may hold a single token: the matching mechanism at its finest
+    grain (the default, half a block, is tested on its own below)."""
+    return BlockPool(num_blocks, BS, min_partial=1, **settings)
+
+
 def tokens(start: int, count: int) -> list[int]:
     """``count`` distinct token ids from ``start`` (tests pick starts far apart)."""
     return list(range(start, start + count))
@@ -61,7 +67,7 @@ def test_blocks_for_and_prefix_keys():
 # ---- allocation ----
 
 def test_block_zero_is_never_handed_out_and_running_out_raises():
-    pool = BlockPool(5, BS)
+    pool = token_pool(5)
     assert pool.usable == 4 and pool.available == 4 and pool.cached == 0
     seq = pool.open([], [], 0)
     growth = pool.grow(seq, 4 * BS)
@@ -76,7 +82,7 @@ def test_block_zero_is_never_handed_out_and_running_out_raises():
 
 
 def test_blocks_of_a_closed_sequence_go_back():
-    pool = BlockPool(6, BS)
+    pool = token_pool(6)
     seq, _, _ = prefill(pool, tokens(0, 40))  # 2 full blocks + 8 tokens
     held = list(seq.blocks)
     assert len(held) == 3 and pool.available == 2 and pool.cached == 0
@@ -100,7 +106,7 @@ def test_uncached_blocks_go_back_to_the_free_list():
 
 
 def test_available_counts_free_and_cached_blocks():
-    pool = BlockPool(8, BS)
+    pool = token_pool(8)
     a, _, _ = prefill(pool, X + Y)  # 2 blocks held
     b, _, _ = prefill(pool, Z)  # 1 block held
     assert pool.available == 7 - 3 and pool.cached == 0
@@ -111,7 +117,7 @@ def test_available_counts_free_and_cached_blocks():
 
 
 def test_running_out_raises_only_when_no_cached_block_is_left():
-    pool = BlockPool(3, BS)
+    pool = token_pool(3)
     a, _, _ = prefill(pool, X)
     b, _, _ = prefill(pool, Y)
     pool.close(b)  # Y's block cached
@@ -126,7 +132,7 @@ def test_running_out_raises_only_when_no_cached_block_is_left():
 # ---- reference counts ----
 
 def test_sequences_on_a_matched_prefix_share_its_blocks():
-    pool = BlockPool(8, BS)
+    pool = token_pool(8)
     a, _, _ = prefill(pool, X + Y)
     prefix = list(a.blocks)
     pool.close(a)
@@ -158,7 +164,7 @@ def test_sequences_on_a_matched_prefix_share_its_blocks():
 # ---- match ----
 
 def test_match_follows_the_chain_of_full_blocks():
-    pool = BlockPool(8, BS)
+    pool = token_pool(8)
     a, _, _ = prefill(pool, X + Y)
     x_block, y_block = a.blocks
     pool.close(a)
@@ -169,7 +175,7 @@ def test_match_follows_the_chain_of_full_blocks():
 
 
 def test_match_leaves_the_last_prompt_token_to_compute():
-    pool = BlockPool(8, BS)
+    pool = token_pool(8)
     prompt = X + Y
     a, _, _ = prefill(pool, prompt)
     first, second = a.blocks
@@ -194,7 +200,7 @@ def test_match_leaves_the_last_prompt_token_to_compute():
 
 
 def test_partial_match_inside_a_registered_partial_block():
-    pool = BlockPool(8, BS)
+    pool = token_pool(8)
     prompt = tokens(0, 20)  # a full block and 4 tokens
     a, _, _ = prefill(pool, prompt)
     first, last = a.blocks
@@ -224,7 +230,7 @@ def test_prefix_caching_off_matches_and_registers_nothing():
 def test_prefix_caching_switched_off_ignores_what_is_cached():
     """PagedGenerator.warm_up switches caching off on a pool that may hold cached blocks: they are
     not matched meanwhile, nothing new is registered, and they are found again after."""
-    pool = BlockPool(8, BS)
+    pool = token_pool(8)
     a, _, _ = prefill(pool, X + Y)
     chain = list(a.blocks)
     pool.close(a)
@@ -244,7 +250,7 @@ def test_prefix_caching_switched_off_ignores_what_is_cached():
 def cached_prompt(num_blocks: int):
     """A pool in which a closed 20-token prompt left its full block and its partial one cached:
     (pool, prompt, first block, last block)."""
-    pool = BlockPool(num_blocks, BS)
+    pool = token_pool(num_blocks)
     prompt = tokens(0, 20)
     a, _, _ = prefill(pool, prompt)
     first, last = a.blocks
@@ -279,7 +285,7 @@ def test_a_shared_partial_block_is_copied_and_released_after_the_step():
 
 
 def test_a_registered_block_held_by_one_sequence_is_still_copied():
-    pool = BlockPool(8, BS)
+    pool = token_pool(8)
     prompt = tokens(0, 20)
     a, _, _ = prefill(pool, prompt)
     last = a.blocks[1]
@@ -294,7 +300,7 @@ def test_a_registered_block_held_by_one_sequence_is_still_copied():
 
 
 def test_a_sequences_own_unregistered_block_is_written_in_place():
-    pool = BlockPool(6, BS)
+    pool = token_pool(6)
     seq, growth, _ = prefill(pool, tokens(0, 10))
     block = seq.blocks[0]
     assert growth.copies == []
@@ -310,7 +316,7 @@ def test_a_sequences_own_unregistered_block_is_written_in_place():
 # ---- slots ----
 
 def test_slots_map_positions_across_block_boundaries():
-    pool = BlockPool(8, BS)
+    pool = token_pool(8)
     a = pool.open([], [], 0)
     pool.grow(a, BS)  # block 1
     b = pool.open([], [], 0)
@@ -332,7 +338,7 @@ def test_slots_map_positions_across_block_boundaries():
 
 def _three_cached_blocks():
     """A pool of 3 usable blocks, all cached: X's, then Y's, then Z's released (oldest first)."""
-    pool = BlockPool(4, BS)
+    pool = token_pool(4)
     held = {}
     for name, prompt in (("x", X), ("y", Y), ("z", Z)):
         seq, _, _ = prefill(pool, prompt)
@@ -369,7 +375,7 @@ def test_holding_a_cached_block_takes_it_out_of_the_eviction_order():
 def test_eviction_takes_a_chains_tail_before_its_start():
     """A closed sequence releases its last block first, so the eviction order keeps the start of a
     prefix (what most requests share) findable longest."""
-    pool = BlockPool(4, BS)
+    pool = token_pool(4)
     a, _, _ = prefill(pool, X + Y)
     chain = list(a.blocks)
     pool.close(a)
@@ -383,7 +389,7 @@ def test_eviction_takes_a_chains_tail_before_its_start():
 # ---- registration ----
 
 def test_close_without_keep_registers_nothing():
-    pool = BlockPool(6, BS)
+    pool = token_pool(6)
     prompt = tokens(0, 40)
     a, _, _ = prefill(pool, prompt)
     full = a.blocks[:2]
@@ -393,7 +399,7 @@ def test_close_without_keep_registers_nothing():
     assert pool.available == pool.usable
 
     # a failed step (PagedGenerator._failed): grown, never committed
-    pool = BlockPool(6, BS)
+    pool = token_pool(6)
     seq = pool.open(prompt, *pool.match(prompt))
     pool.grow(seq, len(prompt))
     pool.settle()
@@ -416,7 +422,7 @@ def test_a_failed_step_after_a_copy_releases_both_blocks():
 
 
 def test_commit_registers_full_blocks_only_after_the_step():
-    pool = BlockPool(8, BS)
+    pool = token_pool(8)
     prompt = tokens(0, 40)
     a = pool.open(prompt, *pool.match(prompt))
     pool.grow(a, len(prompt))
@@ -443,7 +449,7 @@ def test_random_use_keeps_the_bookkeeping_consistent(seed):
     tokens, every sequence's blocks hold its tokens, every block is free, cached or held (by as
     many sequences as its count says), block 0 never."""
     rng = random.Random(seed)
-    pool = BlockPool(12, BS, prefix_caching=seed % 4 != 3)
+    pool = token_pool(12, prefix_caching=seed % 4 != 3)
     content = {b: [None] * BS for b in range(pool.num_blocks)}
     bases = [tokens(0, 48), tokens(0, 20) + tokens(700, 28), tokens(900, 40)]
     live = []
@@ -495,3 +501,63 @@ def test_random_use_keeps_the_bookkeeping_consistent(seed):
         assert pool.available == pool.usable - len(holders)
         if not pool.prefix_caching:
             assert pool.cached == 0
+
+
+# ---- partial matches worth their copy, salts, reset ----
+
+def test_a_partial_match_must_hold_half_a_block_by_default():
+    """A partial match copies a whole block to save its tokens: under half a block (a shared BOS,
+    a few words) it is not taken. Candidates are found by their first half block, not by a scan."""
+    pool = BlockPool(8, BS)
+    assert pool.min_partial == BS // 2
+    a, _, _ = prefill(pool, X)
+    (block,) = a.blocks
+    pool.close(a)
+    assert pool.match([X[0], 1, 2]) == ([], 0)  # BOS-like: one token in common
+    assert pool.match(X[:7] + [1]) == ([], 0)
+    assert pool.match(X[:8] + [1]) == ([block], 8)
+    assert pool.match(X[:12] + [1, 2]) == ([block], 12)
+    with pytest.raises(ValueError, match=r"min_partial: expected an int in \[1, 16\], got 0"):
+        BlockPool(8, BS, min_partial=0)
+
+
+def test_whole_blocks_drops_a_partial_last_block():
+    match = bp.Match([3, 5, 7], 2 * BS + 4)
+    assert match.whole_blocks(BS) == ([3, 5], 2 * BS)
+    assert bp.Match([3], BS).whole_blocks(BS) == ([3], BS)
+
+
+def test_chains_of_different_salts_never_meet():
+    pool = BlockPool(8, BS)
+    salted = bp.cache_root("tenant")
+    assert salted != bp.cache_root(None) and salted == bp.cache_root(b"tenant") != bp.cache_root("other")
+    shared, matched = pool.match(X + Y, salted)
+    a = pool.open(X + Y, shared, matched, salted)
+    pool.grow(a, 2 * BS)
+    pool.commit(a, X + Y)
+    chain = list(a.blocks)
+    pool.close(a)
+    assert pool.match(X + Y + [1]) == ([], 0)
+    assert pool.match(X + Y + [1], bp.cache_root("other")) == ([], 0)
+    assert pool.match(X + Y + [1], salted) == (chain, 2 * BS)
+    with pytest.raises(ValueError, match="cache_salt: expected a non-empty str or bytes, or None, got 3"):
+        bp.cache_root(3)
+
+
+def test_reset_forgets_every_prefix_and_a_sequence_across_it_registers_nothing():
+    pool = token_pool(8)
+    a, _, _ = prefill(pool, X + Y)
+    b, _, _ = prefill(pool, Z + [1, 2])
+    pool.close(a)
+    assert pool.cached == 2
+    pool.reset()
+    assert pool.cached == 0 and pool.available == pool.usable - len(b.blocks)
+    assert pool.match(X + Y + [1]) == ([], 0) and pool.match(Z + [1, 2, 3]) == ([], 0)
+    decode(pool, b, 3)
+    pool.close(b)  # opened before the reset: its blocks were computed by the old weights
+    assert pool.cached == 0 and pool.available == pool.usable
+    assert pool.match(Z + [1, 2, 3, 4]) == ([], 0)
+    c, _, _ = prefill(pool, Z + [5])  # after the reset, registration works again
+    chain = list(c.blocks)
+    pool.close(c)
+    assert pool.match(Z + [5, 6]) == (chain, BS + 1)

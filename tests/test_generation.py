@@ -228,7 +228,7 @@ def test_float16_cache_of_a_float32_model(checkpoint, graph, rng):
     (lambda g: g.generate([[1, 2]], [3, 4]), r"max_new_tokens: expected a positive int or one per prompt"),
     (lambda g: g.generate([[1] * 500], 20), r"max_new_tokens: prompts\[0\] \(500 tokens\) \+ 20 new tokens need "
                                             r"519 cached positions, beyond the model's cos/sin cache of 512 "),
-    (lambda g: g.generate([[1, 2]], 3, temperature=-1.0), r"sampling: expected temperature >= 0"),
+    (lambda g: g.generate([[1, 2]], 3, temperature=-1.0), r"temperature: expected a finite number >= 0"),
     (lambda g: g.prefill_logits([[1]] * 3), r"prompts: 3 prompts in one prefill, the generator has 2 slots"),
 ])
 def test_bad_input_is_refused_before_anything_is_written(checkpoint, graph, call, message):

@@ -4,6 +4,9 @@ against full forwards in test_generation.py) in both modes and block sizes, cach
 contiguous cache's bit for bit (copy-on-write included), prefix caching computing only what is not
 cached and changing no token, requests joining, aborting and sampling each as they would alone,
 blocks coming back, eviction under a small budget, and bad input refused with the others untouched."""
+import threading
+
+import mindspore as ms
 import numpy as np
 import pytest
 
@@ -12,6 +15,7 @@ from test_llama import CONFIG
 
 from ms_rope_attention.paged import paged_calls
 from models.llama.block_pool import blocks_for
+from models.llama.decoding import SamplingError
 from models.llama.generate import Generator
 from models.llama.kv_cache import block_bytes
 from models.llama.model import DTYPES
@@ -64,8 +68,13 @@ def test_a_cached_prefix_is_not_computed_again_and_changes_no_token(checkpoint, 
     again = paged.generate(prompts, 8, eos_ids=()).tokens
     assert again == first
     warm_up = sum(len(p) for p in prompts)  # the warm-up computes whole prompts, caching off
-    assert paged.prefilled_tokens - computed == warm_up + len(prompts)  # each prompt's last token only
-    assert paged.cached_prompt_tokens - cached == sum(len(p) - 1 for p in prompts)
+    # all but each prompt's last token is cached (the first run registered prompt + generated tokens),
+    # but a partial block is taken only when it holds half a block of the prompt: 40 and 67 tokens
+    # find 39 - 32 = 7 and 66 - 64 = 2 tokens in their last blocks, which they compute again
+    assert [len(p) for p in prompts] == [40, 67]
+    reused = [32, 64]
+    assert paged.prefilled_tokens - computed == warm_up + sum(len(p) - n for p, n in zip(prompts, reused))
+    assert paged.cached_prompt_tokens - cached == sum(reused)
     cold = PagedGenerator(model, max_cache_bytes=budget(model, 64), max_batch=2, prefix_caching=False)
     assert cold.generate(prompts, 8, eos_ids=()).tokens == first
     assert cold.cached_prompt_tokens == 0
@@ -99,17 +108,17 @@ def _paged_rows(paged, request, layer):
 
 
 def test_cache_rows_equal_the_contiguous_caches_copy_on_write_included(checkpoint, graph, rng):
-    """A prompt, then a second one sharing its first 37 tokens, whose block 2 (tokens 32..47) the
-    first holds: the second copies it before writing. Every key and value row of both, after
+    """A prompt, then a second one sharing its first 44 tokens, whose block 2 (tokens 32..47) the
+    first holds: the second copies it before writing (12 tokens of it shared: over half a block). Every key and value row of both, after
     prefill and after two decode steps, equals the contiguous cache's for the same tokens."""
     model = load_checkpoint(checkpoint[1], progress=False)
-    prompts = prompts_of(rng, 12, 4)
+    prompts = prompts_of(rng, 5, 4, shared=SYSTEM + rng.integers(3, CONFIG.vocab_size, 7).tolist())
     paged = PagedGenerator(model, max_cache_bytes=budget(model, 32), max_batch=2)
     first = paged.add_request(prompts[0], 8, eos_ids=())
     paged.step()
     second = paged.add_request(prompts[1], 8, eos_ids=())
     paged.step()
-    assert paged.last_step == "prefill" and paged.cached_prompt_tokens == 37
+    assert paged.last_step == "prefill" and paged.cached_prompt_tokens == 44
     blocks = [r.seq.blocks for r in paged.running]
     assert blocks[0][:2] == blocks[1][:2] and blocks[0][2] != blocks[1][2]  # shared, then copied
     for _ in range(2):
@@ -200,7 +209,7 @@ def test_bad_input_is_refused_and_leaves_the_other_requests_alone(checkpoint, gr
         paged.add_request([5] * 300, 1)
     with pytest.raises(ValueError, match=r"prompt: expected token ids"):
         paged.add_request([1, CONFIG.vocab_size], 1)
-    with pytest.raises(ValueError, match="sampling"):
+    with pytest.raises(ValueError, match="top_p"):
         paged.add_request([1, 2], 1, top_p=0)
     with pytest.raises(ValueError, match="stream: 1 requests of add_request"):
         next(paged.stream([[1, 2]], 1))
@@ -228,3 +237,225 @@ def test_the_default_budget_holds_max_batch_sequences_of_the_models_positions(ch
     model = load_checkpoint(checkpoint[1], progress=False)
     paged = PagedGenerator(model, max_batch=3)
     assert paged.pool.usable == 3 * blocks_for(model.max_positions, 16)
+
+
+# ---- the engine's hardening (security-review-2: F1, F3, F7, F8, F9, the thread rule, bad input) ----
+
+def drain(paged, limit=400):
+    """Steps until nothing is unfinished (a bounded number: a livelock fails instead of hanging);
+    the tokens and errors of each request id."""
+    tokens, errors = {}, {}
+    for _ in range(limit):
+        if not paged.has_unfinished:
+            return tokens, errors
+        for t in paged.step():
+            if t.error is not None:
+                errors[t.request] = t.error
+            else:
+                tokens.setdefault(t.request, []).append(t.token)
+    raise AssertionError(f"still unfinished after {limit} steps: waiting {[r.id for r in paged.waiting]}, "
+                         f"running {[r.id for r in paged.running]}")
+
+
+def assert_pool_at_rest(paged):
+    assert not paged.running and paged.reserved == 0 and not paged.pool.pending_releases()
+    assert (paged.pool.refs == 0).all() and paged.pool.available == paged.pool.usable
+
+
+@pytest.mark.parametrize("shared", [1, 10], ids=["bos-only", "partial-block"])
+def test_a_request_sized_to_the_whole_cache_is_admitted_after_a_prefix_sharing_one(checkpoint, graph, shared):
+    """F1: 3 usable blocks. A request sharing ``shared`` leading tokens with a finished one, whose
+    48 positions need all 3 blocks, is admitted (then the one queued behind it). Its partially
+    matched block used to be counted twice (held, and copied), so it never fit, and FIFO admission
+    held every later request too: ``stream`` spun forever. BOS alone is no longer matched at all
+    (under half a block); 10 tokens are, and the match is cut to whole blocks when it does not fit."""
+    model = load_checkpoint(checkpoint[1], progress=False)
+    paged = PagedGenerator(model, max_cache_bytes=budget(model, 4), max_batch=2)
+    assert paged.pool.usable == 3
+    first = list(range(1, 11))
+    paged.add_request(first, 2, eos_ids=())
+    drain(paged)
+    whole = paged.add_request(first[:shared] + [7] * (40 - shared), 9, eos_ids=())  # 40 + 9 - 1 = 48 positions
+    after = paged.add_request([5, 6], 3, eos_ids=())
+    tokens, errors = drain(paged)
+    assert not errors and len(tokens[whole]) == 9 and len(tokens[after]) == 3
+    assert tokens[whole] == alone(model, first[:shared] + [7] * (40 - shared), 9)
+    assert_pool_at_rest(paged)
+
+
+def test_the_prefix_cache_takes_a_partial_block_only_when_it_saves_half_a_block(checkpoint, graph, rng):
+    """F9: a prompt sharing its first 7 tokens with a cached one computes all its tokens (copying a
+    whole block in every layer to save 7 positions of 16 costs more than it saves); 8 are reused."""
+    model = load_checkpoint(checkpoint[1], progress=False)
+    paged = PagedGenerator(model, max_cache_bytes=budget(model, 16))
+    base = rng.integers(3, CONFIG.vocab_size, 12).tolist()
+    paged.add_request(base, 2, eos_ids=())
+    drain(paged)
+    for shared, reused in ((7, 0), (8, 8)):
+        before = paged.cached_prompt_tokens
+        paged.add_request(base[:shared] + [2] * 5, 2, eos_ids=())
+        drain(paged)
+        assert paged.cached_prompt_tokens - before == reused
+
+
+def nan_row_model(checkpoint, token):
+    """The tiny model with ``token``'s embedding row NaN: the rows of a prompt holding it turn NaN,
+    and only its own (attention never crosses sequences)."""
+    model = load_checkpoint(checkpoint[1], progress=False)
+    table = model.model.embed_tokens.weight
+    values = table.asnumpy()
+    values[token] = np.nan
+    table.set_data(ms.Tensor(values))
+    return model
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_request_whose_row_cannot_be_sampled_ends_alone_and_the_step_commits_the_others(
+        checkpoint, graph, rng, temperature):
+    """F3: three requests prefilled together, the middle one's logits NaN. It ends with a
+    ``SamplingError`` (no token: greedy's argmax of NaN used to be an arbitrary one, sampling raised
+    out of ``step`` and left the request after it with no token pending, which the next decode fed
+    as id -1), its blocks go back, nothing it wrote is cached, and the others get the tokens they
+    get alone."""
+    model = nan_row_model(checkpoint, 200)
+    a, c = prompts_of(rng, 4, 9, shared=[])
+    b = [5, 200, 6, 7]
+    paged = PagedGenerator(model, max_cache_bytes=budget(model, 16), max_batch=3)
+    ids = [paged.add_request(p, 6, eos_ids=(), temperature=temperature, seed=1) for p in (a, b, c)]
+    first = paged.step()
+    assert [t.request for t in first] == ids and first[1].token is None and first[1].finished
+    assert isinstance(first[1].error, SamplingError)
+    assert [r.id for r in paged.running] == [ids[0], ids[2]]
+    tokens, errors = drain(paged)
+    assert not errors
+    assert [first[0].token] + tokens[ids[0]] == alone(model, a, 6, temperature=temperature, seed=1)
+    assert [first[2].token] + tokens[ids[2]] == alone(model, c, 6, temperature=temperature, seed=1)
+    assert_pool_at_rest(paged)
+    assert paged.pool.match(b + [1]).tokens == 0  # nothing of the failed request is cached
+    with pytest.raises(SamplingError):
+        list(paged.stream([b], 3))  # stream raises the request's error
+    assert_pool_at_rest(paged)
+
+
+def test_a_step_that_fails_before_its_graph_runs_ends_its_requests_and_registers_nothing(checkpoint, graph, rng):
+    """F8: the second joining request's growth raises after the first one's copy-on-write swap put
+    a block never copied into its table. Every request of the step ends, its blocks freed and none
+    registered; an ``abort`` after it finds nothing (it used to register the uncopied block as
+    cached, matchable later by another prompt)."""
+    model = load_checkpoint(checkpoint[1], progress=False)
+    paged = PagedGenerator(model, max_cache_bytes=budget(model, 16), max_batch=2)
+    shared = rng.integers(3, CONFIG.vocab_size, 28).tolist()
+    paged.add_request(shared, 2, eos_ids=())
+    drain(paged)
+    cached = set(paged.pool.cached_blocks)
+    first = paged.add_request(shared[:24] + [9, 9], 4, eos_ids=())  # copies the cached partial block
+    second = paged.add_request([4, 5, 6], 4, eos_ids=())
+    grow, calls = paged.pool.grow, []
+
+    def failing_grow(seq, count):
+        calls.append(count)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # anything: Ctrl-C, a bug, the pool running dry
+        return grow(seq, count)
+
+    paged.pool.grow = failing_grow
+    with pytest.raises(KeyboardInterrupt):
+        paged.step()
+    paged.pool.grow = grow
+    assert not paged.abort(first) and not paged.abort(second)
+    assert_pool_at_rest(paged)
+    assert set(paged.pool.cached_blocks) <= cached
+
+
+def test_abort_from_another_thread_waits_for_the_step(checkpoint, graph, rng):
+    """The thread rule: every public call holds the generator's lock. An ``abort`` issued while a
+    decode step is inside the model returns only after the step has ended (it used to run at once,
+    changing ``running`` and the pool under the step)."""
+    model = load_checkpoint(checkpoint[1], progress=False)
+    paged = PagedGenerator(model, max_cache_bytes=budget(model, 16), max_batch=2)
+    ids = [paged.add_request(p, 8, eos_ids=()) for p in prompts_of(rng, 3, 5, shared=[])]
+    paged.step()
+    decode, inside, aborted, seen = paged.decode, threading.Event(), threading.Event(), []
+
+    def slow_decode(*args):
+        inside.set()
+        seen.append(aborted.wait(0.5))  # an abort that does not wait for the step lands here
+        return decode(*args)
+
+    paged.decode = slow_decode
+    thread = threading.Thread(target=lambda: (inside.wait(10), paged.abort(ids[1]), aborted.set()))
+    thread.start()
+    tokens = paged.step()
+    thread.join(10)
+    assert seen == [False] and aborted.is_set()
+    assert [t.request for t in tokens] == ids and [r.id for r in paged.running] == ids[:1]
+    paged.decode = decode
+    drain(paged)
+    assert_pool_at_rest(paged)
+
+
+def test_a_cache_salt_isolates_requests_and_a_reset_forgets_every_prefix(checkpoint, graph, rng):
+    """F7: the same prompt under another salt shares nothing (no timing of another tenant's text);
+    under the same salt it does. After the weights change and ``reset_prefix_cache``, nothing
+    computed with the old weights is reused: the tokens are the new weights' alone."""
+    model = load_checkpoint(checkpoint[1], progress=False)
+    paged = PagedGenerator(model, max_cache_bytes=budget(model, 32), max_batch=2)
+    prompt = rng.integers(3, CONFIG.vocab_size, 44).tolist()
+
+    def cached_by(**salt):
+        before = paged.cached_prompt_tokens
+        paged.add_request(prompt, 3, eos_ids=(), **salt)
+        tokens, _ = drain(paged)
+        return paged.cached_prompt_tokens - before, next(iter(tokens.values()))
+
+    assert cached_by(cache_salt="tenant-a")[0] == 0
+    assert cached_by(cache_salt="tenant-b")[0] == 0
+    assert cached_by()[0] == 0
+    assert cached_by(cache_salt="tenant-a")[0] == 43
+    assert cached_by(cache_salt=b"tenant-b")[0] == 43
+    for parameter in model.get_parameters():  # new weights: each matrix's rows reversed
+        if parameter.ndim == 2:
+            parameter.set_data(ms.Tensor(parameter.asnumpy()[::-1].copy()))
+    paged.reset_prefix_cache()
+    assert paged.pool.cached == 0
+    reused, tokens = cached_by(cache_salt="tenant-a")
+    assert reused == 0 and tokens == alone(model, prompt, 3)
+    with pytest.raises(ValueError, match="cache_salt: expected a non-empty str or bytes"):
+        paged.add_request(prompt, 3, cache_salt=7)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda p: p.add_request(None, 2), "prompt: expected a list of token ids, got NoneType"),
+    (lambda p: p.add_request("abc", 2), "prompt: expected a list of token ids, got str"),
+    (lambda p: p.add_request([1, 2], 2.5), r"max_new_tokens: expected a positive int or one per prompt, got 2.5"),
+    (lambda p: p.add_request([1, 2], None), r"max_new_tokens: expected a positive int or one per prompt, got None"),
+    (lambda p: p.add_request([1, 2], True), r"max_new_tokens: expected a positive int"),
+    (lambda p: p.add_request([1, 2], 2, temperature=float("nan")), "temperature: expected a finite number"),
+    (lambda p: p.add_request([1, 2], 2, top_k=1.5), "top_k: expected an int >= 0"),
+    (lambda p: p.add_request([1, 2], 2, seed=-1), "seed: expected an int >= 0, got -1"),
+    (lambda p: p.add_request([1, 2], 2, seed="x"), "seed: expected an int >= 0"),
+    (lambda p: p.add_request([1, 2], 2, eos_ids=5), "eos_ids: expected a list of token ids"),
+    (lambda p: p.add_request([1, 2], 2, eos_ids=[1.5]), "eos_ids: expected a list of token ids"),
+    (lambda p: p.add_request([1, 2], 2, cache_salt=""), "cache_salt: expected a non-empty str or bytes"),
+])
+def test_add_request_refuses_bad_input_by_name_and_queues_nothing(checkpoint, call, message):
+    model = load_checkpoint(checkpoint[1], progress=False)
+    paged = PagedGenerator(model, max_cache_bytes=budget(model, 8))
+    with pytest.raises(ValueError, match=message):
+        call(paged)
+    assert not paged.has_unfinished
+
+
+def test_a_thousand_sampled_requests_run_without_an_exception(checkpoint, graph):
+    """The sampling crash at the default top_p (F2) across the engine: 1,000 requests of random
+    prompts, temperatures and top_k / top_p (the default top_p among them) on a small cache."""
+    model = load_checkpoint(checkpoint[1], progress=False)
+    paged = PagedGenerator(model, max_cache_bytes=budget(model, 12), max_batch=8)
+    rng = np.random.default_rng(5)
+    for i in range(1000):
+        paged.add_request(rng.integers(0, CONFIG.vocab_size, int(rng.integers(1, 30))).tolist(),
+                          int(rng.integers(1, 5)), temperature=float(rng.choice([0.0, 0.7, 1.0, 1.3])),
+                          top_k=int(rng.choice([0, 0, 5])), top_p=float(rng.choice([1.0, 1.0, 0.9])), seed=i)
+    tokens, errors = drain(paged, limit=10_000)
+    assert not errors and len(tokens) == 1000
+    assert_pool_at_rest(paged)

@@ -10,7 +10,16 @@ blocks before it, named by a SHA-256 digest of that chain (a cheap hash whose co
 forged would let one request read another's keys; vLLM's prefix cache had that flaw). Full blocks
 are registered when the step that filled them has run; a sequence's last, partial block when the
 sequence ends. A request's prompt is matched block by block against what is registered, the last
-match possibly partial (a shared prefix that ends inside a block).
+match possibly partial (a shared prefix that ends inside a block), but only when it saves at least
+``MIN_PARTIAL_SHARE`` of a block: a partial match costs a copy of the whole block in every layer and
+one more block while the copy is made, which a prompt sharing only its BOS token would pay for
+nothing.
+
+**Isolation.** A request's chain starts from a root named by its ``cache_salt`` (vLLM's and the
+hosted APIs' name): requests of different salts never share a block, so one tenant cannot time
+another's prompts through the cache. ``reset`` forgets every registration (after the model's
+weights changed): nothing computed before it is found again, and sequences running across it
+register nothing.
 
 **Copy-on-write.** A registered block is never written again, nor is a block two sequences hold: a
 sequence about to write into one (its shared prefix ends inside it) gets a fresh block, and the
@@ -24,10 +33,12 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 SCRATCH_BLOCK = 0
+MIN_PARTIAL_SHARE = 0.5  # of a block: the least a partial match must save to be taken
 _ROOT = b"root"
 
 
@@ -36,9 +47,20 @@ def chain_key(parent: bytes, tokens) -> bytes:
     return hashlib.sha256(parent + np.asarray(tokens, np.int64).tobytes()).digest()
 
 
-def prefix_keys(tokens, block_size: int) -> list[bytes]:
-    """The chain digests of the full blocks of ``tokens``, in order."""
-    keys, parent = [], _ROOT
+def cache_root(salt: str | bytes | None = None) -> bytes:
+    """The root of the chains of requests with this ``cache_salt`` (None: the shared, unsalted one)."""
+    if salt is None:
+        return _ROOT
+    if isinstance(salt, str):
+        salt = salt.encode()
+    if not isinstance(salt, bytes) or not salt:
+        raise ValueError(f"cache_salt: expected a non-empty str or bytes, or None, got {salt!r:.80}")
+    return hashlib.sha256(b"salt:" + salt).digest()
+
+
+def prefix_keys(tokens, block_size: int, root: bytes = _ROOT) -> list[bytes]:
+    """The chain digests of the full blocks of ``tokens``, in order, from ``root``."""
+    keys, parent = [], root
     for i in range(len(tokens) // block_size):
         parent = chain_key(parent, tokens[i * block_size:(i + 1) * block_size])
         keys.append(parent)
@@ -49,14 +71,29 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
+class Match(NamedTuple):
+    """What a prompt finds cached: the ``blocks`` holding its first ``tokens`` tokens (the last
+    block possibly partly: ``tokens`` not a multiple of the block size)."""
+    blocks: list[int]
+    tokens: int
+
+    def whole_blocks(self, block_size: int) -> "Match":
+        """The match without its partial last block."""
+        full = self.tokens // block_size
+        return Match(self.blocks[:full], full * block_size)
+
+
 @dataclass
 class SequenceBlocks:
     """One sequence's blocks: ``blocks[i]`` holds its positions [i * block_size, (i + 1) * block_size);
     ``tokens`` are the ids whose keys the cache holds (``length`` of them); ``keys`` the chain
-    digests of its leading full blocks that were registered."""
+    digests of its leading full blocks that were registered, from ``root`` (its salt's); ``epoch``
+    the pool's when it opened (a sequence older than the last ``reset`` registers nothing)."""
     blocks: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)
+    root: bytes = _ROOT
+    epoch: int = 0
 
     @property
     def length(self) -> int:
@@ -73,16 +110,27 @@ class Growth:
 
 class BlockPool:
     """``num_blocks`` blocks of ``block_size`` token positions (block 0 reserved); see the module's
-    docstring. ``prefix_caching=False`` matches and registers nothing (every prompt is computed)."""
+    docstring. ``prefix_caching=False`` matches and registers nothing (every prompt is computed).
+    ``min_partial``: the fewest tokens a partial match of a block may hold (default
+    ``MIN_PARTIAL_SHARE`` of a block)."""
 
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True, min_partial: int | None = None):
         if not isinstance(num_blocks, int) or num_blocks < 2:
             raise ValueError(f"num_blocks: expected an int >= 2 (block 0 is the padding's), got {num_blocks!r}")
+        if min_partial is None:
+            min_partial = max(1, int(MIN_PARTIAL_SHARE * block_size))
+        if not isinstance(min_partial, int) or not 1 <= min_partial <= block_size:
+            raise ValueError(f"min_partial: expected an int in [1, {block_size}], got {min_partial!r}")
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
+        self.min_partial = min_partial
+        self.epoch = 0  # counts resets
         self.refs = np.zeros(num_blocks, np.int64)
         self._free = list(range(num_blocks - 1, SCRATCH_BLOCK, -1))  # popped from the end: lowest first
         self._cached = OrderedDict()  # block -> None: registered, held by no sequence; oldest first
         self._children: dict[bytes, dict[tuple, int]] = {}  # chain digest -> {block's tokens: block}
+        # (chain digest, a block's first min_partial tokens) -> {block: None}: the candidates of a partial
+        # match, found without scanning every child of the chain
+        self._starts: dict[tuple[bytes, tuple], dict[int, None]] = {}
         self._entry: dict[int, tuple[bytes, tuple]] = {}  # registered block -> (its parent's digest, its tokens)
         self._deferred: list[int] = []  # blocks released by a copy-on-write, freed once the step ran
 
@@ -100,6 +148,23 @@ class BlockPool:
     @property
     def cached(self) -> int:
         return len(self._cached)
+
+    @property
+    def free(self) -> list[int]:
+        """Blocks no sequence holds and no registration names (a copy: for checks and tests)."""
+        return list(self._free)
+
+    @property
+    def cached_blocks(self) -> list[int]:
+        """Registered blocks no sequence holds, the next to be evicted first (a copy)."""
+        return list(self._cached)
+
+    def registered(self, block: int) -> bool:
+        return block in self._entry
+
+    def pending_releases(self) -> list[int]:
+        """Blocks replaced by a copy-on-write whose step has not yet settled (a copy)."""
+        return list(self._deferred)
 
     # ---- blocks ----
     def _allocate(self) -> int:
@@ -130,21 +195,40 @@ class BlockPool:
         if tokens not in children and block not in self._entry:
             children[tokens] = block
             self._entry[block] = (parent, tokens)
+            if len(tokens) >= self.min_partial:
+                self._starts.setdefault((parent, tokens[:self.min_partial]), {})[block] = None
 
     def _unregister(self, block: int) -> None:
         parent, tokens = self._entry.pop(block)
         del self._children[parent][tokens]
         if not self._children[parent]:
             del self._children[parent]
+        if len(tokens) >= self.min_partial:
+            start = (parent, tokens[:self.min_partial])
+            del self._starts[start][block]
+            if not self._starts[start]:
+                del self._starts[start]
+
+    def reset(self) -> None:
+        """Forgets every registration (the model's weights changed): cached blocks become free,
+        held ones stay with their sequences, and those sequences register nothing more."""
+        for block in self._cached:
+            self._free.append(block)
+        self._cached.clear()
+        self._children.clear()
+        self._starts.clear()
+        self._entry.clear()
+        self.epoch += 1
 
     # ---- sequences ----
-    def match(self, prompt) -> tuple[list[int], int]:
-        """The longest registered prefix of ``prompt`` that leaves at least its last token to compute
-        (its logits are needed): (blocks, tokens they hold of it). Nothing is held yet."""
+    def match(self, prompt, root: bytes = _ROOT) -> Match:
+        """The longest registered prefix of ``prompt`` (chains from ``root``: its salt's) that leaves at
+        least its last token to compute (its logits are needed); a partial last block only if it
+        holds ``min_partial`` tokens of it. Nothing is held yet."""
         if not self.prefix_caching:
-            return [], 0
+            return Match([], 0)
         limit, bs = len(prompt) - 1, self.block_size
-        blocks, parent, matched = [], _ROOT, 0
+        blocks, parent, matched = [], root, 0
         while matched < limit:
             children = self._children.get(parent)
             if not children:
@@ -155,23 +239,24 @@ class BlockPool:
                 blocks.append(block)
                 parent, matched = chain_key(parent, want), matched + bs
                 continue
-            best, best_len = None, 0  # a partial match: the longest common start among the children
-            for tokens, candidate in children.items():
-                common = _common_prefix(tokens, want)
-                if common > best_len:
-                    best, best_len = candidate, common
-            if best is not None:
-                blocks.append(best)
-                matched += min(best_len, limit - matched)
+            if limit - matched >= self.min_partial:  # a partial match: the longest common start
+                best, best_len = None, 0
+                for candidate in self._starts.get((parent, want[:self.min_partial]), ()):
+                    common = _common_prefix(self._entry[candidate][1], want)
+                    if common > best_len:
+                        best, best_len = candidate, common
+                if best is not None:
+                    blocks.append(best)
+                    matched += min(best_len, limit - matched)
             break
-        return blocks, matched
+        return Match(blocks, matched)
 
-    def open(self, prompt, shared: list[int], matched: int) -> SequenceBlocks:
-        """A sequence holding the ``shared`` blocks of ``match(prompt)``, ``matched`` tokens cached."""
+    def open(self, prompt, shared: list[int], matched: int, root: bytes = _ROOT) -> SequenceBlocks:
+        """A sequence holding the ``shared`` blocks of ``match(prompt, root)``, ``matched`` tokens cached."""
         for block in shared:
             self._hold(block)
-        keys = prefix_keys(prompt[:matched], self.block_size) if self.prefix_caching else []
-        return SequenceBlocks(list(shared), list(prompt[:matched]), keys)
+        keys = prefix_keys(prompt[:matched], self.block_size, root) if self.prefix_caching else []
+        return SequenceBlocks(list(shared), list(prompt[:matched]), keys, root, self.epoch)
 
     def grow(self, seq: SequenceBlocks, count: int) -> Growth:
         """Blocks for ``count`` more tokens of ``seq`` (from position ``seq.length``); a block it
@@ -197,12 +282,12 @@ class BlockPool:
         full blocks they completed are registered."""
         seq.tokens.extend(int(t) for t in tokens)
         self.settle()
-        if not self.prefix_caching:
+        if not self.prefix_caching or seq.epoch != self.epoch:
             return
         bs = self.block_size
         while len(seq.keys) < seq.length // bs:
             i = len(seq.keys)
-            parent = seq.keys[-1] if seq.keys else _ROOT
+            parent = seq.keys[-1] if seq.keys else seq.root
             block_tokens = tuple(seq.tokens[i * bs:(i + 1) * bs])
             self._register(seq.blocks[i], parent, block_tokens)
             seq.keys.append(chain_key(parent, block_tokens))
@@ -217,8 +302,9 @@ class BlockPool:
         """The sequence ended: with ``keep``, its partial last block is registered (its keys are final;
         not after a failed step, whose writes may be missing) and every block it held is released."""
         full = seq.length // self.block_size
-        if keep and self.prefix_caching and seq.length % self.block_size and len(seq.blocks) > full:
-            self._register(seq.blocks[full], seq.keys[-1] if seq.keys else _ROOT,
+        if (keep and self.prefix_caching and seq.epoch == self.epoch and seq.length % self.block_size
+                and len(seq.blocks) > full and len(seq.keys) == full):
+            self._register(seq.blocks[full], seq.keys[-1] if seq.keys else seq.root,
                            tuple(seq.tokens[full * self.block_size:]))
         for block in reversed(seq.blocks):  # last first: eviction takes a chain's tail before its start
             self._release(block)

@@ -28,17 +28,40 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
 def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise ValueError(f"sampling: expected temperature >= 0, 0 < top_p <= 1, top_k >= 0; got {temperature}, "
-                         f"{top_p}, {top_k}")
+    """Refuses, naming the setting, what ``sample`` cannot honour (NaN, strings, fractional top_k)."""
+    if not _is_real(temperature) or not 0 <= temperature < float("inf"):
+        raise ValueError(f"temperature: expected a finite number >= 0, got {temperature!r}")
+    if not _is_real(top_p) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p: expected a number in (0, 1], got {top_p!r}")
+    if not _is_int(top_k) or top_k < 0:
+        raise ValueError(f"top_k: expected an int >= 0 (0: no cut), got {top_k!r}")
+
+
+class SamplingError(ValueError):
+    """A row of logits no token can be drawn from (NaN, or no finite logit)."""
 
 
 def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float = 0.0, top_k: int = 0,
            top_p: float = 1.0) -> np.ndarray:
     """Next token per row of ``logits`` (B, vocab): greedy at temperature 0, else sampled from the
-    temperature-scaled distribution restricted to the top_k tokens and the top_p probability mass."""
+    temperature-scaled distribution restricted to the top_k tokens and the smallest prefix of them
+    (by probability) holding top_p of the mass; ``top_p=1`` cuts nothing. A row holding NaN or +inf,
+    or only -inf, raises ``SamplingError`` (its argmax would be an arbitrary token)."""
     check_sampling(temperature, top_k, top_p)
+    logits = np.asarray(logits)
+    bad = np.isnan(logits).any(-1) | np.isposinf(logits).any(-1) | ~np.isfinite(logits).any(-1)
+    if bad.any():
+        raise SamplingError(f"logits: row {int(np.argmax(bad))} holds NaN or +inf, or no finite value; "
+                            "no token can be drawn from it")
     if temperature == 0:
         return logits.argmax(-1)
     out = np.empty(logits.shape[0], np.int64)
@@ -48,8 +71,10 @@ def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float = 0.
             order = order[:top_k]
         probs = np.exp(row[order] - row[order[0]])
         probs /= probs.sum()
-        keep = np.searchsorted(np.cumsum(probs), top_p) + 1  # smallest prefix holding top_p of the mass
-        probs = probs[:keep] / probs[:keep].sum()
+        keep = len(probs)
+        if top_p < 1:  # the float64 sum of the mass may end a few ulps under 1: never search for 1 itself
+            keep = min(keep, int(np.searchsorted(np.cumsum(probs), top_p)) + 1)
+            probs = probs[:keep] / probs[:keep].sum()
         out[b] = order[rng.choice(keep, p=probs)]
     return out
 
@@ -60,12 +85,20 @@ def check_prompts(model, prompts, max_new_tokens, name: str = "prompts") -> list
     name ``{name}[i]`` (a single request's call passes ``name='prompt'``, named alone)."""
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts: expected a non-empty list of prompts (lists of token ids)")
-    counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-    if len(counts) != len(prompts) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
-        raise ValueError(f"max_new_tokens: expected a positive int or one per prompt, got {max_new_tokens!r}")
+    if _is_int(max_new_tokens):
+        counts = [int(max_new_tokens)] * len(prompts)
+    elif isinstance(max_new_tokens, (list, tuple)):
+        counts = list(max_new_tokens)
+    else:
+        counts = None
+    if counts is None or len(counts) != len(prompts) or any(not _is_int(n) or n < 1 for n in counts):
+        raise ValueError(f"max_new_tokens: expected a positive int or one per prompt, got {max_new_tokens!r:.80}")
+    counts = [int(n) for n in counts]
     vocab = model.vocab_size
     for i, (prompt, n) in enumerate(zip(prompts, counts)):
         where = name if name == "prompt" else f"{name}[{i}]"
+        if not isinstance(prompt, (list, tuple, np.ndarray)):
+            raise ValueError(f"{where}: expected a list of token ids, got {type(prompt).__name__}")
         if len(prompt) == 0:
             raise ValueError(f"{where}: empty; every prompt needs at least one token")
         ids = np.asarray(prompt)
@@ -105,10 +138,13 @@ def dynamic_vector(dtype):
 
 @dataclass
 class Token:
-    """One generated token of a ``Generator.stream``: ``request`` is the prompt's index."""
+    """One generated token of a ``Generator.stream`` (``request``: the prompt's index) or of a
+    ``PagedGenerator.step`` (``request``: the id ``add_request`` returned). A request that ended in
+    error yields one last ``Token`` with ``token=None``, ``finished=True`` and the ``error``."""
     request: int
-    token: int
+    token: int | None
     finished: bool  # the request's last token (EOS or its max_new_tokens)
+    error: Exception | None = None
 
 
 @dataclass

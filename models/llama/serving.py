@@ -8,19 +8,33 @@ tokens reach, allocated as it grows and released when it ends, and requests whos
 prefix share its blocks (``block_pool.BlockPool``: reference counts, copy-on-write, a SHA-256 chain
 per block), so the shared part is computed once.
 
-A server drives it with ``add_request`` (per-request sampling settings) / ``step`` / ``abort``;
-``stream`` and ``generate`` are the same calls as the ``Generator``'s. Each ``step`` either
+A server drives it with ``add_request`` (per-request sampling settings and cache salt) / ``step`` /
+``abort``; ``stream`` and ``generate`` are the same calls as the ``Generator``'s. Each ``step`` either
 prefills the requests it admits (one packed call; the new keys rotated once and written by
 ``rotary_cache_write``, attention over cached prefix + new tokens by the fused op with
 ``key_rotated``) or decodes one token of every running request (one call of
 ``rotary_paged_attention`` per layer, reading the blocks in place). A request is admitted when the
 blocks it can grow to (prompt + new tokens, less the full blocks it shares) fit beside what the
-running requests can still take, so a step never runs out of blocks and nothing is preempted.
+running requests can still take, so a step never runs out of blocks and nothing is preempted;
+admission is first come, first served, and a request the cache can hold alone is admitted at the
+latest when nothing else runs.
+
+**A step is all or nothing.** The blocks it grows, the graph call and the sampling of every row
+happen first; if any of them raises, every request of the step ends (its blocks freed, nothing it
+wrote registered as cached) and the exception propagates. Only after all of them succeeded does the
+step commit: each request's written tokens enter its context and its new token becomes pending. A
+request whose own row cannot be sampled (``SamplingError``: NaN logits) ends alone, with a last
+``Token`` carrying the error; the others carry on.
+
+**Threads.** Every public call takes the generator's lock, so a server may ``abort`` or
+``add_request`` from a request's thread while its engine thread runs ``step``: the call waits for
+the step to end, and never sees a request half stepped.
 
     python -m models.llama.generate --model tiny --ids 1,15,27 --ids 1,15,28 --paged
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -29,10 +43,10 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
-from .block_pool import SCRATCH_BLOCK, BlockPool, SequenceBlocks, blocks_for, prefix_keys
-from .decoding import (CACHE_MEMORY_FRACTION, GIB, CacheGraph, Generation, Token, available_memory,
-                       check_cache_dtype, check_prompts, check_sampling, dynamic_vector, sample,
-                       timed_generation)
+from .block_pool import SCRATCH_BLOCK, BlockPool, Match, SequenceBlocks, blocks_for, cache_root, prefix_keys
+from .decoding import (CACHE_MEMORY_FRACTION, GIB, CacheGraph, Generation, SamplingError, Token,
+                       available_memory, check_cache_dtype, check_prompts, check_sampling, dynamic_vector,
+                       sample, timed_generation)
 from .kv_cache import PagedKVCache, block_bytes, token_bucket
 from .model import DTYPES, LlamaForCausalLM, dtype_name
 
@@ -69,6 +83,7 @@ class _Request:
     top_k: int
     top_p: float
     rng: np.random.Generator
+    root: bytes            # its cache salt's chain root
     seq: SequenceBlocks | None = None
     reserved: int = 0      # blocks it may still allocate
     pending: int = -1      # the last sampled token, not yet in the cache
@@ -115,6 +130,7 @@ class PagedGenerator:
         # ids, query ends, key ends, slots, positions, (block, offset) of each key, copy-on-write pairs
         self.prefill.set_inputs(*[dynamic_vector(t) for t in (ms.int32, ms.int64, ms.int64, ms.int32, ms.int32)],
                                 Tensor(shape=[None, 2], dtype=ms.int32), *[dynamic_vector(ms.int32)] * 2)
+        self._lock = threading.RLock()  # every public call holds it: see the module's docstring
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.reserved = 0  # blocks the running requests may still allocate
@@ -143,50 +159,92 @@ class PagedGenerator:
 
     # ---- the server's calls ----
     def add_request(self, prompt, max_new_tokens: int = 32, *, temperature: float = 0.0, top_k: int = 0,
-                    top_p: float = 1.0, seed: int = 0, eos_ids=None) -> int:
+                    top_p: float = 1.0, seed: int = 0, eos_ids=None, cache_salt: str | bytes | None = None) -> int:
         """Queues a request; returns its id (``Token.request`` of its tokens). Refused here, naming
-        the argument, when it could never run: bad ids or settings, or more blocks than the budget."""
+        the argument, when it could never run: bad ids or settings, or more blocks than the budget.
+        Requests share cached blocks only with requests of the same ``cache_salt`` (None: unsalted)."""
         (count,) = check_prompts(self.model, [prompt], max_new_tokens, name="prompt")
         check_sampling(temperature, top_k, top_p)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed: expected an int >= 0, got {seed!r}")
+        if eos_ids is None:
+            eos_ids = self.model.config.eos_token_ids
+        elif not isinstance(eos_ids, (list, tuple, set, frozenset)) or any(
+                isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in eos_ids):
+            raise ValueError(f"eos_ids: expected a list of token ids (empty: no EOS), got {eos_ids!r:.80}")
+        root = cache_root(cache_salt)
         need = blocks_for(len(prompt) + count - 1, self.block_size)
         if need > self.pool.usable:
             raise ValueError(f"prompt: {len(prompt)} tokens + {count} new tokens need {need} blocks of "
                              f"{self.block_size} positions, the cache holds {self.pool.usable}; raise max_cache_bytes")
-        eos = frozenset(self.model.config.eos_token_ids if eos_ids is None else eos_ids)
-        request = _Request(self._next_id, [int(t) for t in prompt], count, eos, float(temperature), int(top_k),
-                           float(top_p), np.random.default_rng(seed))
-        self._next_id += 1
-        self.waiting.append(request)
-        return request.id
+        with self._lock:
+            request = _Request(self._next_id, [int(t) for t in prompt], count, frozenset(int(t) for t in eos_ids),
+                               float(temperature), int(top_k), float(top_p), np.random.default_rng(int(seed)), root)
+            self._next_id += 1
+            self.waiting.append(request)
+            return request.id
 
     def abort(self, request_id: int) -> bool:
         """Stops a request, waiting or running; its blocks go back to the pool (the cached ones stay
         findable). False if no such request is unfinished."""
-        for request in self.waiting:
-            if request.id == request_id:
-                self.waiting.remove(request)
-                return True
-        for request in self.running:
-            if request.id == request_id:
-                self._finish(request)
-                return True
-        return False
+        with self._lock:
+            for request in self.waiting:
+                if request.id == request_id:
+                    self.waiting.remove(request)
+                    return True
+            for request in self.running:
+                if request.id == request_id:
+                    self._finish(request)
+                    return True
+            return False
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix: call it after changing the model's weights, so that no
+        request is served keys the old weights computed (running requests finish as they are)."""
+        with self._lock:
+            self.pool.reset()
 
     def step(self) -> list[Token]:
         """One call of the model: prefill of the requests that can be admitted, else one decode
-        token of every running request. Returns the tokens sampled (``Token.request``: the id)."""
-        joining = self._admit()
-        if joining:
-            self.last_step, requests, logits = "prefill", joining, self._run_prefill(joining)
-        elif self.running:
-            self.last_step, requests, logits = "decode", list(self.running), self._run_decode(self.running)
-        else:
-            self.last_step, self.last_logits = None, None
-            return []
-        self.last_logits = logits
+        token of every running request. Returns the tokens sampled (``Token.request``: the id), all
+        or nothing (see the module's docstring)."""
+        with self._lock:
+            joining = self._admit()
+            if joining:
+                kind, requests = "prefill", joining
+            elif self.running:
+                kind, requests = "decode", list(self.running)
+            else:
+                self.last_step, self.last_logits = None, None
+                return []
+            try:
+                logits = self._run_prefill(requests) if kind == "prefill" else self._run_decode(requests)
+                drawn = [self._draw(request, row) for request, row in zip(requests, logits)]
+            except BaseException:
+                self._failed(requests)
+                raise
+            self.last_step, self.last_logits = kind, logits
+            return self._commit(kind, requests, drawn)
+
+    def _draw(self, request: _Request, row: np.ndarray):
+        """The request's next token, or the ``SamplingError`` its row raised (it ends alone)."""
+        try:
+            return int(sample(row[None], request.rng, request.temperature, request.top_k, request.top_p)[0])
+        except SamplingError as exc:
+            return exc
+
+    def _commit(self, kind: str, requests: list[_Request], drawn: list) -> list[Token]:
+        """The step ran for every request: what it wrote enters their contexts, their new tokens
+        become pending; a request whose row could not be sampled ends with its error."""
+        self.pool.settle()
         tokens = []
-        for request, row in zip(requests, logits):
-            token = int(sample(row[None], request.rng, request.temperature, request.top_k, request.top_p)[0])
+        for request, token in zip(requests, drawn):
+            if isinstance(token, Exception):
+                self._finish(request, keep=False)
+                tokens.append(Token(request.id, None, True, token))
+                continue
+            written = request.prompt[request.seq.length:] if kind == "prefill" else [request.pending]
+            self.pool.commit(request.seq, written)
             request.pending, request.generated = token, request.generated + 1
             finished = token in request.eos or request.generated >= request.max_new_tokens
             tokens.append(Token(request.id, token, finished))
@@ -200,25 +258,37 @@ class PagedGenerator:
         next uncached block a joining request is computing waits a step, then finds it cached."""
         joining, computing = [], set()
         bs = self.block_size
-        while self.waiting and len(self.running) + len(joining) < self.max_batch:
+        while self.waiting and len(self.running) < self.max_batch:
             request = self.waiting[0]
-            shared, matched = self.pool.match(request.prompt)
-            full = matched // bs
-            keys = prefix_keys(request.prompt, bs) if self.pool.prefix_caching else []
-            if full < len(keys) and keys[full] in computing:
+            match = self.pool.match(request.prompt, request.root)
+            keys = prefix_keys(request.prompt, bs, request.root) if self.pool.prefix_caching else []
+            if match.tokens // bs < len(keys) and keys[match.tokens // bs] in computing:
                 break
-            need = blocks_for(len(request.prompt) + request.max_new_tokens - 1, bs) - full
-            idle_shared = sum(1 for b in set(shared) if self.pool.refs[b] == 0)
-            if self.reserved + need > self.pool.available - idle_shared:
-                break
+            if not self._fits(request, match):
+                # a partial block is held while the step copies it: it may be the one block too many
+                match = match.whole_blocks(bs)
+                if not self._fits(request, match):
+                    break
             self.waiting.popleft()
-            request.seq = self.pool.open(request.prompt, shared, matched)
-            request.reserved = need
-            self.reserved += need
+            request.seq = self.pool.open(request.prompt, match.blocks, match.tokens, request.root)
+            request.reserved = self._growth_blocks(request, match)
+            self.reserved += request.reserved
+            self.running.append(request)
             joining.append(request)
             computing.update(keys)
-        self.running.extend(joining)
         return joining
+
+    def _growth_blocks(self, request: _Request, match: Match) -> int:
+        """Blocks the request may still allocate on ``match``: all its positions' less the full
+        blocks it shares (a partial one is replaced by a copy, which counts)."""
+        return blocks_for(len(request.prompt) + request.max_new_tokens - 1, self.block_size) - \
+            match.tokens // self.block_size
+
+    def _fits(self, request: _Request, match: Match) -> bool:
+        """Its growth fits beside the running requests' reservations, less the cached blocks it
+        takes out of the eviction order by holding them (each counted once)."""
+        idle = sum(1 for b in set(match.blocks) if self.pool.refs[b] == 0)
+        return self.reserved + self._growth_blocks(request, match) <= self.pool.available - idle
 
     def _grow(self, request: _Request, count: int):
         before = len(request.seq.blocks)
@@ -235,10 +305,11 @@ class PagedGenerator:
         self.running.remove(request)
 
     def _failed(self, requests) -> None:
-        """A call raised: its requests end (their blocks freed, none registered as cached)."""
+        """A step raised: its requests end (their blocks freed, none registered as cached)."""
         self.pool.settle()
         for request in requests:
-            self._finish(request, keep=False)
+            if request in self.running:
+                self._finish(request, keep=False)
 
     # ---- the two calls ----
     def _run_prefill(self, joining: list[_Request]) -> np.ndarray:
@@ -262,17 +333,15 @@ class PagedGenerator:
                 np.cumsum(kv_lens).astype(np.int64), np.concatenate(slots).astype(np.int32),
                 np.concatenate(positions).astype(np.int32), np.concatenate(context).astype(np.int32),
                 np.array([c[0] for c in copies], np.int32), np.array([c[1] for c in copies], np.int32))
-        try:
-            logits = self.prefill(*[Tensor(a) for a in args]).asnumpy()
-        except BaseException:
-            self._failed(joining)
-            raise
-        for request in joining:
-            self.pool.commit(request.seq, request.prompt[request.seq.length:])
-        return logits
+        return self.prefill(*[Tensor(a) for a in args]).asnumpy()
 
     def _run_decode(self, running: list[_Request]) -> np.ndarray:
         count = len(running)
+        vocab = self.model.vocab_size
+        for request in running:  # an id out of range would read a zero row of a float32 embedding, silently
+            if not 0 <= request.pending < vocab:
+                raise RuntimeError(f"PagedGenerator: request {request.id} would decode token id {request.pending}, "
+                                   f"outside [0, {vocab}) (a bug of the engine: please report it)")
         tokens = token_bucket(count)  # filler sequences of one token each: read the scratch block, write nothing
         slots = np.full(tokens, -1, np.int32)
         positions = np.zeros(tokens, np.int32)
@@ -285,14 +354,8 @@ class PagedGenerator:
             slots[i], positions[i], ids[i] = growth.slots[0], request.seq.length, request.pending
             tables[i, :len(request.seq.blocks)] = request.seq.blocks
             context[i] = request.seq.length + 1
-        try:
-            logits = self.decode(Tensor(ids), Tensor(slots), Tensor(positions), Tensor(tables), Tensor(context),
-                                 Tensor(np.ones(tokens, np.int32))).asnumpy()
-        except BaseException:
-            self._failed(running)
-            raise
-        for request in running:
-            self.pool.commit(request.seq, [request.pending])
+        logits = self.decode(Tensor(ids), Tensor(slots), Tensor(positions), Tensor(tables), Tensor(context),
+                             Tensor(np.ones(tokens, np.int32))).asnumpy()
         return logits[:count]
 
     # ---- the Generator's calls ----
@@ -317,6 +380,8 @@ class PagedGenerator:
                 if on_step is not None and self.last_step:
                     on_step(self.last_step, time.perf_counter() - t0)
                 for token in tokens:
+                    if token.error is not None:
+                        raise token.error
                     yield Token(index[token.request], token.token, token.finished)
         finally:  # an abandoned stream leaves nothing of its own running
             for request_id in index:
