@@ -1,10 +1,13 @@
 """The launcher owns its processes: msrun runs each worker in a session of its own, so whatever ends
-a job (a rank that fails before or after its first collective, the timeout, SIGTERM or Ctrl-C to the
-launcher) must leave no process behind. tests/distributed/faulty_ranks.py makes each fault on 2 CPU
-ranks; every process it starts in writes its pid, and each test checks by pid that all are gone
-within a few seconds of the end, within a stated bound on the job's time."""
+a job (a rank that fails before or after its first collective, the timeout, SIGTERM, Ctrl-C, SIGQUIT, a
+hang-up or SIGKILL to the launcher) must leave no process behind. tests/distributed/faulty_ranks.py makes
+each fault on 2 CPU ranks; every process it starts in writes its pid, and each test checks by pid that all
+are gone within a few seconds of the end, within a stated bound on the job's time."""
+import errno
 import os
+import resource
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -13,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ms_rope_attention.distributed.launch import TIMEOUT_STATUS, launch, processes_with
+from ms_rope_attention.distributed.launch import TIMEOUT_STATUS, launch, processes_with, reserve_port
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULTY = ROOT / "tests" / "distributed" / "faulty_ranks.py"
@@ -51,16 +54,28 @@ def _running(pid):
         return False
 
 
-def _assert_none_left(job):
-    """Within 5 s: the scheduler and both workers wrote their pids, none of them runs, and no process
-    carries the job's environment mark (msrun included)."""
+def _children(pid):
+    """The pids whose parent is ``pid``."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rpartition(")")[2].split()[1]) == pid:
+                children.append(int(stat.parent.name))
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return children
+
+
+def _assert_none_left(job, also=()):
+    """Within 5 s: the scheduler and both workers wrote their pids, none of them runs, nor any pid of
+    ``also``, and no process carries the job's environment mark (msrun included)."""
     pids = _pids(job)
     assert sorted(pids.values()) == ["MS_SCHED", "MS_WORKER", "MS_WORKER"], pids
     deadline = time.monotonic() + 5
-    while (left := [pid for pid in pids if _running(pid)] + list(processes_with("FAULTY_RANKS", _mark(job)))) \
+    while (left := [p for p in [*pids, *also] if _running(p)] + list(processes_with("FAULTY_RANKS", _mark(job)))) \
             and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not left, f"still running: {left} of {pids}"
+    assert not left, f"still running: {left} of {pids} and {list(also)}"
 
 
 def _launch(job, mode, **options):
@@ -122,27 +137,98 @@ def test_a_job_that_hangs_is_stopped_at_its_timeout(job, capsys):
     assert "stopped after the 20 s timeout" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("signum,status", [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, 128 + signal.SIGINT)])
-def test_a_signal_to_the_launcher_stops_the_job(job, signum, status):
-    """The launcher's CLI in a process of its own, its ranks asleep: the signal reaches each rank, which
-    ignores it; the launcher ends within the 2 s grace + 10 s (SIGTERM kills it, as it would have without
-    the job; Ctrl-C exits 130) and leaves nothing."""
-    logs = job / "logs"
-    launcher = subprocess.Popen([sys.executable, "-m", "ms_rope_attention.distributed.launch", "--log-dir", str(logs),
-                                 "--grace", str(GRACE), str(FAULTY), "hang", str(job / "pids")],
-                                env={**os.environ, "FAULTY_RANKS": _mark(job)}, cwd=ROOT,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def _cli(job, *options):
+    """The launcher's CLI on ranks that sleep, started as a terminal starts it (a session of its own), with no
+    core dump (SIGQUIT's default action), its temporary folder in ``job``; returned once the scheduler and
+    both ranks wrote their pids and the ranks handle signals."""
+    launcher = subprocess.Popen([sys.executable, "-m", "ms_rope_attention.distributed.launch", "--grace", str(GRACE),
+                                 *options, str(FAULTY), "hang", str(job / "pids")],
+                                env={**os.environ, "FAULTY_RANKS": _mark(job), "TMPDIR": str(job)}, cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0)))
     deadline = time.monotonic() + 60
-    while not all("RESULT sleeping" in _text(logs / f"worker_{rank}.log") for rank in (0, 1)):
-        assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()
+    while len(_pids(job)) < 3 or [_text(log).count("RESULT sleeping") for log in job.glob("*/worker_*.log")] != [1, 1]:
+        if launcher.poll() is not None or time.monotonic() > deadline:
+            launcher.kill()  # its watchdog then ends the job
+            pytest.fail(f"the job did not start within 60 s: {launcher.stderr.read().decode()}")
         time.sleep(0.2)
+    return launcher
+
+
+@pytest.mark.parametrize("signum,status", [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, 128 + signal.SIGINT),
+                                           (signal.SIGQUIT, -signal.SIGQUIT)])
+def test_a_signal_to_the_launcher_stops_the_job(job, signum, status):
+    """The launcher's CLI, its ranks asleep: the signal reaches each rank, which ignores it; the launcher ends
+    within the 2 s grace + 10 s (SIGTERM and SIGQUIT kill it, as they would have without the job; Ctrl-C exits
+    130) and leaves nothing: its children (msrun and the watchdog) are gone too."""
+    launcher = _cli(job, "--log-dir", str(job / "logs"))
+    children = _children(launcher.pid)
     launcher.send_signal(signum)
     start = time.monotonic()
     assert launcher.wait(timeout=GRACE + 10) == status
     assert time.monotonic() - start >= GRACE
     assert sorted((job / "pids" / "signals").read_text().splitlines()) == [f"{r} {signum.name}" for r in (0, 1)]
-    _assert_none_left(job)
+    _assert_none_left(job, children)
     assert f"stopped on {signum.name}" in launcher.stderr.read().decode()
+
+
+def test_a_hang_up_stops_the_job_and_removes_its_log_folder(job):
+    """A closed terminal or a dropped ssh: SIGHUP to the launcher (msrun and the ranks, in sessions of
+    their own, get no hang-up) reaches each rank as a terminal would send it, then after the grace every
+    process of the job is gone, and so is the temporary log folder (no one is left to read a report naming
+    it); the launcher then dies of the SIGHUP."""
+    launcher = _cli(job)
+    children = _children(launcher.pid)
+    launcher.send_signal(signal.SIGHUP)
+    start = time.monotonic()
+    assert launcher.wait(timeout=GRACE + 10) == -signal.SIGHUP
+    assert time.monotonic() - start >= GRACE
+    assert sorted((job / "pids" / "signals").read_text().splitlines()) == [f"{r} SIGHUP" for r in (0, 1)]
+    _assert_none_left(job, children)
+    assert not list(job.glob("msrun-*"))
+
+
+def test_a_killed_launcher_leaves_nothing(job):
+    """SIGKILL (kill -9, the OOM killer) cannot be caught: the launcher's watchdog sees it gone and kills
+    every process of the job, removes the temporary log folder and exits, all within 5 s."""
+    launcher = _cli(job)
+    children = _children(launcher.pid)
+    launcher.kill()
+    assert launcher.wait(timeout=5) == -signal.SIGKILL
+    _assert_none_left(job, children)
+    deadline = time.monotonic() + 5
+    while list(job.glob("msrun-*")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not list(job.glob("msrun-*"))
+
+
+def test_the_master_port_stays_reserved_for_the_scheduler():
+    """The port the launcher gives msrun stays bound until the job ends, so no other launcher's pick, outgoing
+    connection or plain bind takes it before the scheduler does (a port found free and closed could be, and a
+    scheduler that cannot bind leaves the ranks waiting until the timeout); the scheduler, which binds with
+    SO_REUSEADDR, still can, as a held socket that does not listen allows."""
+    with reserve_port() as held:
+        port = held.getsockname()[1]
+        with socket.socket() as other, pytest.raises(OSError) as refused:
+            other.bind(("127.0.0.1", port))
+        assert refused.value.errno == errno.EADDRINUSE
+        with socket.socket() as scheduler:
+            scheduler.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            scheduler.bind(("127.0.0.1", port))
+            scheduler.listen()
+
+
+def test_without_init_the_error_says_what_to_do():
+    """A collective built where init() was not called (MindSpore would answer rank 0 of 1, and the first
+    collective would fail) says what to call and how to launch; an impossible explicit rank is refused."""
+    from ms_rope_attention.distributed import ContextParallelRotaryAttention, GatherChunks
+
+    for build in (GatherChunks, lambda: ContextParallelRotaryAttention(4)):
+        with pytest.raises(RuntimeError, match=r"call mindspore.communication.init\(\) first, in a job launched with "
+                                               r"msrun \(e.g. `python -m ms_rope_attention.distributed.launch"):
+            build()
+    with pytest.raises(ValueError, match="rank, size: expected 0 <= rank < size, got rank 2, size 2"):
+        GatherChunks(rank=2, size=2)
 
 
 def _text(path):

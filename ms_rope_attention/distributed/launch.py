@@ -13,7 +13,8 @@ there).
 
 The launcher owns every process of the job, because msrun does not: it starts each worker in a
 session of its own (``os.setsid``) and kills them only from its SIGINT handler (at once, SIGKILL) or
-when one of them fails, so killing msrun orphans the workers and the scheduler. See ``launch``.
+when one of them fails, so killing msrun orphans the workers and the scheduler. A watchdog process
+stands in for the launcher if the launcher is killed. See ``launch``.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import argparse
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
 import socket
@@ -38,6 +40,8 @@ FAST_CLUSTER = {"MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1", 
 # Set to a fresh random value in the environment of each launch's msrun: every process of the job inherits it.
 JOB_VARIABLE = "MS_ROPE_ATTENTION_LAUNCH"
 TIMEOUT_STATUS = 124  # as coreutils' timeout; a job stopped by a signal ends with 128 + its number
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+WATCHDOG = "--watchdog"  # this file's first argument when it runs as the watchdog (``_watchdog``)
 TAIL_LINES = 40
 
 
@@ -52,10 +56,19 @@ class Launch:
         return [[line for line in log.splitlines() if line.startswith("RESULT ")] for log in self.logs]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def reserve_port() -> socket.socket:
+    """A socket bound to a free port of 127.0.0.1 for msrun's scheduler, to be held until the job ends.
+
+    A port found free and closed again could be taken by anything before the scheduler binds it, seconds
+    later, and the ranks would then wait for a scheduler that never comes, until the timeout. While this
+    socket holds it, the kernel gives the port to no ``bind`` to port 0 (another launcher's pick), no outgoing
+    connection and no plain ``bind``. It does not listen and sets SO_REUSEADDR, so the scheduler, which binds
+    with SO_REUSEADDR too (MindSpore 2.10), can still bind and listen. Left open: a program that binds this
+    very port number on purpose with SO_REUSEADDR and listens first."""
+    reserved = socket.socket()
+    reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    reserved.bind(("127.0.0.1", 0))
+    return reserved
 
 
 def processes_with(variable: str, value: str) -> dict[int, dict[str, str]]:
@@ -76,6 +89,49 @@ def processes_with(variable: str, value: str) -> dict[int, dict[str, str]]:
     return found
 
 
+def _kill_job(token: str, msrun: subprocess.Popen | None = None) -> None:
+    """SIGKILL to every process whose environment carries ``token`` (``_Job``), and to ``msrun`` while it
+    runs, to the process group of each (bar this process's own) and to the process itself, until none is
+    left (5 s at most). msrun's process group holds msrun, the scheduler and msrun's tails."""
+    own_group = os.getpgrp()
+    for _ in range(50):
+        left = list(processes_with(JOB_VARIABLE, token))
+        if msrun is not None and msrun.poll() is None:
+            left.append(msrun.pid)
+        if not left:
+            return
+        for pid in left:
+            try:
+                group = os.getpgid(pid)
+                if group != own_group:
+                    os.killpg(group, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
+    raise RuntimeError(f"launch: processes {left} of the job survived SIGKILL for 5 s")
+
+
+def _watchdog(launcher: str, token: str, folder: str) -> None:
+    """The watchdog's loop: a process of its own session (no terminal signal and no kill of the launcher's
+    group reaches it) that waits for the launcher. A byte on stdin is the launcher's word that it cleaned up
+    itself: the watchdog exits. The launcher gone without it (SIGKILL, a signal it did not handle, in a thread
+    other than the main one): every process of the job is killed (``_kill_job``), once more 1 s later for an
+    msrun the launcher was forking as it died (such a child has not yet exec'd into the job's environment), and
+    ``folder`` (the launcher's temporary log folder, or "") is removed."""
+    stdin = sys.stdin.fileno()
+    while os.getppid() == int(launcher):  # a dead parent's children are given to another process
+        if select.select([stdin], [], [], 0.5)[0]:
+            if os.read(stdin, 1):
+                return
+            break  # end of file: the launcher is gone
+    _kill_job(token)
+    time.sleep(1)
+    _kill_job(token)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 class _Job:
     """One msrun and every process it starts, found by a token in their environment.
 
@@ -86,11 +142,20 @@ class _Job:
     before it could have reported its pid (a pid file written by the job would miss those), and also
     processes msrun started after the scan began: ``kill`` scans until none is left. The workers are the
     job's session leaders other than msrun (msrun's ``setsid``); msrun itself starts in a new session so
-    that a terminal's Ctrl-C reaches only the launcher, which decides what each process gets."""
+    that a terminal's Ctrl-C reaches only the launcher, which decides what each process gets.
 
-    def __init__(self, command: list[str], env: dict[str, str], log_dir: Path):
+    The watchdog (``_watchdog``, started before msrun and released by ``release``) does the same if the
+    launcher dies. It is this file run by path with ``-I``: no import of the package (and so of MindSpore),
+    and no token in its own environment."""
+
+    def __init__(self, temporary_folder: Path | None):
+        """The watchdog, which removes ``temporary_folder`` if the launcher dies."""
         self.token = secrets.token_hex(16)
         self.ranks: dict[int, int] = {}  # worker pid -> rank, for the failure report
+        self.watchdog = subprocess.Popen([sys.executable, "-I", __file__, WATCHDOG, str(os.getpid()), self.token,
+                                          str(temporary_folder or "")], stdin=subprocess.PIPE, start_new_session=True)
+
+    def start(self, command: list[str], env: dict[str, str], log_dir: Path) -> None:
         with open(log_dir / "msrun.log", "wb") as out:
             self.msrun = subprocess.Popen(command, env={**env, JOB_VARIABLE: self.token}, stdout=out,
                                           stderr=subprocess.STDOUT, start_new_session=True)
@@ -119,25 +184,12 @@ class _Job:
                 pass
 
     def kill(self) -> None:
-        """SIGKILL to msrun's process group (msrun, the scheduler, msrun's tails), to each remaining process's
-        group and to the process itself, until no process of the job is left (5 s at most)."""
-        own_group = os.getpgrp()
-        for _ in range(50):
-            left = list(processes_with(JOB_VARIABLE, self.token))
-            if self.msrun.poll() is None:
-                left.append(self.msrun.pid)
-            if not left:
-                return
-            for pid in left:
-                try:
-                    group = os.getpgid(pid)
-                    if group != own_group:
-                        os.killpg(group, signal.SIGKILL)
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.1)
-        raise RuntimeError(f"launch: processes {left} of the job survived SIGKILL for 5 s")
+        """No process of the job left (``_kill_job``)."""
+        _kill_job(self.token, self.msrun)
+
+    def release(self) -> None:
+        """The watchdog told that the launcher cleaned up, and reaped."""
+        self.watchdog.communicate(b"x")
 
 
 def _tail(path: Path, lines: int = TAIL_LINES) -> str:
@@ -189,15 +241,20 @@ def launch(script, args=(), *, workers: int = 2, log_dir=None, timeout: float = 
     """Runs ``script`` (or, with ``module``, ``python -m module``) on ``workers`` local ranks under
     msrun; their logs come back in rank order.
 
-    After ``timeout`` seconds, or on SIGINT or SIGTERM to this process, the job is stopped: each worker's
-    process group gets the signal (SIGTERM on a timeout), so ranks that handle it can save; after at most
-    ``grace`` seconds every process of the job still alive is SIGKILLed (see ``_Job``). Whatever the end,
-    no process of the job outlives the call. Signals are caught only in the main thread, and not those the
-    caller ignores; the previous handlers are restored and then given the signal, so Ctrl-C still raises
-    KeyboardInterrupt here. A stopped job's status is ``TIMEOUT_STATUS`` or 128 + the signal's number.
+    After ``timeout`` seconds, or on SIGINT, SIGTERM, SIGHUP or SIGQUIT to this process, the job is stopped:
+    each worker's process group gets the signal (SIGTERM on a timeout), so ranks that handle it can save; after
+    at most ``grace`` seconds every process of the job still alive is SIGKILLed (see ``_Job``). Signals are
+    caught only in the main thread, and not those the caller ignores (``nohup`` keeps the job running); the
+    previous handlers are restored and then given the signal, so Ctrl-C still raises KeyboardInterrupt here. A
+    stopped job's status is ``TIMEOUT_STATUS`` or 128 + the signal's number. Whatever the end, no process of
+    the job outlives the call: if this process dies first (SIGKILL, the OOM killer, a signal not caught), the
+    watchdog kills the job within a second and removes a temporary log folder. The limit: a watchdog killed
+    before the launcher (it is in a session of its own, so only a kill aimed at it, or at every process of the
+    user, reaches it).
 
-    On failure the report (``_report``) goes to stderr and the logs stay in their folder (``Launch.log_dir``);
-    the temporary folder the launcher made when ``log_dir`` is None is removed after a success."""
+    On failure the report (``_report``) goes to stderr and the logs stay in their folder (``Launch.log_dir``),
+    except after a SIGHUP: a hang-up leaves no one to read a report, so none is written. The temporary folder the
+    launcher made when ``log_dir`` is None is removed after a success or a SIGHUP."""
     if module is not None:
         script, args = RUN_MODULE, [module, *args]
     if workers < 1:
@@ -209,42 +266,49 @@ def launch(script, args=(), *, workers: int = 2, log_dir=None, timeout: float = 
     temporary = log_dir is None
     log_dir = Path(tempfile.mkdtemp(prefix="msrun-") if temporary else log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "mindspore.parallel.cluster.run", f"--worker_num={workers}",
-               f"--local_worker_num={workers}", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-               "--join=True", f"--log_dir={log_dir}", f"--tail_worker_log={workers}", str(script), *map(str, args)]
-    # --tail_worker_log names no rank, so msrun starts no `tail -f` per worker to copy its log to its console
-    # (msrun.log here): the launcher reads the log files. msrun starts its workers with the `python` of PATH: this
-    # interpreter's comes first.
+    # msrun starts its workers with the `python` of PATH: this interpreter's comes first.
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     run_env = {**FAST_CLUSTER, **os.environ, "PATH": path, **(env or {})}
 
-    received: list[int] = []
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            if signal.getsignal(signum) not in (signal.SIG_IGN, None):
-                previous[signum] = signal.signal(signum, lambda signum, frame: received.append(signum))
+    job = _Job(log_dir if temporary else None)
     try:
-        job = _Job(command, run_env, log_dir)
+        received: list[int] = []
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in STOP_SIGNALS:
+                if signal.getsignal(signum) not in (signal.SIG_IGN, None):
+                    previous[signum] = signal.signal(signum, lambda signum, frame: received.append(signum))
         try:
-            stopped = _wait(job, workers, timeout, grace, received)
+            with reserve_port() as reserved:
+                # --tail_worker_log names no rank, so msrun starts no `tail -f` per worker to copy its log to its
+                # console (msrun.log here): the launcher reads the log files.
+                command = [sys.executable, "-m", "mindspore.parallel.cluster.run", f"--worker_num={workers}",
+                           f"--local_worker_num={workers}", "--master_addr=127.0.0.1",
+                           f"--master_port={reserved.getsockname()[1]}", "--join=True", f"--log_dir={log_dir}",
+                           f"--tail_worker_log={workers}", str(script), *map(str, args)]
+                job.start(command, run_env, log_dir)
+                try:
+                    stopped = _wait(job, workers, timeout, grace, received)
+                finally:
+                    job.kill()
         finally:
-            job.kill()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        status = job.msrun.wait()
+        if stopped:
+            status = 128 + received[0] if received else TIMEOUT_STATUS
+        logs = [(log_dir / f"worker_{rank}.log").read_text(errors="replace")
+                if (log_dir / f"worker_{rank}.log").exists() else "" for rank in range(workers)]
+        reported = status != 0 and received[:1] != [signal.SIGHUP]
+        if reported:
+            _report(job, log_dir, workers, status, stopped)
+        elif temporary:
+            shutil.rmtree(log_dir)
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-    status = job.msrun.wait()
-    if stopped:
-        status = 128 + received[0] if received else TIMEOUT_STATUS
-    logs = [(log_dir / f"worker_{rank}.log").read_text(errors="replace")
-            if (log_dir / f"worker_{rank}.log").exists() else "" for rank in range(workers)]
-    if status != 0:
-        _report(job, log_dir, workers, status, stopped)
-    elif temporary:
-        shutil.rmtree(log_dir)
+        job.release()
     if received:
         signal.raise_signal(received[0])
-    return Launch(status, logs, None if status == 0 and temporary else log_dir)
+    return Launch(status, logs, log_dir if reported or not temporary else None)
 
 
 def main(argv=None) -> int:
@@ -255,10 +319,10 @@ def main(argv=None) -> int:
                                            "(script.py | -m module) [args ...]")
     parser.add_argument("--workers", type=int, default=2, help="ranks on this machine")
     parser.add_argument("--log-dir", help="where msrun writes worker_<rank>.log (default: a new temporary folder, "
-                                          "removed after a success)")
+                                          "removed after a success or a hang-up)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds before the job is stopped")
     parser.add_argument("--grace", type=float, default=30,
-                        help="seconds the ranks get, after a timeout, SIGINT or SIGTERM, before they are killed")
+                        help="seconds the ranks get, after a timeout or a signal, before they are killed")
     # The launcher's own options come first; everything from the script (or -m) on is the job's.
     split = 0
     while split < len(argv) and argv[split] != "-m" and argv[split].startswith("-"):
@@ -285,4 +349,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_watchdog(*sys.argv[2:]) if sys.argv[1:2] == [WATCHDOG] else main())

@@ -6,8 +6,8 @@ the MS_NODE_TIMEOUT it runs with. Then, by MODE:
 - ok: the ranks run 3 small AllReduces and exit 0;
 - exit-early: rank 1 raises before its first collective while rank 0 waits in one;
 - die-mid-run: the ranks loop the AllReduce and rank 1 SIGKILLs itself after 3 iterations;
-- hang: every rank prints ``RESULT sleeping`` and sleeps, alive; a SIGINT or SIGTERM is written to
-  DIR/signals (``<rank> <signal>``) and otherwise ignored, so only a kill ends the rank. It does so before
+- hang: every rank prints ``RESULT sleeping`` and sleeps, alive; a SIGINT, SIGTERM, SIGHUP or SIGQUIT is
+  written to DIR/signals (``<rank> <signal>``) and otherwise ignored, so only a kill ends the rank. It does so before
   MindSpore is imported (the rank is msrun's RANK_ID; the scheduler just sleeps): what is tested is the
   launcher's timeout, and a cluster that takes longer than the timeout to form on a loaded machine would
   leave nothing asleep to stop.
@@ -26,8 +26,8 @@ if mode == "hang":
             with open(out / "signals", "a") as f:
                 f.write(f"{os.environ['RANK_ID']} {signal.Signals(signum).name}\n")
 
-        signal.signal(signal.SIGINT, record)
-        signal.signal(signal.SIGTERM, record)
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+            signal.signal(signum, record)
         print("RESULT sleeping", flush=True)
     while True:
         time.sleep(60)
