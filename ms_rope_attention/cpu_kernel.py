@@ -38,10 +38,15 @@ FUSED_BACKWARD = True  # the library has the backward entry (tests switch it off
 ABI_VERSION = 2
 
 
+def _private(info: os.stat_result) -> bool:
+    """Whether only its owner, this user or root, can write the file or directory ``info`` is of."""
+    return not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and info.st_uid in (os.geteuid(), 0)
+
+
 def kernel_dir() -> Path:
     """Where the kernel builds are looked for: the package, or ``RFA_CPU_KERNEL_DIR`` (the sanitizer
     run), which must name an absolute directory that only its owner (this user or root) can write:
-    the libraries found there are loaded into the process."""
+    the libraries found there are loaded into the process (``built_file`` checks each library too)."""
     value = os.environ.get("RFA_CPU_KERNEL_DIR")
     if not value:
         return _PACKAGE_DIR
@@ -54,7 +59,7 @@ def kernel_dir() -> Path:
         raise RuntimeError(f"RFA_CPU_KERNEL_DIR: cannot read {value!r}: {e.strerror}") from None
     if not stat.S_ISDIR(info.st_mode):
         raise RuntimeError(f"RFA_CPU_KERNEL_DIR: expected a directory, got {value!r}")
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or info.st_uid not in (os.geteuid(), 0):
+    if not _private(info):
         raise RuntimeError(f"RFA_CPU_KERNEL_DIR: {value!r} is writable by other users or owned by another user: "
                            "expected a directory only you (or root) can write")
     return path
@@ -77,11 +82,32 @@ def usable_isas() -> list[str]:
     return [isa for isa in ISAS if _REQUIRED_FLAGS[isa] <= flags]
 
 
+def _check_override_library(path: Path) -> None:
+    """A library (a regular file: ``built_file`` checks) from ``RFA_CPU_KERNEL_DIR`` must be as
+    private as the directory: dlopen runs its constructors before any version check, so a library
+    another user can write, or replace through the directory a symlink leads into, would run their
+    code in this process. Its real path must be a file only its owner (this user or root) can
+    write, in a directory only its owner can write."""
+    target = Path(os.path.realpath(path))
+    where = f"RFA_CPU_KERNEL_DIR: {str(path)!r}" + (f" (a symlink to {str(target)!r})" if path.is_symlink() else "")
+    info, folder = target.stat(), target.parent.stat()
+    if not _private(info):
+        raise RuntimeError(f"{where}: writable by other users or owned by another user: expected a library only "
+                           "you (or root) can write")
+    if not _private(folder):
+        raise RuntimeError(f"{where}: its directory {str(target.parent)!r} is writable by other users or owned by "
+                           "another user: expected one only you (or root) can write")
+
+
 def built_file(stem: str) -> Path | None:
     """The built extension ``stem`` (e.g. ``_rfa_cpu_avx2``) in the kernel directory, by this
     interpreter's extension suffix (never a guess among several files), or None."""
     path = kernel_dir() / f"{stem}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
-    return path if path.is_file() else None
+    if not path.is_file():
+        return None
+    if os.environ.get("RFA_CPU_KERNEL_DIR"):
+        _check_override_library(path)
+    return path
 
 
 def built_libraries(stem: str = "_rfa_cpu") -> dict[str, Path]:

@@ -1,7 +1,7 @@
 """The C entries refuse what they cannot read, before touching memory (issue 37, requirement 1 and
 10): null attributes, dtype names and data pointers, missing ranks, element counts that overflow,
-unbounded tile knobs; the library directory override and the ABI version are checked when a
-library is opened. Every refusal returns 1 with a message naming what is wrong."""
+unbounded tile knobs; the library directory override, each library file in it (its mode, owner
+and where a symlink leads) and the ABI version are checked when a library is opened. Every refusal returns 1 with a message naming what is wrong."""
 import ctypes
 import os
 import re
@@ -129,6 +129,57 @@ def test_the_kernel_directory_override_must_not_be_writable_by_others(tmp_path, 
         cpu_kernel.kernel_dir()
     os.chmod(shared, 0o755)
     assert cpu_kernel.kernel_dir() == shared
+
+
+def _kernel_dirs(tmp_path, monkeypatch):
+    """(the RFA_CPU_KERNEL_DIR in use, the generic kernel's file name there, a private sibling
+    directory): both directories 0755 and owned by this user."""
+    name = cpu_kernel.built_libraries()["generic"].name
+    kernels, other = tmp_path / "kernels", tmp_path / "other"
+    for directory in (kernels, other):
+        directory.mkdir(mode=0o755)
+    monkeypatch.setenv("RFA_CPU_KERNEL_DIR", str(kernels))
+    monkeypatch.setenv("RFA_CPU_ISA", "generic")
+    return kernels, name, other
+
+
+@pytest.mark.parametrize("mode", [0o664, 0o646], ids=["group-writable", "other-writable"])
+def test_an_override_library_writable_by_others_is_refused_before_it_is_opened(mode, tmp_path, monkeypatch):
+    """Nothing is opened: the file is not even a library, so only the check stands between it and dlopen."""
+    kernels, name, _ = _kernel_dirs(tmp_path, monkeypatch)
+    library = kernels / name
+    library.write_bytes(b"not a library")
+    library.chmod(mode)
+    with pytest.raises(RuntimeError, match=rf"RFA_CPU_KERNEL_DIR: {re.escape(repr(str(library)))}: writable by "
+                                           r"other users or owned by another user: expected a library only you"):
+        cpu_kernel.select_library()
+    library.chmod(0o644)
+    assert cpu_kernel.select_library() == ("generic", library)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_an_override_library_owned_by_another_user_is_refused(tmp_path, monkeypatch):
+    kernels, name, _ = _kernel_dirs(tmp_path, monkeypatch)
+    library = kernels / name
+    library.write_bytes(b"not a library")
+    os.chown(library, 65534, 65534)
+    with pytest.raises(RuntimeError, match="owned by another user: expected a library only you"):
+        cpu_kernel.select_library()
+
+
+def test_an_override_library_symlink_must_lead_into_a_private_directory(tmp_path, monkeypatch):
+    """A symlink to a private file in a private directory is loaded; one into a directory others can
+    write is refused (they could replace the file it leads to), naming the link and its target."""
+    kernels, name, other = _kernel_dirs(tmp_path, monkeypatch)
+    target = other / name
+    target.write_bytes(b"not a library")
+    (kernels / name).symlink_to(target)
+    assert cpu_kernel.select_library() == ("generic", kernels / name)
+    other.chmod(0o777)
+    with pytest.raises(RuntimeError, match=rf"{re.escape(repr(str(kernels / name)))} \(a symlink to "
+                                           rf"{re.escape(repr(str(target)))}\): its directory "
+                                           rf"{re.escape(repr(str(other)))} is writable by other users"):
+        cpu_kernel.select_library()
 
 
 def test_a_library_of_another_abi_version_is_refused_by_name(monkeypatch):

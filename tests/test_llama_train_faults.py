@@ -5,6 +5,7 @@ must end with the weights of one uninterrupted run."""
 import json
 import os
 import signal
+import subprocess
 from pathlib import Path
 
 import mindspore as ms
@@ -14,7 +15,7 @@ from mindspore import nn
 from safetensors.numpy import load_file
 
 from ms_rope_attention.distributed.launch import launch
-from models.llama import train as train_cli
+from models.llama import run_directory, train as train_cli
 from models.llama.weights import CheckpointError, load_checkpoint
 
 STEPS = 4
@@ -157,6 +158,14 @@ def test_sigint_right_after_a_periodic_save_does_not_save_again(data, reference,
     _assert_same_weights(out / f"step-{STEPS}", reference / f"step-{STEPS}")
 
 
+def _reseal(checkpoint):
+    """SHA256SUMS rewritten for ``checkpoint``'s files as they are now, as if it had been saved so:
+    a resume then gets past the checksums to the checks this test is about."""
+    (checkpoint / "SHA256SUMS").write_text("".join(f"{run_directory.sha256_file(path)}  {path.name}\n"
+                                                   for path in sorted(checkpoint.iterdir())
+                                                   if path.name != "SHA256SUMS"))
+
+
 def _refused(argv, capsys) -> str:
     """The argparse-style error (status 2) of ``models.llama.train argv``."""
     with pytest.raises(SystemExit) as exit:
@@ -188,6 +197,7 @@ def test_resume_refuses_changed_replay_arguments_and_a_finished_run(data, tmp_pa
     assert "the run is finished (step 2 of --steps 2); raise --steps" in _refused(
         _args(data, out, "--resume", steps=2), capsys)
     (out / "step-2" / "trainer.json").unlink()
+    _reseal(out / "step-2")
     assert f"{out / 'step-2' / 'trainer.json'}: missing" in _refused(_args(data, out, "--resume"), capsys)
 
 
@@ -199,8 +209,33 @@ def test_resume_refuses_an_optimizer_state_without_a_moment(data, tmp_path):
     dropped = next(name for name in state if name.startswith("adam_m."))
     os.remove(path)
     ms.save_checkpoint([{"name": name, "data": value} for name, value in state.items() if name != dropped], str(path))
+    _reseal(out / "step-1")
     with pytest.raises(CheckpointError, match=f"optimizer.ckpt: lacks {dropped}$"):
         train_cli.main(_args(data, out, "--resume"))
+
+
+def test_resume_refuses_a_checkpoint_whose_files_changed_after_the_save(data, tmp_path, capsys):
+    """SHA256SUMS (which sha256sum -c reads) lists every file of a checkpoint; a resume refuses, by
+    file name, one byte changed in the weights, a file added, a file removed, or no SHA256SUMS."""
+    out = tmp_path / "run"
+    train_cli.main(_args(data, out, steps=1))
+    checkpoint = out / "step-1"
+    assert subprocess.run(["sha256sum", "--check", "--quiet", "SHA256SUMS"], cwd=checkpoint).returncode == 0
+    weights = checkpoint / "model.safetensors"
+    original = weights.read_bytes()
+    weights.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+    assert f"{weights}: sha256 differs from the one in SHA256SUMS" in _refused(_args(data, out, "--resume"), capsys)
+    weights.write_bytes(original)
+    (checkpoint / "model-extra.safetensors").write_bytes(original)
+    assert f"{checkpoint / 'model-extra.safetensors'}: not in SHA256SUMS" in _refused(
+        _args(data, out, "--resume"), capsys)
+    (checkpoint / "model-extra.safetensors").unlink()
+    (checkpoint / "optimizer.ckpt").unlink()
+    assert f"{checkpoint / 'optimizer.ckpt'}: listed in SHA256SUMS but missing" in _refused(
+        _args(data, out, "--resume"), capsys)
+    (checkpoint / "SHA256SUMS").unlink()
+    assert f"{checkpoint / 'SHA256SUMS'}: missing or not a regular file" in _refused(
+        _args(data, out, "--resume"), capsys)
 
 
 def _launch(data, out, faults, *extra, steps):

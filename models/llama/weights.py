@@ -7,12 +7,17 @@ RoPE (rotary_mode 1), which the fused kernel supports natively, so no weight is 
 model whose layout differs from its file's (a Meta fine-tune resumed from its Hugging Face save) has
 its q/k rows reordered on load, and a save always writes Hugging Face's layout (``save_hf_checkpoint``).
 Every problem (missing or unknown tensor, wrong shape or dtype, unreadable file) raises
-``CheckpointError`` naming the tensor and the file.
+``CheckpointError`` naming the tensor and the file. A checkpoint is untrusted input: the files an
+index names must be plain file names in its directory, every file must be a regular file (a FIFO
+or a device would block the load), and each tensor's shape and dtype are checked from the file's
+header before its data is read (a huge but consistent header costs nothing before it is refused).
 """
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -30,8 +35,12 @@ from .model import DTYPES, LlamaForCausalLM, dtype_name
 
 FLOAT_DTYPES = ("float16", "float32", "float64", "bfloat16")
 NUMPY_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
-_SAFETENSORS_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
+_SAFETENSORS_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "BOOL": "bool",
+                       "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "U32": "uint32", "I32": "int32",
+                       "U64": "uint64", "I64": "int64"}  # header codes -> numpy names
 _PROBE = "model.layers.0.self_attn.q_proj.weight"  # the tensor whose dtype is the checkpoint's
+_FILE_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
+               stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _QK = re.compile(r"\.self_attn\.[qk]_proj\.weight$")
 SOURCE_ROTARY_MODE = {"hf": 0, "meta": 1}  # the RoPE layout each checkpoint format's q/k rows are in
@@ -77,7 +86,20 @@ def qk_to_rotary_mode(weight: np.ndarray, config: LlamaConfig, rotary_mode: int)
 
 
 # ---------------------------------------------------------------------------------------------
-# Sources: each yields (name, file, lazy array getter) without reading data until asked.
+# Sources: each yields (name, file, shape, dtype, lazy array getter) without reading data until asked.
+
+def _regular_file(path: Path, what: str) -> Path:
+    """``path`` when it is a regular file (after symlinks), checked before it is opened: opening a
+    FIFO blocks until a writer comes, and a device never ends."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise CheckpointError(f"{what}: cannot be read ({exc.strerror})") from None
+    if not stat.S_ISREG(mode):
+        kind = _FILE_KINDS.get(stat.S_IFMT(mode), "another kind of file")
+        raise CheckpointError(f"{what}: expected a regular file, got {kind}")
+    return path
+
 
 def _open_safetensors(path: Path):
     try:
@@ -93,22 +115,43 @@ def _read(handle, name: str, path: Path) -> np.ndarray:
         raise CheckpointError(f"tensor {name!r} in {path.name}: cannot be read ({exc})") from None
 
 
+def _indexed_files(directory: Path, index: Path) -> list[Path]:
+    """The files ``index``'s weight_map names, each a plain file name in ``directory`` (as Hugging
+    Face writes them): an absolute path, ``..`` or a subdirectory is refused, so an index cannot
+    make the loader open a file outside its checkpoint. A symlink in the directory is followed
+    wherever it leads (a Hugging Face hub cache snapshot is symlinks into its ``blobs/``): the
+    directory's own entries are its owner's choice, while the index's names are data."""
+    try:
+        weight_map = json.loads(_regular_file(index, str(index)).read_text())["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{index}: not a safetensors index ({type(exc).__name__}: {exc})") from None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: weight_map: expected an object of tensor name -> file name, "
+                              f"got {type(weight_map).__name__}")
+    for tensor, name in weight_map.items():
+        if not isinstance(name, str) or name in ("", "..") or "\0" in name or Path(name).name != name:
+            raise CheckpointError(f"{index}: weight_map[{tensor!r}] = {name!r}: expected the name of a file in "
+                                  f"{directory} (no directory part)")
+    return [_regular_file(directory / name, f"{index}: weight_map file {name!r}")
+            for name in sorted(set(weight_map.values()))]
+
+
 def hf_files(directory: Path) -> list[Path]:
+    """A Hugging Face checkpoint's safetensors files: those its index names, or else all of them."""
     index = directory / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise CheckpointError(f"{index.name}: not a safetensors index ({exc})") from None
-        files = sorted(set(weight_map.values()))
-        for name in files:
-            if not (directory / name).exists():
-                raise CheckpointError(f"{index.name} lists {name!r}, which is missing from {directory}")
-        return [directory / f for f in files]
+    if index.exists() or index.is_symlink():
+        return _indexed_files(directory, index)
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{directory}: no *.safetensors files (and no model.safetensors.index.json)")
-    return files
+    return [_regular_file(path, str(path)) for path in files]
+
+
+def _header(handle, name: str) -> tuple[tuple[int, ...], str]:
+    """(shape, numpy dtype name) of tensor ``name`` from its file's header; nothing is read."""
+    piece = handle.get_slice(name)
+    code = piece.get_dtype()
+    return tuple(piece.get_shape()), _SAFETENSORS_DTYPES.get(code, code)
 
 
 def _read_alone(path: Path, name: str, index=None) -> np.ndarray:
@@ -128,21 +171,21 @@ def _read_alone(path: Path, name: str, index=None) -> np.ndarray:
 def _hf_tensors(directory: Path):
     for path in hf_files(directory):
         with _open_safetensors(path) as handle:
-            names = [name for name in handle.keys() if not HF_IGNORED.match(name)]
-        for name in names:
-            yield name, path, (lambda index=None, n=name, p=path: _read_alone(p, n, index))
+            headers = [(name, *_header(handle, name)) for name in handle.keys() if not HF_IGNORED.match(name)]
+        for name, shape, dtype in headers:
+            yield name, path, shape, dtype, (lambda index=None, n=name, p=path: _read_alone(p, n, index))
 
 
 def _meta_shards(directory: Path, stack: ExitStack) -> list[dict]:
-    """Each model-parallel shard as {name: (shape, read)}, nothing read yet: safetensors files stay
-    open (memory-mapped) on ``stack``; .pth files go through torch's mmap load."""
-    st = sorted(directory.glob("consolidated.*.safetensors"))
-    pth = sorted(directory.glob("consolidated.*.pth"))
+    """Each model-parallel shard as {name: (shape, dtype, read)}, nothing read yet: safetensors files
+    stay open (memory-mapped) on ``stack``; .pth files go through torch's mmap load."""
+    st = [_regular_file(path, str(path)) for path in sorted(directory.glob("consolidated.*.safetensors"))]
+    pth = [_regular_file(path, str(path)) for path in sorted(directory.glob("consolidated.*.pth"))]
     if st:
         shards = []
         for path in st:
             handle = stack.enter_context(_open_safetensors(path))
-            shards.append({n: (tuple(handle.get_slice(n).get_shape()), lambda h=handle, n=n, p=path: _read(h, n, p))
+            shards.append({n: (*_header(handle, n), lambda h=handle, n=n, p=path: _read(h, n, p))
                            for n in handle.keys() if not META_IGNORED.match(n)})
         return shards
     if pth:
@@ -157,7 +200,7 @@ def _meta_shards(directory: Path, stack: ExitStack) -> list[dict]:
                 state = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
             except Exception as exc:  # torch raises many types for a corrupt file
                 raise CheckpointError(f"{path.name}: not a readable PyTorch checkpoint ({exc})") from None
-            shards.append({n: (tuple(t.shape), lambda t=t: _torch_numpy(t, torch))
+            shards.append({n: (tuple(t.shape), str(t.dtype).replace("torch.", ""), lambda t=t: _torch_numpy(t, torch))
                            for n, t in state.items() if not META_IGNORED.match(n)})
         return shards
     raise CheckpointError(f"{directory}: no consolidated.*.safetensors or consolidated.*.pth files")
@@ -172,7 +215,8 @@ def _torch_numpy(tensor, torch) -> np.ndarray:
 
 
 def _meta_tensors(directory: Path):
-    """(HF name, where, read) per tensor; model-parallel shards are concatenated one tensor at a time."""
+    """(HF name, where, shape, dtype, read) per tensor; model-parallel shards are concatenated one
+    tensor at a time."""
     with ExitStack() as stack:
         shards = _meta_shards(directory, stack)
         for name in shards[0]:
@@ -180,11 +224,18 @@ def _meta_tensors(directory: Path):
             for i, shard in enumerate(shards):
                 if name not in shard:
                     raise CheckpointError(f"tensor {name!r} is missing from model-parallel shard {i}")
-            if dim is None or len(shards) == 1:
-                read = shards[0][name][1]
-            else:
-                read = (lambda n=name, d=dim: np.concatenate([s[n][1]() for s in shards], axis=d))
-            yield hf_name, Path(f"consolidated.*[{name}]"), (lambda index=None, r=read: r() if index is None else r()[index])
+            shape, dtype, read = shards[0][name]
+            if dim is not None and len(shards) > 1:
+                shapes = [s[name][0] for s in shards]
+                if (any(len(s) <= dim for s in shapes) or len({s[:dim] + s[dim + 1:] for s in shapes}) > 1
+                        or len({s[name][1] for s in shards}) > 1):
+                    raise CheckpointError(f"tensor {name!r}: model-parallel shards of shapes {shapes} and dtypes "
+                                          f"{[s[name][1] for s in shards]}, expected one dtype and shapes that "
+                                          f"differ only in dimension {dim}")
+                shape = shape[:dim] + (sum(s[dim] for s in shapes),) + shape[dim + 1:]
+                read = (lambda n=name, d=dim: np.concatenate([s[n][2]() for s in shards], axis=d))
+            yield (hf_name, Path(f"consolidated.*[{name}]"), shape, dtype,
+                   (lambda index=None, r=read: r() if index is None else r()[index]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,8 +282,8 @@ def load_weights(model: LlamaForCausalLM, directory: str | Path, source: str = "
     tied = model.config.tie_word_embeddings
     tensors = _hf_tensors(directory) if source == "hf" else _meta_tensors(directory)
     loaded = set()
-    for name, path, get in tqdm(tensors, desc=f"loading {directory.name}", unit="tensor", disable=not progress,
-                                total=len(expected)):
+    for name, path, shape, dtype, get in tqdm(tensors, desc=f"loading {directory.name}", unit="tensor",
+                                              disable=not progress, total=len(expected)):
         if tied and name == "lm_head.weight":
             continue  # tied: the output projection is the embedding, whatever copy the file carries
         layer = _LAYER.match(name)
@@ -241,16 +292,17 @@ def load_weights(model: LlamaForCausalLM, directory: str | Path, source: str = "
         if name not in expected:
             raise CheckpointError(f"unknown tensor {name!r} in {path.name}: the model has no such parameter "
                                   f"(config: {model.config.num_hidden_layers} layers)")
-        array = get(tp.index(name, model.config) if tp else None)
+        index = tp.index(name, model.config) if tp else None
+        part = shape if index is None else _part_shape(shape, index)
         param = params[name]
-        if tuple(array.shape) != tuple(param.shape):
-            raise CheckpointError(f"tensor {name!r} in {path.name}: shape {tuple(array.shape)}, "
-                                  f"expected {tuple(param.shape)}")
-        if str(array.dtype) not in FLOAT_DTYPES:
-            raise CheckpointError(f"tensor {name!r} in {path.name}: dtype {array.dtype}, expected one of "
+        if part != tuple(param.shape):
+            raise CheckpointError(f"tensor {name!r} in {path.name}: shape {part}, expected {tuple(param.shape)}")
+        if dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"tensor {name!r} in {path.name}: dtype {dtype}, expected one of "
                                   f"{list(FLOAT_DTYPES)}")
         if name in loaded:
             raise CheckpointError(f"tensor {name!r} appears twice (again in {path.name})")
+        array = get(index)
         if _QK.search(name) and SOURCE_ROTARY_MODE[source] != model.config.rotary_mode:
             array = qk_to_rotary_mode(array, model.config, model.config.rotary_mode)
         param.set_data(Tensor(_as_dtype(array, dtype_name(param.dtype))))
@@ -259,6 +311,11 @@ def load_weights(model: LlamaForCausalLM, directory: str | Path, source: str = "
     if missing:
         shown = ", ".join(repr(m) for m in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"{directory}: missing tensor(s) {shown}")
+
+
+def _part_shape(shape: tuple[int, ...], index: tuple[slice, ...]) -> tuple[int, ...]:
+    """The shape of ``index`` (a tensor-parallel rank's slices) of a tensor of ``shape``."""
+    return tuple(len(range(*s.indices(n))) for s, n in zip(index, shape)) + shape[len(index):]
 
 
 def _as_dtype(array: np.ndarray, dtype: str) -> np.ndarray:
@@ -285,7 +342,7 @@ def checkpoint_dtype(directory: str | Path) -> str:
         shard = _meta_shards(directory, stack)[0]
         if "layers.0.attention.wq.weight" not in shard:
             raise CheckpointError(f"{directory}: no tensor 'layers.0.attention.wq.weight'")
-        return str(shard["layers.0.attention.wq.weight"][1]().dtype)
+        return shard["layers.0.attention.wq.weight"][1]
 
 
 def default_weight_dtype(directory: str | Path, dtype: str) -> str:
