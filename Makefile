@@ -15,7 +15,7 @@ KERNEL_SOURCES := $(wildcard ms_rope_attention/csrc/*) $(wildcard ms_rope_attent
 # An extra's requirements as pyproject.toml lists them (its one place), for installing them alone.
 EXTRA = $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['$(1)']))")
 
-.PHONY: test bench bench-full venv thirdparty clean sanitize
+.PHONY: test bench bench-full venv thirdparty clean sanitize fuzz
 
 venv: $(STAMP)
 
@@ -34,6 +34,12 @@ $(STAMP): pyproject.toml setup.py $(KERNEL_SOURCES)
 TEST_WORKERS ?= $(shell nproc | awk '{print ($$1 < 4) ? $$1 : 4}')
 test: $(STAMP) sanitize
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 tests
+
+# The paged engine's state machine (tests/test_engine_states.py) for many random examples instead of
+# make test's bounded, derandomized ones: about 25,000 engine steps (FUZZ_EXAMPLES=700), a few minutes.
+FUZZ_EXAMPLES ?= 700
+fuzz: $(STAMP)
+	RFA_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s -p no:cacheprovider tests/test_engine_states.py
 
 # The kernel tests (forward and backward, and the projections' GEMM) again against kernels built with AddressSanitizer +
 # UBSan (any finding aborts), for the best ISA of this CPU and the portable build; the sweep and the NaN matrix

@@ -1,0 +1,293 @@
+"""The paged engine driven by a machine: a hypothesis rule-based state machine adds requests
+(shared prefixes, a shared BOS token, lengths at block edges, cache salts, greedy and sampled),
+steps, aborts, poisons a request's logits (its row cannot be sampled), makes the next model call
+fail, and swaps the model's weights, on the tiny model with budgets down to one sequence. After
+every rule it checks what must always hold:
+
+- every block is free, cached or held, never two of them, never block 0; a block's reference count
+  equals the sequences holding it; only registered blocks are shared; the blocks a sequence will
+  write into are its own and unregistered;
+- the reservations are what each running request can still grow by, and fit in the pool;
+- a request is waiting, running or ended, as the calls said; a running request's cache holds its
+  prompt and every token it yielded but the last, which is pending;
+- a step taken with requests waiting and none running admits one (no livelock);
+- every finished greedy request's tokens equal the contiguous ``Generator``'s on its prompt alone,
+  under the weights it ran with.
+
+``make test`` runs a bounded, derandomized number of examples; ``make fuzz`` runs many random
+ones (``RFA_FUZZ_EXAMPLES``). A counter-example hypothesis shrinks becomes a plain regression test
+in test_serving.py.
+"""
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, \
+    run_state_machine_as_test
+
+import mindspore as ms
+import test_llama
+from test_llama import CONFIG
+
+from models.llama.block_pool import SCRATCH_BLOCK, blocks_for
+from models.llama.generate import Generator
+from models.llama.kv_cache import block_bytes
+from models.llama.model import DTYPES
+from models.llama.serving import PagedGenerator
+from models.llama.weights import load_checkpoint
+
+checkpoint, graph = test_llama.checkpoint, test_llama.graph
+BS = 16
+FUZZ_EXAMPLES = int(os.environ.get("RFA_FUZZ_EXAMPLES", "0"))  # make fuzz: many random examples
+BUDGETS = ((3, 2), (6, 4), (12, 3))  # (usable blocks, max_batch): 3 blocks hold one 48-position sequence
+_tokens = np.random.default_rng(99)
+PREFIXES = ([], [CONFIG.bos_token_id], [CONFIG.bos_token_id] + _tokens.integers(3, 256, 15).tolist(),
+            [CONFIG.bos_token_id] + _tokens.integers(3, 256, 23).tolist())
+TAILS = [_tokens.integers(3, 256, 40).tolist() for _ in range(3)]
+TAIL_LENGTHS = (0, 1, 7, 8, 14, 15, 16, 17, 31, 32, 33)
+COUNTS = {"steps": 0, "rules": 0, "examples": 0, "finished": 0, "checked": 0, "added": 0, "aborted": 0,
+          "failed": 0}
+
+
+@dataclass
+class Shadow:
+    """What the machine knows of one request."""
+    prompt: list
+    max_new: int
+    greedy: bool
+    version: int  # of the weights when it was added
+    eos: tuple = ()
+    state: str = "waiting"  # running, finished, aborted, failed
+    tokens: list = field(default_factory=list)
+    mixed: bool = False  # the weights changed while it was unfinished: no reference
+
+
+class EngineMachine(RuleBasedStateMachine):
+    resources = None  # set by the test: the model, its two weight sets, the generators, the references
+
+    @initialize(budget=st.sampled_from(range(len(BUDGETS))))
+    def start(self, budget):
+        r = self.resources
+        self.paged = r["generators"][budget]
+        self.poisoned, self.fail_next = set(), False
+        self.shadow: dict[int, Shadow] = {}
+        draw, call_prefill, call_decode = self.paged._draw, self.paged.prefill, self.paged.decode
+
+        def poisoning_draw(request, row):  # the real sampler, on a row made NaN
+            return draw(request, np.full_like(row, np.nan) if request.id in self.poisoned else row)
+
+        def failing(call):
+            def run(*args):
+                if self.fail_next:
+                    self.fail_next = False
+                    raise RuntimeError("injected: the model call failed")
+                return call(*args)
+            return run
+
+        self.paged._draw, self.paged.prefill, self.paged.decode = poisoning_draw, failing(call_prefill), \
+            failing(call_decode)
+        self.restore = lambda: setattr(self.paged, "_draw", draw) or setattr(self.paged, "prefill", call_prefill) \
+            or setattr(self.paged, "decode", call_decode)
+        COUNTS["examples"] += 1
+
+    # ---- rules ----
+    @rule(prefix=st.sampled_from(PREFIXES), tail=st.sampled_from(range(len(TAILS))),
+          length=st.sampled_from(TAIL_LENGTHS), max_new=st.integers(1, 12), greedy=st.booleans(),
+          salt=st.sampled_from([None, None, "tenant"]), eos=st.booleans())
+    def add(self, prefix, tail, length, max_new, greedy, salt, eos):
+        prompt = (prefix + TAILS[tail][:length]) or [TAILS[tail][0]]
+        eos_ids = (int(TAILS[tail][5]),) if eos else ()  # a token the tiny model does produce at times
+        settings = dict(eos_ids=eos_ids, cache_salt=salt)
+        if not greedy:
+            settings.update(temperature=1.0, top_p=0.9, seed=len(self.shadow))
+        need = blocks_for(len(prompt) + max_new - 1, BS)
+        waiting = [r.id for r in self.paged.waiting]
+        if need > self.paged.pool.usable:
+            with pytest.raises(ValueError, match=f"need {need} blocks"):
+                self.paged.add_request(prompt, max_new, **settings)
+            assert [r.id for r in self.paged.waiting] == waiting
+            return
+        request = self.paged.add_request(prompt, max_new, **settings)
+        self.shadow[request] = Shadow(prompt, max_new, greedy, self.resources["version"], eos_ids)
+        COUNTS["added"] += 1
+
+    @rule(prefix=st.sampled_from(PREFIXES), tail=st.sampled_from(range(len(TAILS))),
+          length=st.sampled_from(TAIL_LENGTHS), max_new=st.integers(1, 12), greedy=st.booleans())
+    def add_another(self, prefix, tail, length, max_new, greedy):  # adds weigh twice as much as a rare rule
+        self.add(prefix, tail, length, max_new, greedy, None, False)
+
+    def _step(self):
+        before = [r.id for r in self.paged.waiting], [r.id for r in self.paged.running]
+        COUNTS["steps"] += 1
+        try:
+            tokens = self.paged.step()
+        except RuntimeError as exc:
+            assert "injected" in str(exc)
+            # the step's requests ended (the joining ones of a prefill, every running one of a decode)
+            left = {r.id for r in self.paged.waiting} | {r.id for r in self.paged.running}
+            assert {r.id for r in self.paged.running} <= set(before[1])
+            for request in before[0] + before[1]:
+                if request not in left:
+                    self.shadow[request].state = "failed"
+            return
+        if before[0] and not before[1]:
+            assert self.paged.last_step == "prefill", "requests waited with nothing running, and none was admitted"
+        for r in self.paged.running:
+            if self.shadow[r.id].state == "waiting":
+                self.shadow[r.id].state = "running"
+        for token in tokens:
+            record = self.shadow[token.request]
+            assert record.state in ("waiting", "running")
+            if token.error is not None:
+                assert token.request in self.poisoned and token.token is None and token.finished
+                record.state = "failed"
+                continue
+            assert token.request not in self.poisoned
+            assert 0 <= token.token < CONFIG.vocab_size
+            record.tokens.append(token.token)
+            record.state = "running"
+            if token.finished:
+                assert len(record.tokens) == record.max_new or token.token in record.eos
+                record.state = "finished"
+                self._check_finished(record)
+
+    @rule()
+    def step(self):
+        self._step()
+
+    @rule()
+    def step_again(self):  # steps weigh twice as much as any other rule
+        self._step()
+
+    @rule(data=st.data(), now=st.integers(0, 2))
+    def abort(self, data, now):
+        if now:  # the rules that end requests act one time in three: requests should also finish
+            return
+        request = data.draw(st.sampled_from(sorted(self.shadow) + [10 ** 6]))
+        record = self.shadow.get(request)
+        unfinished = record is not None and record.state in ("waiting", "running")
+        assert self.paged.abort(request) == unfinished
+        if unfinished:
+            record.state = "aborted"
+
+    @precondition(lambda self: any(r.state in ("waiting", "running") for r in self.shadow.values()))
+    @rule(data=st.data(), now=st.integers(0, 2))
+    def poison(self, data, now):
+        """The request's next row of logits is NaN: it must end alone, with its error."""
+        if now:
+            return
+        unfinished = sorted(i for i, r in self.shadow.items() if r.state in ("waiting", "running"))
+        self.poisoned.add(data.draw(st.sampled_from(unfinished)))
+
+    @rule(now=st.integers(0, 2))
+    def fail_the_next_call(self, now):
+        self.fail_next = self.fail_next or not now
+
+    @rule()
+    def swap_weights(self):
+        """New weights, then ``reset_prefix_cache``: nothing the old weights computed is reused."""
+        r = self.resources
+        r["version"] = 1 - r["version"]
+        for parameter, value in zip(r["model"].get_parameters(), r["weights"][r["version"]]):
+            parameter.set_data(ms.Tensor(value))
+        for generator in r["generators"]:
+            generator.reset_prefix_cache()
+        for record in self.shadow.values():
+            if record.state in ("waiting", "running"):
+                record.mixed = True
+
+    # ---- what must always hold ----
+    @invariant()
+    def pool_is_consistent(self):
+        COUNTS["rules"] += 1
+        paged, pool = self.paged, self.paged.pool
+        assert not pool.pending_releases()
+        holders = np.zeros(pool.num_blocks, np.int64)
+        for request in paged.running:
+            for block in request.seq.blocks:
+                holders[block] += 1
+        assert (pool.refs == holders).all()
+        assert pool.refs[SCRATCH_BLOCK] == 0
+        free, cached = set(pool.free), set(pool.cached_blocks)
+        held = set(np.flatnonzero(holders).tolist())
+        assert len(free) == len(pool.free) and not (free & cached) and not (free & held) and not (cached & held)
+        assert free | cached | held == set(range(1, pool.num_blocks))
+        assert all(pool.registered(b) for b in cached)
+        assert all(pool.registered(b) for b in np.flatnonzero(holders > 1).tolist())
+        for request in paged.running:
+            seq = request.seq
+            for block in seq.blocks[seq.length // BS:]:
+                assert pool.refs[block] == 1 and not pool.registered(block)
+            total = blocks_for(len(request.prompt) + request.max_new_tokens - 1, BS)
+            assert request.reserved == total - len(seq.blocks) >= 0
+        assert paged.reserved == sum(r.reserved for r in paged.running) <= pool.available
+
+    @invariant()
+    def requests_are_where_the_calls_said(self):
+        waiting = [r.id for r in self.paged.waiting]
+        running = sorted(r.id for r in self.paged.running)
+        assert waiting == [i for i, r in sorted(self.shadow.items()) if r.state == "waiting"]
+        assert running == [i for i, r in sorted(self.shadow.items()) if r.state == "running"]
+        assert len(running) <= self.paged.max_batch
+        for request in self.paged.running:
+            record = self.shadow[request.id]
+            assert request.seq.tokens == record.prompt + record.tokens[:-1]
+            assert request.pending == record.tokens[-1]
+
+    def _check_finished(self, record):
+        COUNTS["finished"] += 1
+        if not record.greedy or record.mixed:
+            return
+        COUNTS["checked"] += 1
+        assert record.tokens == self.resources["reference"](record.prompt, record.max_new, record.eos)
+
+    def teardown(self):
+        """Runs what is left to its end (bounded: a livelock fails), then leaves the generator empty."""
+        try:
+            for _ in range(200):
+                if not self.paged.has_unfinished:
+                    break
+                self.fail_next = False
+                self._step()
+            assert not self.paged.has_unfinished, "requests left unfinished after 200 steps"
+            assert (self.paged.pool.refs == 0).all() and self.paged.reserved == 0
+            for record in self.shadow.values():
+                COUNTS[record.state] = COUNTS.get(record.state, 0) + (record.state in ("aborted", "failed"))
+        finally:
+            for request in list(self.paged.waiting) + list(self.paged.running):
+                self.paged.abort(request.id)
+            self.restore()
+
+
+def test_the_engine_holds_its_invariants_under_random_use(checkpoint, graph):
+    model = load_checkpoint(checkpoint[1], progress=False)
+    weights = [[p.asnumpy() for p in model.get_parameters()]]
+    weights.append([w[::-1].copy() if w.ndim == 2 else w for w in weights[0]])  # each matrix's rows reversed
+    per_block = block_bytes(model.cache_config, BS, DTYPES["float32"])
+    generators = [PagedGenerator(model, max_cache_bytes=(usable + 1) * per_block, max_batch=batch)
+                  for usable, batch in BUDGETS]
+    contiguous = Generator(model, slots=1)
+    references = {}
+    resources = dict(model=model, weights=weights, generators=generators, version=0)
+
+    def reference(prompt, max_new, eos):
+        key = (resources["version"], tuple(prompt), max_new, eos)
+        if key not in references:
+            references[key] = [t.token for t in contiguous.stream([prompt], max_new, eos_ids=eos)]
+        return references[key]
+
+    resources["reference"] = reference
+    EngineMachine.resources = resources
+    fuzz = FUZZ_EXAMPLES > 0
+    run_state_machine_as_test(EngineMachine, settings=settings(
+        max_examples=FUZZ_EXAMPLES if fuzz else 60, stateful_step_count=60 if fuzz else 50,
+        derandomize=not fuzz, database=None, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+    print(f"\nengine state machine: {COUNTS['examples']} examples, {COUNTS['rules']} rules, "
+          f"{COUNTS['steps']} engine steps, {COUNTS['finished']} requests finished, "
+          f"{COUNTS['checked']} greedy ones checked against the contiguous generator; {COUNTS['added']} added, "
+          f"{COUNTS['aborted']} aborted, {COUNTS['failed']} ended by a failure")
+    assert COUNTS["checked"] > 0 and COUNTS["steps"] > 0
