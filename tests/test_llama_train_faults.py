@@ -216,7 +216,8 @@ def test_resume_refuses_an_optimizer_state_without_a_moment(data, tmp_path):
 
 def test_resume_refuses_a_checkpoint_whose_files_changed_after_the_save(data, tmp_path, capsys):
     """SHA256SUMS (which sha256sum -c reads) lists every file of a checkpoint; a resume refuses, by
-    file name, one byte changed in the weights, a file added, a file removed, or no SHA256SUMS."""
+    file name, one byte changed in the weights, a file added, a file removed, or a SHA256SUMS that is
+    no regular file. A checkpoint saved before SHA256SUMS existed resumes, with a FutureWarning."""
     out = tmp_path / "run"
     train_cli.main(_args(data, out, steps=1))
     checkpoint = out / "step-1"
@@ -234,8 +235,12 @@ def test_resume_refuses_a_checkpoint_whose_files_changed_after_the_save(data, tm
     assert f"{checkpoint / 'optimizer.ckpt'}: listed in SHA256SUMS but missing" in _refused(
         _args(data, out, "--resume"), capsys)
     (checkpoint / "SHA256SUMS").unlink()
+    os.mkfifo(checkpoint / "SHA256SUMS")
     assert f"{checkpoint / 'SHA256SUMS'}: missing or not a regular file" in _refused(
         _args(data, out, "--resume"), capsys)
+    (checkpoint / "SHA256SUMS").unlink()
+    with pytest.warns(FutureWarning, match="no SHA256SUMS .* not verified"):
+        run_directory.verify(checkpoint)
 
 
 def _launch(data, out, faults, *extra, steps):

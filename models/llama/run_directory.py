@@ -16,6 +16,7 @@ import hashlib
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -63,8 +64,14 @@ def _write_manifest(directory: Path) -> None:
 
 def verify(checkpoint: Path) -> None:
     """Raise ``CheckpointError`` naming the first file of ``checkpoint`` that is not as it was
-    saved: its sha256 differs from SHA256SUMS, it is missing, or SHA256SUMS does not list it."""
+    saved: its sha256 differs from SHA256SUMS, it is missing, or SHA256SUMS does not list it. A
+    checkpoint saved before SHA256SUMS existed is resumed with a FutureWarning, for one release."""
     manifest = checkpoint / MANIFEST
+    if not os.path.lexists(manifest):  # saved before checkpoints carried one: accepted for one more release
+        warnings.warn(f"{checkpoint}: no {MANIFEST} (saved by ms_rope_attention 0.1.0 or earlier), so its files are "
+                      "not verified; resuming from it unverified. From the next release such a checkpoint is "
+                      "refused: resume once and save, which writes one.", FutureWarning, stacklevel=2)
+        return
     if not manifest.is_file():  # is_file: a FIFO would block the read
         raise CheckpointError(f"{manifest}: missing or not a regular file; without it the checkpoint cannot be "
                               f"verified")
