@@ -29,7 +29,6 @@ for ``--resume``; they are written so that a kill never breaks one (models/llama
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -350,8 +349,7 @@ def trainer_state(directory: Path) -> dict:
 
 def replay_state(args) -> dict:
     """What decides the batches of every step: ``REPLAY_ARGS`` and the sha256 of the data file."""
-    with open(args.data, "rb") as handle:
-        digest = hashlib.file_digest(handle, "sha256").hexdigest()
+    digest = run_directory.sha256_file(args.data)  # chunked: hashlib.file_digest needs Python 3.11
     return {"data_sha256": digest, **{name: getattr(args, name) for name in REPLAY_ARGS}}
 
 
