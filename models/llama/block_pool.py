@@ -128,9 +128,9 @@ class BlockPool:
         self._free = list(range(num_blocks - 1, SCRATCH_BLOCK, -1))  # popped from the end: lowest first
         self._cached = OrderedDict()  # block -> None: registered, held by no sequence; oldest first
         self._children: dict[bytes, dict[tuple, int]] = {}  # chain digest -> {block's tokens: block}
-        # (chain digest, a block's first min_partial tokens) -> {block: None}: the candidates of a partial
-        # match, found without scanning every child of the chain
-        self._starts: dict[tuple[bytes, tuple], dict[int, None]] = {}
+        # chain digest -> the tokens of its registered blocks as a trie: a partial match walks it token
+        # by token (at most a block's worth), however many blocks are cached under that chain
+        self._tries: dict[bytes, _TrieNode] = {}
         self._entry: dict[int, tuple[bytes, tuple]] = {}  # registered block -> (its parent's digest, its tokens)
         self._deferred: list[int] = []  # blocks released by a copy-on-write, freed once the step ran
 
@@ -195,19 +195,25 @@ class BlockPool:
         if tokens not in children and block not in self._entry:
             children[tokens] = block
             self._entry[block] = (parent, tokens)
-            if len(tokens) >= self.min_partial:
-                self._starts.setdefault((parent, tokens[:self.min_partial]), {})[block] = None
+            node = self._tries.setdefault(parent, _TrieNode())
+            for token in tokens:
+                node = node.next.setdefault(token, _TrieNode())
+                node.blocks[block] = None
 
     def _unregister(self, block: int) -> None:
         parent, tokens = self._entry.pop(block)
         del self._children[parent][tokens]
         if not self._children[parent]:
             del self._children[parent]
-        if len(tokens) >= self.min_partial:
-            start = (parent, tokens[:self.min_partial])
-            del self._starts[start][block]
-            if not self._starts[start]:
-                del self._starts[start]
+        path = [self._tries[parent]]
+        for token in tokens:
+            path.append(path[-1].next[token])
+            del path[-1].blocks[block]
+        for depth in range(len(tokens), 0, -1):  # nodes no block passes through any more go
+            if not path[depth].blocks:
+                del path[depth - 1].next[tokens[depth - 1]]
+        if not path[0].next:
+            del self._tries[parent]
 
     def reset(self) -> None:
         """Forgets every registration (the model's weights changed): cached blocks become free,
@@ -216,7 +222,7 @@ class BlockPool:
             self._free.append(block)
         self._cached.clear()
         self._children.clear()
-        self._starts.clear()
+        self._tries.clear()
         self._entry.clear()
         self.epoch += 1
 
@@ -239,15 +245,15 @@ class BlockPool:
                 blocks.append(block)
                 parent, matched = chain_key(parent, want), matched + bs
                 continue
-            if limit - matched >= self.min_partial:  # a partial match: the longest common start
-                best, best_len = None, 0
-                for candidate in self._starts.get((parent, want[:self.min_partial]), ()):
-                    common = _common_prefix(self._entry[candidate][1], want)
-                    if common > best_len:
-                        best, best_len = candidate, common
-                if best is not None:
-                    blocks.append(best)
-                    matched += min(best_len, limit - matched)
+            node, common = self._tries[parent], 0  # a partial match: the longest common start
+            for token in want[:limit - matched]:
+                node = node.next.get(token)
+                if node is None:
+                    break
+                best, common = next(iter(node.blocks)), common + 1
+            if common >= self.min_partial:
+                blocks.append(best)
+                matched += common
             break
         return Match(blocks, matched)
 
@@ -311,10 +317,10 @@ class BlockPool:
         seq.blocks.clear()
 
 
-def _common_prefix(a: tuple, b: tuple) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+class _TrieNode:
+    """A token position in a chain's trie: the registered blocks whose tokens pass through it."""
+    __slots__ = ("next", "blocks")
+
+    def __init__(self):
+        self.next: dict[int, _TrieNode] = {}
+        self.blocks: dict[int, None] = {}  # ordered: the earliest registered first
