@@ -113,25 +113,27 @@ def test_a_save_killed_at_any_point_loses_only_that_save(fault, data, reference,
     assert not list(out.glob("*.tmp-*"))
 
 
-def _sigint(monkeypatch, owner, name, call):
-    """``owner.name``'s ``call``-th call sends this process SIGINT as it returns."""
+def _sigint(monkeypatch, owner, name, call, number=signal.SIGINT):
+    """``owner.name``'s ``call``-th call sends this process SIGINT (or ``number``) as it returns."""
     real, calls = getattr(owner, name), []
 
     def signalling(*args, **kwargs):
         result = real(*args, **kwargs)
         calls.append(1)
         if len(calls) == call:
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), number)
         return result
     monkeypatch.setattr(owner, name, signalling)
 
 
+@pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGHUP], ids=["SIGINT", "SIGHUP"])
 def test_sigint_between_the_optimizer_and_the_step_counter_saves_that_step(data, reference, tmp_path, monkeypatch,
-                                                                           capsys):
-    """SIGINT as the optimizer's second update returns, before the step counter counts it: the run
-    stops after step 2 and saves it, weights, optimizer global_step and trainer.json alike."""
+                                                                           capsys, number):
+    """SIGINT (or a hang-up) as the optimizer's second update returns, before the step counter
+    counts it: the run stops after step 2 and saves it, weights, optimizer global_step and
+    trainer.json alike."""
     out = tmp_path / "run"
-    _sigint(monkeypatch, nn.AdamWeightDecay, "__call__", 2)
+    _sigint(monkeypatch, nn.AdamWeightDecay, "__call__", 2, number)
     with pytest.raises(SystemExit, match="interrupted by a signal: step 2 saved to"):
         train_cli.main(_args(data, out, save_every=100))
     monkeypatch.undo()
@@ -141,6 +143,19 @@ def test_sigint_between_the_optimizer_and_the_step_counter_saves_that_step(data,
     assert json.loads((out / "step-2" / "trainer.json").read_text())["step"] == 2
     train_cli.main(_args(data, out, "--resume", save_every=100))
     _assert_same_weights(out / f"step-{STEPS}", reference / f"step-{STEPS}")
+
+
+def test_a_signal_the_caller_ignores_stays_ignored():
+    """``nohup`` (SIGHUP ignored) keeps a run going when its terminal closes: StopRequest leaves an
+    ignored signal alone, and handles and restores the others."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with train_cli.StopRequest(distributed=False):
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, signal.SIG_DFL)
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def test_sigint_right_after_a_periodic_save_does_not_save_again(data, reference, tmp_path, monkeypatch):

@@ -368,14 +368,16 @@ def resume_problems(saved: dict, args, replay: dict) -> list[str]:
 
 
 class StopRequest:
-    """SIGINT and SIGTERM ask the run to stop: a handler sets a flag, read at the next step boundary,
+    """SIGINT, SIGTERM and SIGHUP (a closed terminal, a dropped ssh) ask the run to stop: a handler
+    sets a flag, read at the next step boundary,
     so a signal never cuts a step in half (weights, optimizer state and step counter stay one
     state); a second signal aborts at once (KeyboardInterrupt; the checkpoints stay whole). Under
     msrun the ranks agree through a one-element all-reduce over the world at every boundary, so all
     stop after the same step, even when the signal reached only some of them. (Both signals are
-    handled alike: once a graph has run, MindSpore's own SIGINT handler re-raises SIGINT as SIGTERM.)"""
+    handled alike: once a graph has run, MindSpore's own SIGINT handler re-raises SIGINT as SIGTERM.)
+    A signal the caller ignores stays ignored: ``nohup`` keeps a run going when its terminal closes."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def __init__(self, distributed: bool):
         from ms_rope_attention.distributed import GroupCollective
@@ -386,7 +388,8 @@ class StopRequest:
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():  # where Python runs signal handlers
-            self.previous = {number: signal.signal(number, self._handle) for number in self.SIGNALS}
+            self.previous = {number: signal.signal(number, self._handle) for number in self.SIGNALS
+                             if signal.getsignal(number) is not signal.SIG_IGN}
         return self
 
     def __exit__(self, *exc) -> None:
