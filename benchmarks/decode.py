@@ -3,7 +3,7 @@ project's generator (fused and unfused, its in-place KV cache) against Hugging F
 ``generate`` with its DynamicCache and its StaticCache, and the op's decode call against this
 machine's memory read bandwidth, all in one run.
 
-Every system loads the same seeded random checkpoint (``ttft.write_checkpoint``; Llama2-7B dimensions,
+Every system loads the same seeded random checkpoint (``peers.write_checkpoint``; Llama2-7B dimensions,
 ``--layers`` layers, float32) and gets the same prompts; greedy tokens must be identical across
 systems, or the run fails. Batches: ``1`` (one prompt of ``context`` tokens) and ``varlen8`` (eight
 prompts whose lengths spread evenly over [context/8, context]: no padding here, left padding with an
@@ -25,8 +25,6 @@ bandwidth.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import os
 import statistics
 import tempfile
 import time
@@ -34,147 +32,17 @@ from pathlib import Path
 
 import numpy as np
 
-from harness import machine_info, memory_total_bytes, run_isolated, save, turned
+from harness import machine_info, memory_total_bytes, read_bandwidth, run_isolated, save, turned
 
 SCHEMA_VERSION = 1
 SYSTEMS = ("fused", "unfused", "hf-dynamic", "hf-static")
 NAMES = {"fused": "fused (this project)", "unfused": "unfused (this project)",
          "hf-dynamic": "HF transformers, DynamicCache", "hf-static": "HF transformers, StaticCache"}
 BATCHES = ("1", "varlen8")
-WARM_UP_TOKENS = 16
-
-
-def prompts_for(batch: str, context: int, vocab: int, seed: int) -> list[list[int]]:
-    """The prompts of a point: one of ``context`` tokens, or eight spread over [context/8, context]."""
-    rng = np.random.default_rng(seed + context)
-    lengths = [context] if batch == "1" else [max(1, context * (i + 1) // 8) for i in range(8)]
-    return [rng.integers(1, vocab, n).tolist() for n in lengths]
 
 
 # ---------------------------------------------------------------------------------------------
-# Points (child processes).
-
-def project_point(backend: str, checkpoint: str, context: int, batch: str, new_tokens: int, seed: int,
-                  weight_dtype: str = "auto") -> dict:
-    """This project's ``Generator`` in GRAPH_MODE on its in-place KV cache (``weight_dtype`` as
-    ``load_checkpoint`` takes it; the cache the model's default)."""
-    import ms_rope_attention  # noqa: F401  before MindSpore, as users run it (docs/threads.md)
-    import mindspore as ms
-
-    ms.set_device("CPU")
-    ms.set_context(mode=ms.GRAPH_MODE)
-    from models.llama.generate import Generator
-    from models.llama.kv_cache import bucket_capacity
-    from models.llama.weights import load_checkpoint
-
-    lm = load_checkpoint(checkpoint, backend=backend, max_positions=context + new_tokens, progress=False,
-                         weight_dtype=weight_dtype)
-    prompts = prompts_for(batch, context, lm.vocab_size, seed)
-    capacity = bucket_capacity(max(map(len, prompts)) + new_tokens, lm.max_positions)
-    gen = Generator(lm, slots=len(prompts), capacity=capacity)
-    compile_s = gen.warm_up([p[:WARM_UP_TOKENS] for p in prompts])
-    result = gen.generate(prompts, new_tokens, eos_ids=())
-    return {"backend_ran": lm.backend, "compile_s": compile_s, "ttft_s": result.ttft_s,
-            "step_ms": [ms_ for _, ms_ in result.step_ms], "cached_tokens": [c for c, _ in result.step_ms],
-            "tokens": result.tokens}
-
-
-def hf_stamps():
-    """A transformers streamer keeping the time of every ``put``: the prompt first, then each step's
-    tokens (``.times``)."""
-    import transformers
-
-    class Stamps(transformers.generation.BaseStreamer):
-        def __init__(self):
-            self.times = []
-
-        def put(self, value):
-            self.times.append(time.perf_counter())
-
-        def end(self):
-            pass
-
-    return Stamps()
-
-
-def hf_generate(lm, prompts, new_tokens: int, cache: str, streamer=None) -> list[list[int]]:
-    """transformers' greedy ``generate`` of exactly ``new_tokens`` per prompt, the batch left-padded
-    with an attention mask; ``cache`` 'dynamic' or 'static'."""
-    import torch
-
-    longest = max(map(len, prompts))
-    ids = torch.zeros((len(prompts), longest), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, longest - len(p):], mask[i, longest - len(p):] = torch.tensor(p), 1
-    kwargs = {"cache_implementation": "static"} if cache == "static" else {}
-    with torch.inference_mode():
-        out = lm.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                          do_sample=False, streamer=streamer, pad_token_id=0, **kwargs)
-    return out[:, longest:].tolist()
-
-
-def hf_point(cache: str, checkpoint: str, context: int, batch: str, new_tokens: int, seed: int,
-             dtype: str = "float32") -> dict:
-    """transformers' ``generate`` (greedy, sdpa) with ``cache`` 'dynamic' or 'static', every core,
-    the model in ``dtype``."""
-    import torch
-    import transformers
-
-    torch.set_num_threads(os.cpu_count())
-    lm = transformers.LlamaForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype),
-                                                       attn_implementation="sdpa").eval()
-    prompts = prompts_for(batch, context, lm.config.vocab_size, seed)
-    start = time.perf_counter()
-    hf_generate(lm, [p[:WARM_UP_TOKENS] for p in prompts], 2, cache)
-    compile_s = time.perf_counter() - start
-    stamps = hf_stamps()
-    start = time.perf_counter()
-    tokens = hf_generate(lm, prompts, new_tokens, cache, stamps)
-    times = stamps.times[1:]  # after the prompt's put: one per generated token
-    return {"backend_ran": f"transformers {transformers.__version__}, torch {torch.__version__}, {cache} cache",
-            "compile_s": compile_s, "ttft_s": times[0] - start, "step_ms": list(np.diff(times) * 1e3),
-            "cached_tokens": [sum(map(len, prompts)) + len(prompts) * (i + 1) for i in range(len(times) - 1)],
-            "tokens": tokens}
-
-
-def point(system: str, **kwargs) -> dict:
-    if system.startswith("hf-"):
-        missing = [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
-        if missing:
-            return {"status": "skipped", "error": f"not installed: {', '.join(missing)} (make bench installs them)"}
-        return hf_point(system[3:], **kwargs)
-    return project_point(system, **kwargs)
-
-
-def read_bandwidth() -> dict:
-    """Bytes per second this machine reads on every core: the best of a threaded numpy sum and, when
-    installed, PyTorch's sum (the faster probe is the stricter yardstick), over 1 GiB, best of 10."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    cores = os.cpu_count()
-    block = np.ones(2**28, np.float32)
-    slices = np.array_split(block, cores)
-    probes = {}
-    with ThreadPoolExecutor(cores) as pool:  # numpy's reductions release the GIL
-        probes["numpy sum, one slice per core"] = lambda: list(pool.map(np.sum, slices))
-        if importlib.util.find_spec("torch") is not None:
-            import torch
-
-            torch.set_num_threads(cores)
-            tensor = torch.from_numpy(block)
-            probes["torch sum"] = lambda: float(tensor.sum())
-        best = {}
-        for name, probe in probes.items():
-            times = []
-            for _ in range(10):
-                start = time.perf_counter()
-                probe()
-                times.append(time.perf_counter() - start)
-            best[name] = block.nbytes / min(times)
-    name = max(best, key=best.get)
-    return {"bytes_per_s": best[name], "probe": name, "probes_gb_per_s": {k: v / 1e9 for k, v in best.items()}}
-
+# The op's point (child process); the systems' points are peers.generation_point.
 
 def bandwidth_point(contexts: list[int], repeats: int = 20) -> dict:
     """The op's decode call (q_len 1, 32 heads, D 128, BSND cache) against the read bandwidth, for
@@ -335,8 +203,8 @@ def sweep(args, progress=True) -> dict:
 
     limit = int(args.memory_limit_gb * 2**30)
     with tempfile.TemporaryDirectory(prefix="decode-weights-") as scratch:
-        written = run_isolated("ttft", "write_checkpoint", {"model": args.model, "layers": args.layers,
-                                                             "seed": args.seed, "directory": scratch})
+        written = run_isolated("peers", "write_checkpoint", {"model": args.model, "layers": args.layers,
+                                                              "seed": args.seed, "directory": scratch})
         if written["status"] != "ok":
             raise RuntimeError(f"could not write the shared weights: {written.get('error')}")
         contexts = {"1": args.contexts, "varlen8": args.varlen_contexts}
@@ -350,9 +218,9 @@ def sweep(args, progress=True) -> dict:
             if system in skipped:
                 runs.append({**base, **skipped[system]})
                 continue
-            result = run_isolated("decode", "point", {"system": system, "checkpoint": scratch, "context": context,
-                                                      "batch": batch, "new_tokens": args.new_tokens,
-                                                      "seed": args.seed},
+            result = run_isolated("peers", "generation_point", {"system": system, "checkpoint": scratch,
+                                                                 "context": context, "batch": batch,
+                                                                 "new_tokens": args.new_tokens, "seed": args.seed},
                                   memory_limit_bytes=limit, timeout_s=args.timeout)
             if result["status"] == "skipped":
                 skipped[system] = result

@@ -2,7 +2,7 @@
 first token (prefill) of MindFormers 2.0.0's Llama (GRAPH_MODE) and of Hugging Face's Llama on
 mindnlp 0.5.1 (PyNative), and mindnlp's decode step with its KV cache (DynamicCache).
 
-One seeded Llama2-7B-dimension checkpoint (``ttft.write_checkpoint``, a few decoder layers) serves
+One seeded Llama2-7B-dimension checkpoint (``peers.write_checkpoint``, a few decoder layers) serves
 both libraries; each library runs in its own virtual environment and a child process of its own.
 In that process the original model is timed, then ``fuse(model)`` (the report is kept), then the
 fused model: the order cannot alternate without recompiling MindFormers' graph at every switch.
@@ -31,9 +31,9 @@ PYTHONS = {"mindformers": ROOT / ".venv-mindformers" / "bin" / "python",
 
 def unequal_prompts(seed: int, lengths: list[int], vocab_size: int) -> list[list[int]]:
     """One seeded prompt per length (ids never 0, MindFormers' pad id)."""
-    import ttft
+    import peers
 
-    return [ttft.prompt_ids(seed + 1 + i, 1, n, vocab_size)[0] for i, n in enumerate(lengths)]
+    return [peers.prompt_ids(seed + 1 + i, 1, n, vocab_size)[0] for i, n in enumerate(lengths)]
 
 
 def _relative(a, b) -> float:
@@ -46,23 +46,23 @@ def mindformers_point(checkpoint: str, length: int, repeats: int, seed: int) -> 
     import mindspore as ms
     from mindspore import Tensor
 
-    import ttft
+    import peers
     from ms_rope_attention import fuse
 
     ms.set_device("CPU")
     ms.set_context(mode=ms.GRAPH_MODE)
-    lm, hf, build_s = ttft.load_mindformers(checkpoint, length, 1, "float32")
-    ids = Tensor(np.array(ttft.prompt_ids(seed, 1, length, hf["vocab_size"]), np.int32))
+    lm, hf, build_s = peers.load_mindformers(checkpoint, length, 1, "float32")
+    ids = Tensor(np.array(peers.prompt_ids(seed, 1, length, hf["vocab_size"]), np.int32))
     valid = Tensor(np.array([length], np.int32))
 
     def last_logits():
         return lm(ids, batch_valid_length=valid)[0].asnumpy().reshape(1, -1)
 
-    compile_original, original, want = ttft.timed_prefill(last_logits, repeats)
+    compile_original, original, want = peers.timed_prefill(last_logits, repeats)
     start = time.perf_counter()
     report = fuse(lm)
     fuse_s = time.perf_counter() - start
-    compile_fused, fused, got = ttft.timed_prefill(last_logits, repeats)
+    compile_fused, fused, got = peers.timed_prefill(last_logits, repeats)
     return {"report": str(report), "all_fused": report.all_fused, "fuse_s": fuse_s, "build_s": build_s,
             "compile_s": {"original": compile_original, "fused": compile_fused},
             "ttft": {"original": stats(original), "fused": stats(fused)}, "logits_relative": _relative(got, want)}
@@ -81,14 +81,13 @@ def mindnlp_point(checkpoint: str, length: int, repeats: int, seed: int, decode_
     import torch
     import transformers
 
-    import decode as decode_bench
-    import ttft
+    import peers
     from ms_rope_attention import fuse
 
     start = time.perf_counter()
     model = transformers.LlamaForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32).eval()
     build_s = time.perf_counter() - start
-    ids = torch.tensor(ttft.prompt_ids(seed, 1, length, model.config.vocab_size))
+    ids = torch.tensor(peers.prompt_ids(seed, 1, length, model.config.vocab_size))
 
     def last_logits():
         with torch.no_grad():
@@ -122,12 +121,12 @@ def mindnlp_point(checkpoint: str, length: int, repeats: int, seed: int, decode_
         """Per-step seconds of HF's greedy generate on the unequal prompts, its tokens, and the
         fallback announcements made during it."""
         fallbacks.clear()
-        stamps = decode_bench.hf_stamps()
-        tokens = decode_bench.hf_generate(model, prompts, decode_steps + 1, "dynamic", streamer=stamps)
+        stamps = peers.hf_stamps()
+        tokens = peers.hf_generate(model, prompts, decode_steps + 1, "dynamic", streamer=stamps)
         return list(np.diff(stamps.times[1:])), tokens, list(fallbacks)
 
     def measure():
-        compile_s, times, logits = ttft.timed_prefill(last_logits, repeats)
+        compile_s, times, logits = peers.timed_prefill(last_logits, repeats)
         steps, tokens = decode()
         batch_steps, batch_tokens, batch_fallbacks = batch_decode()
         return {"ttft": stats(times), "first_call_s": compile_s, "decode_step": stats(steps),
@@ -151,16 +150,16 @@ def mindformers_serving_point(checkpoint: str, prompts: list[list[int]], new_tok
     right-padded with its pad id as MindFormers takes it. Unfused this path cannot run on a CPU."""
     import mindspore as ms
 
-    import ttft
+    import peers
     from ms_rope_attention import fuse
 
     ms.set_device("CPU")
     ms.set_context(mode=ms.GRAPH_MODE)
     width = max(map(len, prompts))
     seq_length = -(-(width + new_tokens) // 16) * 16
-    lm, _, build_s = ttft.load_mindformers(checkpoint, seq_length, len(prompts), "float32", use_past=True,
-                                           is_dynamic=True, use_flash_attention=True, block_size=16,
-                                           num_blocks=len(prompts) * seq_length // 16)
+    lm, _, build_s = peers.load_mindformers(checkpoint, seq_length, len(prompts), "float32", use_past=True,
+                                            is_dynamic=True, use_flash_attention=True, block_size=16,
+                                            num_blocks=len(prompts) * seq_length // 16)
     report = fuse(lm)
     start = time.perf_counter()
     out = lm.generate([p + [0] * (width - len(p)) for p in prompts], max_new_tokens=new_tokens, do_sample=False)
@@ -271,8 +270,8 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     runs = []
     with tempfile.TemporaryDirectory(prefix="fuse-weights-") as checkpoint:
-        written = run_isolated("ttft", "write_checkpoint", {"model": args.model, "layers": args.layers,
-                                                             "seed": args.seed, "directory": checkpoint})
+        written = run_isolated("peers", "write_checkpoint", {"model": args.model, "layers": args.layers,
+                                                              "seed": args.seed, "directory": checkpoint})
         if written["status"] != "ok":
             raise RuntimeError(f"could not write the weights: {written.get('error')}")
         for length in args.lengths:

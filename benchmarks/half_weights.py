@@ -8,7 +8,7 @@ runs and every weight dtype; M = 1, 8, 16 rows (decode steps: the fraction of th
 product reaches, bytes(W) / time / bandwidth) and M = 512 (a prefill: GFLOP/s, ratio to float32).
 Calls alternate round by round; min and median.
 
-Generation: each (context, round, system) point in a fresh process (``decode.point``): TTFT, decode
+Generation: each (context, round, system) point in a fresh process (``peers.generation_point``): TTFT, decode
 tokens/s per sequence (median step), peak RSS. Greedy tokens of this project's two systems must agree
 (the same arithmetic on the same values). transformers runs in the half dtype it is given (its own
 arithmetic in that dtype, so its tokens may differ; reported, not required).
@@ -25,9 +25,9 @@ import time
 
 import numpy as np
 
-from harness import machine_info, memory_total_bytes, run_isolated, save, turned
+from harness import machine_info, memory_total_bytes, read_bandwidth, run_isolated, save, turned
 
-SYSTEMS = {  # name -> (decode.point system, extra kwargs)
+SYSTEMS = {  # name -> (peers.generation_point system, extra kwargs)
     "fused-float32": ("fused", {"weight_dtype": "float32"}),
     "fused-half": ("fused", {"weight_dtype": "auto"}),
     "hf-static-float16": ("hf-static", {"dtype": "float16"}),
@@ -40,7 +40,6 @@ def gemm_point(out_features: int = 11008, in_features: int = 4096, repeats: int 
     """The projection GEMM per build, weight dtype and M (child process: nothing else on the cores)."""
     import ml_dtypes
 
-    from decode import read_bandwidth
     from ms_rope_attention import linear
     from ms_rope_attention.cpu_kernel import built_libraries, usable_isas
 
@@ -111,7 +110,7 @@ def paired_point(checkpoint: str, context: int, new_tokens: int, seed: int, pref
 
     ms.set_device("CPU")
     ms.set_context(mode=ms.GRAPH_MODE)
-    from decode import WARM_UP_TOKENS, prompts_for
+    from peers import WARM_UP_TOKENS, prompts_for
     from models.llama.generate import Generator
     from models.llama.kv_cache import bucket_capacity
     from models.llama.weights import load_checkpoint
@@ -262,9 +261,10 @@ def main(argv=None) -> dict:
         runs = []
         for context, round_, system in tqdm(points, desc="half weights", unit="process"):
             kind, extra = SYSTEMS[system]
-            result = run_isolated("decode", "point", {"system": kind, "checkpoint": scratch, "context": context,
-                                                      "batch": "1", "new_tokens": args.new_tokens, "seed": args.seed,
-                                                      **extra}, memory_limit_bytes=limit, timeout_s=7200)
+            result = run_isolated("peers", "generation_point",
+                                  {"system": kind, "checkpoint": scratch, "context": context, "batch": "1",
+                                   "new_tokens": args.new_tokens, "seed": args.seed, **extra},
+                                  memory_limit_bytes=limit, timeout_s=7200)
             runs.append({"system": system, "context": context, "round": round_, **result})
         paired = []
         if {"fused-float32", "fused-half"} <= set(args.systems):

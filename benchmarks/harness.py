@@ -4,6 +4,7 @@ as out of memory, min/median statistics, and a description of the machine and ve
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import platform
@@ -64,6 +65,37 @@ def memory_total_bytes() -> int:
             if line.startswith("MemTotal:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("/proc/meminfo has no MemTotal")
+
+
+def read_bandwidth() -> dict:
+    """Bytes per second this machine reads on every core: the best of a threaded numpy sum and, when
+    installed, PyTorch's sum (the faster probe is the stricter yardstick), over 1 GiB, best of 10."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    cores = os.cpu_count()
+    block = np.ones(2**28, np.float32)
+    slices = np.array_split(block, cores)
+    probes = {}
+    with ThreadPoolExecutor(cores) as pool:  # numpy's reductions release the GIL
+        probes["numpy sum, one slice per core"] = lambda: list(pool.map(np.sum, slices))
+        if importlib.util.find_spec("torch") is not None:
+            import torch
+
+            torch.set_num_threads(cores)
+            tensor = torch.from_numpy(block)
+            probes["torch sum"] = lambda: float(tensor.sum())
+        best = {}
+        for name, probe in probes.items():
+            times = []
+            for _ in range(10):
+                start = time.perf_counter()
+                probe()
+                times.append(time.perf_counter() - start)
+            best[name] = block.nbytes / min(times)
+    name = max(best, key=best.get)
+    return {"bytes_per_s": best[name], "probe": name, "probes_gb_per_s": {k: v / 1e9 for k, v in best.items()}}
 
 
 def _rss_bytes(pid: int) -> int:

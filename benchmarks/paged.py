@@ -19,8 +19,7 @@ import time
 
 import numpy as np
 
-from decode import read_bandwidth
-from harness import machine_info, save
+from harness import machine_info, read_bandwidth, save
 
 HEADS, HEAD_DIM = 32, 128
 BLOCK_SIZES = (16, 128)

@@ -74,7 +74,7 @@ def model_series(config, length: int, seed: int) -> dict:
 
     from models.llama import LlamaForCausalLM
     from models.llama.generate import Generator
-    from ttft import prompt_ids
+    from peers import prompt_ids
 
     models = {}
     for projections in ("matmul", "auto"):

@@ -1,5 +1,5 @@
 """Serving on the paged KV cache (models/llama/serving.py) against the contiguous cache it replaces
-and transformers, on one seeded random checkpoint (``ttft.write_checkpoint``: Llama2-7B dimensions,
+and transformers, on one seeded random checkpoint (``peers.write_checkpoint``: Llama2-7B dimensions,
 ``--layers`` layers, float32), each point in a fresh process, greedy tokens compared across systems.
 
 Three parts, each selectable with ``--parts``:
@@ -38,8 +38,8 @@ import time
 
 import numpy as np
 
-from decode import hf_generate, hf_stamps
 from harness import machine_info, run_isolated, save, turned
+from peers import hf_generate, hf_stamps
 
 SCHEMA_VERSION = 1
 USER_TURN = 64
@@ -360,8 +360,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     results = {"schema_version": SCHEMA_VERSION, "machine": machine_info(), "settings": vars(args)}
     with tempfile.TemporaryDirectory(prefix="serving-") as checkpoint:
-        run_isolated("ttft", "write_checkpoint", {"model": args.model, "layers": args.layers, "seed": args.seed,
-                                                  "directory": checkpoint})
+        run_isolated("peers", "write_checkpoint", {"model": args.model, "layers": args.layers, "seed": args.seed,
+                                                   "directory": checkpoint})
         if "steps" in args.parts:
             runs = []
             for r in range(args.rounds):

@@ -25,8 +25,6 @@ A point that runs out of memory is reported as such (the watchdog stops it first
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -34,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from harness import machine_info, memory_total_bytes, run_isolated, save, stats, timed, turned
+from peers import prompt_ids, timed_prefill, weights_checksum
 
 SCHEMA_VERSION = 3  # 3: one run per process and round ("round"), merged per point
 BACKENDS = ("fused", "unfused")  # this project's two paths, in MindSpore
@@ -41,43 +40,12 @@ PEERS = {"hf": "Hugging Face transformers LlamaForCausalLM (sdpa), PyTorch",
          "mindformers": "MindFormers LlamaForCausalLM, MindSpore GRAPH_MODE (its own virtual environment)"}
 MINDFORMERS_PYTHON = Path(__file__).resolve().parent.parent / ".venv-mindformers" / "bin" / "python"
 SYSTEMS = BACKENDS + tuple(PEERS)
-
-
-def weights_checksum(down_proj_rows: np.ndarray) -> float:
-    """Layer 0's MLP down projection, first rows: stored the same way by every system (q/k projections
-    may be permuted for a rotary layout, this one never is)."""
-    return float(np.asarray(down_proj_rows, np.float64).sum())
-
-
-def prompt_ids(seed: int, batch: int, length: int, vocab_size: int) -> list:
-    """The sweep's prompt, the same for every system: seeded random ids, never 0 (MindFormers' pad id,
-    which its causal mask would hide)."""
-    return np.random.default_rng(seed).integers(1, vocab_size, (batch, length)).tolist()
-
-
-LOGITS_PROBE = 64  # leading logits of the last token each system reports
-LOGITS_RTOL = 1e-3  # their agreement across systems, relative to the largest logit
-
-
-def logits_probe(logits) -> list:
-    """The last token's first logits (batch row 0): every system must agree on them."""
-    return [float(x) for x in np.asarray(logits, np.float64).reshape(np.shape(logits)[0], -1)[0, :LOGITS_PROBE]]
-
-
-def timed_prefill(last_logits, repeats: int) -> tuple[float, list[float], list]:
-    """(compile/warm-up seconds, timed seconds, logits probe) of a prefill: ``last_logits()`` returns the
-    last token's logits (B, vocab) as numpy, and choosing the first token (argmax) is part of the time."""
-    last = {}
-
-    def prefill():
-        last["logits"] = last_logits()
-        return last["logits"].argmax(-1)
-    compile_s, times = timed(prefill, repeats)
-    return compile_s, times, logits_probe(last["logits"])
+LOGITS_RTOL = 1e-3  # the systems' agreement on peers.LOGITS_PROBE's logits, relative to the largest logit
 
 
 # ---------------------------------------------------------------------------------------------
-# One measured point (child process).
+# One measured point of this project's model (child process); the peers' are peers.hf_prefill_point
+# and peers.mindformers_prefill_point.
 
 def ttft_point(model: str, layers: int, dtype: str, batch: int, backend: str, length: int, repeats: int,
                checkpoint: str | None, seed: int, device: str) -> dict:
@@ -142,182 +110,6 @@ def ttft_point(model: str, layers: int, dtype: str, batch: int, backend: str, le
     return {"backend_ran": lm.backend, "build_s": build_s, "compile_s": compile_s, "ttft": stats(ttft),
             "attention": stats(attention_times), "head": stats(head_times), "weights_checksum": weights_checksum(probe),
             "logits_probe": probe_logits}
-
-
-def hf_point(checkpoint: str, length: int, repeats: int, seed: int, batch: int, dtype: str) -> dict:
-    """The peer: transformers' LlamaForCausalLM with PyTorch's sdpa attention on the same checkpoint, all
-    cores, the prefill a ``generate`` call would run (KV cache on, logits of the last token only)."""
-    import torch
-    import torch.nn.functional as F
-    import transformers
-
-    torch.set_num_threads(os.cpu_count())
-    start = time.perf_counter()
-    lm = transformers.LlamaForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype),
-                                                       attn_implementation="sdpa").eval()
-    build_s = time.perf_counter() - start
-    config = lm.config
-    ids = torch.tensor(prompt_ids(seed, batch, length, config.vocab_size))
-
-    def last_logits():
-        with torch.inference_mode():
-            return lm(ids, logits_to_keep=1).logits[:, -1].float().numpy()
-    compile_s, ttft, probe_logits = timed_prefill(last_logits, repeats)
-
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head_dim = config.hidden_size // heads
-    q = torch.randn(batch, heads, length, head_dim, dtype=getattr(torch, dtype))
-    k, v = (torch.randn(batch, kv_heads, length, head_dim, dtype=q.dtype) for _ in range(2))
-    rotary = lm.model.rotary_emb
-    position_ids = torch.arange(length).unsqueeze(0)
-    apply_rope = transformers.models.llama.modeling_llama.apply_rotary_pos_emb
-
-    def attention():  # one layer's RoPE + sdpa, as the model runs them
-        with torch.inference_mode():
-            cos, sin = rotary(q, position_ids)
-            qr, kr = apply_rope(q, k, cos, sin)
-            return F.scaled_dot_product_attention(qr, kr, v, is_causal=True, enable_gqa=kv_heads != heads)
-
-    def head():  # embedding, final norm, LM head on the last token
-        with torch.inference_mode():
-            return lm.lm_head(lm.model.norm(lm.model.embed_tokens(ids))[:, -1:])
-    _, attention_times = timed(attention, repeats)
-    _, head_times = timed(head, repeats)
-    probe = lm.model.layers[0].mlp.down_proj.weight[:8].detach().float().numpy()
-    return {"backend_ran": f"transformers {transformers.__version__}, torch {torch.__version__}", "build_s": build_s,
-            "compile_s": compile_s, "ttft": stats(ttft), "attention": stats(attention_times), "head": stats(head_times),
-            "weights_checksum": weights_checksum(probe), "logits_probe": probe_logits}
-
-
-def load_mindformers(checkpoint: str, length: int, batch: int, dtype: str, **settings):
-    """(MindFormers' LlamaForCausalLM on ``checkpoint``'s weights, hf config dict, seconds to build it),
-    configured as MindFormers runs on a CPU (no flash attention, sliced rotate-half RoPE, unfused
-    RMSNorm, no KV cache) unless ``settings`` (LlamaConfig fields) say otherwise; GRAPH_MODE unless
-    the caller set another mode. Runs in MindFormers' own virtual environment."""
-    import mindformers_compat
-    mindformers_compat.install()
-    # MindFormers writes its logs under LOCAL_DEFAULT_PATH (./output by default): keep them out of the tree.
-    os.environ.setdefault("LOCAL_DEFAULT_PATH", tempfile.mkdtemp(prefix="mindformers-output-"))
-    import mindspore as ms
-    from mindspore import Tensor
-    from mindspore.nn.utils import no_init_parameters
-    from safetensors import safe_open
-
-    ms.set_device("CPU")
-    from mindformers.models.llama import LlamaConfig, LlamaForCausalLM
-
-    hf = json.loads((Path(checkpoint) / "config.json").read_text())
-    start = time.perf_counter()
-    config = LlamaConfig(**{
-        **dict(batch_size=batch, seq_length=length, hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
-               num_heads=hf["num_attention_heads"], n_kv_heads=hf["num_key_value_heads"],
-               intermediate_size=hf["intermediate_size"], vocab_size=hf["vocab_size"], rms_norm_eps=hf["rms_norm_eps"],
-               theta=hf["rope_theta"], max_position_embedding=max(length, hf["max_position_embeddings"]),
-               compute_dtype=dtype, layernorm_compute_type="float32", softmax_compute_type="float32",
-               rotary_dtype="float32", param_init_type=dtype, use_past=False, use_flash_attention=False,
-               use_rope_slice=True, fused_rms_norm=False, bos_token_id=hf.get("bos_token_id", 1),
-               eos_token_id=hf.get("eos_token_id", 2), pad_token_id=0),
-        **settings})
-    with no_init_parameters():  # every weight comes from the checkpoint, as in this project's loader
-        lm = LlamaForCausalLM(config)
-    lm.set_train(False)
-    # Tensor by tensor into the model's own parameters, as this project's loader does: a dict of every
-    # converted tensor first (load_param_into_net) would hold the model twice and inflate the peer's peak.
-    own = lm.parameters_dict()
-    loaded, unexpected = set(), []
-    for file in sorted(Path(checkpoint).glob("*.safetensors")):
-        with safe_open(str(file), framework="np") as f:
-            for name in f.keys():
-                ms_name = LlamaForCausalLM.convert_name(name)
-                if ms_name not in own:
-                    unexpected.append(ms_name)
-                    continue
-                value = Tensor.from_numpy(f.get_tensor(name)).astype(own[ms_name].dtype)
-                if value.shape != own[ms_name].shape:
-                    raise RuntimeError(f"MindFormers checkpoint mapping: {ms_name} is {value.shape} in {file}, "
-                                       f"the model has {own[ms_name].shape}")
-                own[ms_name].set_data(value)
-                loaded.add(ms_name)
-    missing = []
-    for name in sorted(set(own) - loaded):
-        if name.endswith(("key_cache", "value_cache")):  # use_past's paged KV cache: state, not weights
-            own[name].init_data()
-        else:
-            missing.append(name)
-    if missing or unexpected:
-        raise RuntimeError(f"MindFormers checkpoint mapping: missing {missing}, unexpected {unexpected}")
-    return lm, hf, time.perf_counter() - start
-
-
-def mindformers_point(checkpoint: str, length: int, repeats: int, seed: int, batch: int, dtype: str) -> dict:
-    """The other peer: MindFormers' Llama (``mindformers.models.llama.LlamaForCausalLM``, MindSpore
-    GRAPH_MODE) on the same checkpoint, configured as MindFormers runs on a CPU (no flash attention,
-    sliced rotate-half RoPE, unfused RMSNorm, no KV cache), the prefill computing the last token's logits
-    (``batch_valid_length``). Runs in MindFormers' own virtual environment (see ``--mindformers-python``)."""
-    import mindspore as ms
-    from mindspore import Tensor, nn
-
-    ms.set_device("CPU")
-    ms.set_context(mode=ms.GRAPH_MODE)
-    lm, hf, build_s = load_mindformers(checkpoint, length, batch, dtype)
-    import mindformers
-    ids = Tensor(np.array(prompt_ids(seed, batch, length, hf["vocab_size"]), np.int32))
-    valid = Tensor(np.full((batch,), length, np.int32))
-    compile_s, ttft, probe_logits = timed_prefill(
-        lambda: lm(ids, batch_valid_length=valid)[0].asnumpy().reshape(batch, -1), repeats)
-
-    heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
-    head_dim = hf["hidden_size"] // heads
-    rng = np.random.default_rng(seed)
-    q = Tensor(rng.standard_normal((batch, heads, length, head_dim), dtype=np.float32)).astype(getattr(ms, dtype))
-    k, v = (Tensor(rng.standard_normal((batch, kv_heads, length, head_dim), dtype=np.float32)).astype(q.dtype)
-            for _ in range(2))
-
-    class Attention(nn.Cell):
-        """One layer's RoPE + attention, as the model runs them (mask, rotation, repeat_kv, softmax)."""
-
-        def __init__(self):
-            super().__init__()
-            self.model, self.layer, self.length = lm.model, lm.model.layers[0].attention, length
-
-        def construct(self, ids, q, k, v):
-            mask = self.model.casual_mask(ids)
-            q, k = self.layer.apply_rotary_emb(q, k, self.model.freqs_mgr(self.length))
-            rep = self.layer.n_rep
-            return self.layer._attn(q, self.layer._repeat_kv(k, rep), self.layer._repeat_kv(v, rep), mask)
-
-    class Head(nn.Cell):
-        """Everything outside the decoder layers: embedding, final norm, LM head on the last token."""
-
-        def __init__(self):
-            super().__init__()
-            self.model, self.lm_head = lm.model, lm.lm_head
-
-        def construct(self, ids):
-            return self.lm_head(self.model.norm_out(self.model.tok_embeddings(ids))[:, -1:, :])
-
-    attention_net, head_net = Attention(), Head()
-    _, attention_times = timed(lambda: attention_net(ids, q, k, v).asnumpy(), repeats)
-    _, head_times = timed(lambda: head_net(ids).asnumpy(), repeats)
-    probe = lm.model.layers[0].feed_forward.w2.weight[:8].astype(ms.float32).asnumpy()
-    return {"backend_ran": f"mindformers {mindformers.__version__}, mindspore {ms.__version__}", "build_s": build_s,
-            "compile_s": compile_s, "ttft": stats(ttft), "attention": stats(attention_times), "head": stats(head_times),
-            "weights_checksum": weights_checksum(probe), "logits_probe": probe_logits}
-
-
-def write_checkpoint(model: str, layers: int, seed: int, directory: str) -> dict:
-    """The sweep's seeded random weights as a Hugging Face checkpoint (child process)."""
-    import mindspore as ms
-
-    ms.set_device("CPU")
-    from models.llama import LlamaForCausalLM, preset
-    from models.llama.weights import model_state, save_hf_checkpoint
-
-    ms.set_seed(seed)
-    config = preset(model, num_hidden_layers=layers)
-    lm = LlamaForCausalLM(config, dtype="float32", backend="unfused", logits="last")
-    save_hf_checkpoint(model_state(lm), config, directory)
-    return {"directory": directory}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -461,8 +253,8 @@ def _sweep(args, scratch: str, progress: bool) -> dict:
     checkpoint = args.checkpoint
     if any(system in PEERS for system in args.systems) and not checkpoint:
         # One set of weights for every system: the seeded random model, written once.
-        written = run_isolated("ttft", "write_checkpoint", {"model": args.model, "layers": args.layers,
-                                                             "seed": args.seed, "directory": scratch})
+        written = run_isolated("peers", "write_checkpoint", {"model": args.model, "layers": args.layers,
+                                                              "seed": args.seed, "directory": scratch})
         if written["status"] != "ok":
             raise RuntimeError(f"could not write the shared weights: {written.get('error')}")
         checkpoint = scratch
@@ -478,10 +270,11 @@ def _sweep(args, scratch: str, progress: bool) -> dict:
             runs.append({**base, **not_again[system]})
             continue
         if system in PEERS:
-            function, kwargs = f"{system}_point", {"checkpoint": checkpoint, "length": length, "repeats": args.repeats,
-                                                   "seed": args.seed, "batch": args.batch, "dtype": args.dtype}
+            module, function = "peers", f"{system}_prefill_point"
+            kwargs = {"checkpoint": checkpoint, "length": length, "repeats": args.repeats, "seed": args.seed,
+                      "batch": args.batch, "dtype": args.dtype}
         else:
-            function, kwargs = "ttft_point", {
+            module, function, kwargs = "ttft", "ttft_point", {
                 "model": args.model, "layers": args.layers, "dtype": args.dtype, "batch": args.batch,
                 "backend": system, "length": length, "repeats": args.repeats, "checkpoint": checkpoint,
                 "seed": args.seed, "device": args.device}
@@ -490,7 +283,7 @@ def _sweep(args, scratch: str, progress: bool) -> dict:
             result = {"status": "skipped", "error": f"not installed: no MindFormers interpreter at {python} "
                                                     "(make bench installs it)"}
         else:
-            result = run_isolated("ttft", function, kwargs, python=python, memory_limit_bytes=limit,
+            result = run_isolated(module, function, kwargs, python=python, memory_limit_bytes=limit,
                                   timeout_s=args.timeout)
         if result["status"] == "oom":  # a longer prompt needs at least as much memory
             not_again[system] = {"status": "oom", "error": "not run: this or a shorter length already ran out of memory"}

@@ -1,5 +1,6 @@
 """The benchmarks' pure parts (exponent fit, extrapolation, out-of-memory handling, results schema),
 and one real TTFT sweep on the tiny model, so the scripts cannot rot. No timing is asserted."""
+import ast
 import json
 import os
 import subprocess
@@ -16,11 +17,76 @@ import decode  # noqa: E402
 import fuse  # noqa: E402
 import half_weights  # noqa: E402
 import harness  # noqa: E402
+import peers  # noqa: E402
 import projections  # noqa: E402
 import serving  # noqa: E402
 import train  # noqa: E402
 import ttft  # noqa: E402
 from conftest import thirdparty_python  # noqa: E402
+
+
+BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+# The modules in benchmarks/ that are libraries, not benchmarks: what the scripts may import.
+LIBRARIES = {"harness", "peers", "mindformers_compat"}
+
+
+def _imported_modules(path: str) -> set[str]:
+    """Every module ``path`` imports (top level or inside a function), by its first dotted name."""
+    names = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def _child_modules(path: str) -> set[str]:
+    """The modules ``path`` runs a function of in a child process: ``run_isolated("MODULE", ...)``."""
+    names = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if (isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "run_isolated"
+                and node.args and isinstance(node.args[0], ast.Constant)):
+            names.add(node.args[0].value)
+    return names
+
+
+def test_no_benchmark_imports_another_benchmark():
+    """A benchmark script imports (or runs in a child process) only itself and the libraries beside it
+    (harness, peers, mindformers_compat), never another benchmark's script: what several benchmarks
+    share lives in a library named for what it holds."""
+    scripts = {name[:-3] for name in os.listdir(BENCHMARKS) if name.endswith(".py")}
+    assert LIBRARIES <= scripts and {"ttft", "decode", "fuse", "half_weights", "serving"} <= scripts
+    crossing = {}
+    for script in sorted(scripts):
+        path = os.path.join(BENCHMARKS, f"{script}.py")
+        others = ((_imported_modules(path) | _child_modules(path)) & scripts) - LIBRARIES - {script}
+        if others:
+            crossing[script] = sorted(others)
+    assert not crossing, f"benchmark scripts that import other benchmark scripts: {crossing}"
+    # The libraries stand on their own too: none imports a benchmark script.
+    for library in LIBRARIES:
+        path = os.path.join(BENCHMARKS, f"{library}.py")
+        assert (_imported_modules(path) | _child_modules(path)) & scripts <= LIBRARIES, library
+
+
+def test_the_checker_sees_imports_and_child_processes(tmp_path):
+    """The import test is not vacuous: it finds a function-level import and a child process's module."""
+    script = tmp_path / "script.py"
+    script.write_text("import harness\n\ndef f():\n    from decode import x\n    import ttft.sub\n"
+                      "    harness.run_isolated('fuse', 'point', {})\n")
+    assert {"decode", "ttft", "harness"} <= _imported_modules(str(script))
+    assert _child_modules(str(script)) == {"fuse"}
+
+
+def test_peers_module_is_found_beside_the_peers_folder():
+    """benchmarks/peers/ (the peers' requirement files, no __init__.py) does not shadow peers.py."""
+    assert os.path.isdir(os.path.join(BENCHMARKS, "peers")) and peers.__file__.endswith("peers.py")
+    code = "import peers; print(peers.__file__)"
+    env = dict(os.environ, PYTHONPATH=BENCHMARKS)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                         cwd=BENCHMARKS).stdout
+    assert out.strip().endswith("peers.py")
 
 
 def test_fit_exponent_recovers_power_laws():
@@ -285,7 +351,7 @@ def test_decode_summary_growth_ratios_and_token_agreement():
     assert decode.tokens_disagree(runs + [run("hf-static", 512, [1], 1, 1, tokens=(1, 3))]) == [
         "hf-static context 512 batch 1 round 1"]
     assert decode.growth_ms_per_1k([(512, 1.0)]) is None
-    assert [len(p) for p in decode.prompts_for("varlen8", 64, 100, 0)] == [8, 16, 24, 32, 40, 48, 56, 64]
+    assert [len(p) for p in peers.prompts_for("varlen8", 64, 100, 0)] == [8, 16, 24, 32, 40, 48, 56, 64]
 
 
 def test_decode_benchmark_end_to_end(tmp_path):
