@@ -3,6 +3,7 @@ q*cos + rotate_half(q)*sin, matmul / + mask / softmax / matmul), GRAPH_MODE and 
 near-misses: a padding mask, rotated q/k read after the attention, a RoPE the op does not compute,
 a RoPE that is a method or an expression. The rebuilt construct is never read from a file another
 user could plant (issue 37)."""
+import gc
 import hashlib
 import math
 import tempfile
@@ -15,6 +16,7 @@ from mindspore import Tensor, nn, ops
 
 from ms_rope_attention import FuseError, fuse, rope_tables, unfuse
 from ms_rope_attention.fusion import handwritten
+from ms_rope_attention.fusion.handwritten.rebuild import rebuild_construct
 
 HIDDEN, HEADS, LENGTH = 32, 4, 9
 
@@ -213,7 +215,7 @@ def test_nothing_planted_in_the_temp_directory_is_run_or_written(mode, plant, tm
     parser then read), another user plants code or a symlink: the model still computes its own
     attention, the symlink is not followed, and fuse writes nothing there."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    source = handwritten._rebuild(Attention.construct)[0]
+    source = rebuild_construct(Attention.construct)[0]
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
     planted = tmp_path / "ms_rope_attention-fused-constructs" / f"construct_{digest}.py"
     planted.parent.mkdir()
@@ -232,3 +234,35 @@ def test_nothing_planted_in_the_temp_directory_is_run_or_written(mode, plant, tm
     assert not (tmp_path / "victim").exists()
     name = type(model.layers[0]).construct.__code__.co_filename
     assert name.startswith("<") and name.endswith(">")  # a name linecache never reads from disk
+
+
+class MethodInterleavedAttention(Attention):
+    def rope(self, q, k, cos, sin):
+        return apply_interleaved(q, k, cos, sin)
+
+    def construct(self, x, cos, sin, mask):
+        b, s, _ = x.shape
+        q, k, v = self.heads(self.q_proj(x)), self.heads(self.k_proj(x)), self.heads(self.v_proj(x))
+        q, k = self.rope(q, k, cos, sin)
+        scores = ops.matmul(q, k.swapaxes(-1, -2)) / math.sqrt(self.head_dim)
+        scores = scores + mask
+        probs = ops.softmax(scores, axis=-1)
+        out = ops.matmul(probs, v)
+        return self.o_proj(out.swapaxes(1, 2).reshape(b, s, HIDDEN))
+
+
+def test_a_site_given_a_collected_sites_id_inherits_nothing(monkeypatch):
+    """What fuse learns about one site (its own RoPE method's mode, a probe's table shape) lives and
+    dies with that site. An id is given again to the next object at a collected one's address, so
+    state keyed by ``id(site)`` would pass to a stranger: here every object gets the same id, which
+    makes that reuse certain instead of likely."""
+    monkeypatch.setattr(handwritten, "id", lambda obj: 0, raising=False)
+    first = Model(MethodInterleavedAttention, layers=1)
+    assert fuse(first, dry_run=True).fused == ["layers.0"]  # learns the interleaved mode, installs nothing
+    del first
+    gc.collect()
+    ms.set_seed(0)
+    second = Model(layers=1)  # rotate-half, by a function of its module: nothing learnt per site
+    want = run(second, inputs())
+    assert fuse(second, strict=True).fused == ["layers.0"]
+    assert 0 < np.abs(run(second, inputs()) - want).max() / np.abs(want).max() < 1e-4

@@ -12,7 +12,8 @@ import pytest
 from mindspore import Tensor, nn, ops
 
 from ms_rope_attention import FuseError, fuse
-from ms_rope_attention.fusion import attention_like, handwritten
+from ms_rope_attention.fusion import attention_like
+from ms_rope_attention.fusion.handwritten import runtime
 
 HIDDEN, HEADS, KV_HEADS, LENGTH, VOCAB = 32, 4, 2, 9, 50
 HEAD_DIM = HIDDEN // HEADS
@@ -385,13 +386,13 @@ def test_the_zoo_is_fused_in_both_modes(attention, mode, monkeypatch):
     assert report.fused == ["blocks.0.attn", "blocks.1.attn"] and {s.family for s in report} == {"handwritten"}
     calls = []
     if mode == "pynative":  # counted eagerly (a graph would trace the counter once, and cannot parse it)
-        real = handwritten.rotary_flash_attention
+        real = runtime.rotary_flash_attention
 
         def counting(*args, **kwargs):
             calls.append(1)
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(handwritten, "rotary_flash_attention", counting)
+        monkeypatch.setattr(runtime, "rotary_flash_attention", counting)
     got = model(ids()).asnumpy()
     assert 0 < relative(got, want) < 1e-4, str(report)  # close, and not the original's bits: the op ran
     if mode == "pynative":
