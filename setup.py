@@ -1,6 +1,6 @@
 """The C++ kernels, built at install time (metadata and dependencies are in pyproject.toml).
 
-The CPU kernel is built once per instruction set (picked at run time by ms_rope_attention/cpu_kernel.py);
+The CPU kernel is built once per instruction set (picked at run time by ms_rope_attention/cpu_runtime.py);
 each build is a plain shared library loaded by MindSpore's aot Custom op, not a Python module.
 ``RFA_SANITIZE=1`` builds them with AddressSanitizer + UBSan for the sanitizer test run.
 """
@@ -56,7 +56,8 @@ class BuildKernels(build_ext):
 
 extensions = [
     Extension(f"ms_rope_attention._rfa_cpu_{isa}", sources=SOURCES, depends=[f"{CSRC}/{h}" for h in
-              ("aot_abi.h", "last_error.h", "rfa_problem.h", "rfa_paged.h", "rfa_cpu_kernel.h", "rows.h", "simd.h")],
+              ("aot_abi.h", "aot_attrs.h", "last_error.h", "rfa_problem.h", "rfa_paged.h", "rfa_cpu_kernel.h", "rows.h",
+               "simd.h")],
               extra_compile_args=COMMON + flags + SANITIZE, extra_link_args=["-fopenmp"] + SANITIZE[:1],
               language="c++")
     for isa, flags in ISA_FLAGS.items()

@@ -7,8 +7,9 @@ import pytest
 import yaml
 
 from ms_rope_attention import checks
-from ms_rope_attention.op_info import (CACHE_WRITE_PATH, CONTRACT_PATH, PAGED_ATTENTION_PATH, attr_values,
-                                      build_reg_info, load_contract, markdown_table, opdef_source)
+from ms_rope_attention.op_info import (CONTRACT_PATH, EMBEDDING_PATH, LINEAR_PATH, OTHER_CONTRACTS,
+                                      PAGED_ATTENTION_PATH, attr_values, build_reg_info, load_contract,
+                                      markdown_table, opdef_source)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,11 +73,18 @@ def test_checks_use_contract_values():
     assert list(checks.ROTARY_MODES) == attrs["rotary_mode"]["values"]
 
 
-def test_kernel_attribute_names_match_contract():
-    """The C++ entry reads attributes by name: every name it reads is in the contract, and vice versa."""
-    source = (ROOT / "ms_rope_attention/csrc/rfa_cpu_aot.cc").read_text()
-    read = set(re.findall(r'extra->Get(?:Int|Str|Float|Bool)\("(\w+)"\)', source))
-    assert read == {a["name"] for a in load_contract().attrs}
+CSRC = ROOT / "ms_rope_attention/csrc"
+ATTRIBUTE_READ = r'extra->Get(?:Int|Str|Float|Bool)\("(\w+)"\)'
+
+
+def test_one_attribute_reader_reads_the_contracts_attributes():
+    """The C++ entries read attributes by name, in one reader (aot_attrs.h): every name it reads is
+    one of the contracts', and every contract's attribute is read; no entry reads one itself."""
+    read = set(re.findall(ATTRIBUTE_READ, (CSRC / "aot_attrs.h").read_text()))
+    assert read == {a["name"] for path in (CONTRACT_PATH, *OTHER_CONTRACTS) for a in load_contract(str(path)).attrs}
+    for entry in ("rfa_cpu_aot.cc", "rfa_cpu_paged.cc"):
+        source = (CSRC / entry).read_text()
+        assert "rfa::InitAttrs(" in source and not re.findall(ATTRIBUTE_READ, source), entry
 
 
 def test_semantics_table_is_generated():
@@ -85,18 +93,26 @@ def test_semantics_table_is_generated():
         "docs/semantics.md table is stale: paste `python -m ms_rope_attention.op_info`"
 
 
-@pytest.mark.parametrize("path", [PAGED_ATTENTION_PATH, CACHE_WRITE_PATH])
-def test_paged_contracts_tables_and_attributes(path):
-    """Each paged op's table in docs/semantics.md is its contract's, and its C++ entry reads exactly
-    the attributes of the two contracts (by name; an absent optional one keeps its default)."""
+@pytest.mark.parametrize("path", OTHER_CONTRACTS, ids=lambda path: path.stem)
+def test_the_other_contracts_tables_are_generated(path):
+    """Each other op's table in docs/semantics.md is its contract's: one contracts page for the five ops."""
+    assert markdown_table(load_contract(str(path))) in (ROOT / "docs/semantics.md").read_text(), \
+        "docs/semantics.md's other tables are stale: paste `python -m ms_rope_attention.op_info --others`"
+
+
+DTYPE_ROWS = {"linear": [("float32", weight, "float32") for weight in ("float32", "float16", "bfloat16")],
+              "embedding": [(ids, table, "float32") for ids in ("int32", "int64")
+                            for table in ("float32", "float16", "bfloat16")]}
+
+
+@pytest.mark.parametrize("path", [LINEAR_PATH, EMBEDDING_PATH], ids=lambda path: path.stem)
+def test_the_projection_registrations_follow_their_contracts(path):
+    """linear's and embedding's CPU registrations list each dtype combination of the contract, in its order."""
     contract = load_contract(str(path))
-    assert markdown_table(contract) in (ROOT / "docs/semantics.md").read_text(), \
-        "docs/semantics.md paged tables are stale: paste `python -m ms_rope_attention.op_info --paged`"
-    source = (ROOT / "ms_rope_attention/csrc/rfa_cpu_paged.cc").read_text()
-    read = set(re.findall(r'extra->Get(?:Int|Str|Float|Bool)\("(\w+)"\)', source))
-    both = {a["name"] for p in (PAGED_ATTENTION_PATH, CACHE_WRITE_PATH) for a in load_contract(str(p)).attrs}
-    assert read == both
-    assert {a["name"] for a in contract.attrs} <= read
+    info = build_reg_info("CPU", {}, contract=contract)
+    assert info["op_name"] == contract.op_name and info["attr"] == []
+    assert [i["name"] for i in info["inputs"]] == [i["name"] for i in contract.inputs]
+    assert [tuple(entry[0] for entry in row) for row in info["dtype_format"]] == DTYPE_ROWS[path.stem]
 
 
 def test_paged_attribute_values_are_checked():

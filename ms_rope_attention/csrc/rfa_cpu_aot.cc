@@ -15,6 +15,7 @@
 #include <string>
 
 #include "aot_abi.h"
+#include "aot_attrs.h"
 #include "last_error.h"
 #include "rfa_cpu_kernel.h"
 #include "rfa_problem.h"
@@ -22,33 +23,13 @@
 #define RFA_EXPORT __attribute__((visibility("default")))
 
 using mindspore::AotExtra;
-using mindspore::AotKernelData;
 
 namespace {
 
 
-struct AttrData : AotKernelData {
-  rfa::Attrs attrs;
-  std::string error;  // an attribute error found at Init, reported at launch
-};
-
 rfa::LastError g_last_error("RotaryFlashAttention");
 
 int Fail(const std::string &message) { return g_last_error.Fail(message); }
-
-std::string ReadAttrs(AotExtra *extra, rfa::Attrs *a) {
-  a->head_num = extra->GetInt("head_num");
-  if (!rfa::ParseLayout(extra->GetStr("input_layout"), &a->layout))
-    return "input_layout: expected one of BNSD, BSND, BSH, TND, got '" + extra->GetStr("input_layout") + "'";
-  a->rotary_mode = extra->GetInt("rotary_mode");
-  a->rotary_dim = extra->GetInt("rotary_dim");
-  a->scale = extra->GetFloat("scale");
-  a->causal = extra->GetBool("causal");
-  a->with_lse = extra->GetBool("with_softmax_lse");
-  a->with_rotated_key = extra->GetBool("with_rotated_key");
-  a->key_rotated = extra->GetBool("key_rotated");
-  return "";
-}
 
 // Bounds of the test-only tiling knobs: past them the scratch arithmetic would overflow.
 constexpr int64_t kMaxTile = int64_t(1) << 16, kMaxPackBytes = int64_t(1) << 40;
@@ -71,15 +52,12 @@ extern "C" RFA_EXPORT const char *RotaryFlashAttentionIsa() { return rfa::cpu::I
 extern "C" RFA_EXPORT int64_t RotaryFlashAttentionDecodeCalls() { return rfa::cpu::DecodeCalls(); }
 
 extern "C" RFA_EXPORT int RotaryFlashAttentionInit(int *, int64_t **, const char **, AotExtra *extra) {
-  auto *data = new AttrData;
-  data->error = ReadAttrs(extra, &data->attrs);
-  extra->SetKernelData(data);
-  return 0;
+  return rfa::InitAttrs(extra, rfa::Attrs());
 }
 
 extern "C" RFA_EXPORT std::vector<std::vector<int64_t>> RotaryFlashAttentionInferShape(int *ndims, int64_t **shapes, AotExtra *extra) {
   rfa::Attrs a;
-  ReadAttrs(extra, &a);
+  rfa::ReadAttrs(extra, &a);
   return rfa::InferShapes(a, ndims[0], shapes[0], ndims[1], shapes[1]);
 }
 
@@ -123,10 +101,10 @@ extern "C" RFA_EXPORT int RotaryFlashAttentionRun(const rfa::Attrs *attrs, int *
 extern "C" RFA_EXPORT int RotaryFlashAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                     void *, void *extra) {
   if (nparam < rfa::kInputs + rfa::kOutputs) return Fail("expected 7 inputs and 3 outputs, got " + std::to_string(nparam) + " params");
-  auto *data = static_cast<AttrData *>(static_cast<AotExtra *>(extra)->KernelData());
-  if (!data) return Fail("kernel attributes missing (Init did not run)");
-  if (!data->error.empty()) return Fail(data->error);
-  return RotaryFlashAttentionRun(&data->attrs, ndims, shapes, dtypes, params, 0, 0, 0, 1, 0);
+  std::string error;
+  const rfa::Attrs *attrs = rfa::AttrsOf(extra, &error);
+  if (!attrs) return Fail(error);
+  return RotaryFlashAttentionRun(attrs, ndims, shapes, dtypes, params, 0, 0, 0, 1, 0);
 }
 
 extern "C" RFA_EXPORT int RotaryFlashAttentionGradInit(int *, int64_t **, const char **, AotExtra *extra) {
@@ -178,8 +156,8 @@ extern "C" RFA_EXPORT int RotaryFlashAttentionGrad(int nparam, void **params, in
                                                    const char **dtypes, void *, void *extra) {
   if (nparam < rfa::kGradInputs + rfa::kGradOutputs)
     return Fail("expected 12 inputs and 3 outputs, got " + std::to_string(nparam) + " params");
-  auto *data = static_cast<AttrData *>(static_cast<AotExtra *>(extra)->KernelData());
-  if (!data) return Fail("kernel attributes missing (Init did not run)");
-  if (!data->error.empty()) return Fail(data->error);
-  return RotaryFlashAttentionGradRun(&data->attrs, ndims, shapes, dtypes, params, 0, 0, 0);
+  std::string error;
+  const rfa::Attrs *attrs = rfa::AttrsOf(extra, &error);
+  if (!attrs) return Fail(error);
+  return RotaryFlashAttentionGradRun(attrs, ndims, shapes, dtypes, params, 0, 0, 0);
 }

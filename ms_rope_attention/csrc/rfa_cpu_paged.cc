@@ -12,6 +12,7 @@
 #include <string>
 
 #include "aot_abi.h"
+#include "aot_attrs.h"
 #include "last_error.h"
 #include "rfa_cpu_kernel.h"
 #include "rfa_paged.h"
@@ -20,7 +21,6 @@
 #define RFA_EXPORT __attribute__((visibility("default")))
 
 using mindspore::AotExtra;
-using mindspore::AotKernelData;
 
 namespace {
 
@@ -29,33 +29,11 @@ std::atomic<int64_t> g_paged_calls{0}, g_rotated_keys{0};
 
 int Fail(const std::string &message) { return g_last_error.Fail(message); }
 
-struct AttrData : AotKernelData {
-  rfa::Attrs attrs;
-};
-
-// The attributes either op has (the contracts' names); an absent one keeps rfa::Attrs' default.
-rfa::Attrs ReadAttrs(AotExtra *extra) {
+// The paged ops' attributes before their own are read (aot_attrs.h): the layout is always TND.
+rfa::Attrs PagedDefaults() {
   rfa::Attrs a;
   a.layout = rfa::Layout::TND;
-  if (extra->HasAttr("head_num")) a.head_num = extra->GetInt("head_num");
-  a.rotary_mode = extra->GetInt("rotary_mode");
-  a.rotary_dim = extra->GetInt("rotary_dim");
-  if (extra->HasAttr("scale")) a.scale = extra->GetFloat("scale");
-  a.key_rotated = extra->GetBool("key_rotated");
-  if (extra->HasAttr("with_softmax_lse")) a.with_lse = extra->GetBool("with_softmax_lse");
   return a;
-}
-
-int Init(AotExtra *extra) {
-  auto *data = new AttrData;
-  data->attrs = ReadAttrs(extra);
-  extra->SetKernelData(data);
-  return 0;
-}
-
-const rfa::Attrs *AttrsOf(void *extra) {
-  auto *data = static_cast<AttrData *>(static_cast<AotExtra *>(extra)->KernelData());
-  return data ? &data->attrs : nullptr;
 }
 
 thread_local rfa::cpu::Scratch tls_write_scratch;
@@ -106,12 +84,14 @@ extern "C" RFA_EXPORT int64_t RotaryPagedAttentionCalls() { return g_paged_calls
 extern "C" RFA_EXPORT int64_t RotaryCacheWriteRotatedKeys() { return g_rotated_keys.load(); }
 
 extern "C" RFA_EXPORT int RotaryPagedAttentionInit(int *, int64_t **, const char **, AotExtra *extra) {
-  return Init(extra);
+  return rfa::InitAttrs(extra, PagedDefaults());
 }
 
 extern "C" RFA_EXPORT std::vector<std::vector<int64_t>> RotaryPagedAttentionInferShape(int *ndims, int64_t **shapes,
                                                                                        AotExtra *extra) {
-  return rfa::PagedOutputShapes(ReadAttrs(extra), ndims[0], shapes[0]);
+  rfa::Attrs a = PagedDefaults();
+  rfa::ReadAttrs(extra, &a);
+  return rfa::PagedOutputShapes(a, ndims[0], shapes[0]);
 }
 
 extern "C" RFA_EXPORT std::vector<TypeId> RotaryPagedAttentionInferType(std::vector<TypeId> inputs, AotExtra *) {
@@ -142,12 +122,15 @@ extern "C" RFA_EXPORT int RotaryPagedAttention(int nparam, void **params, int *n
                                                const char **dtypes, void *, void *extra) {
   if (nparam < rfa::kPagedInputs + rfa::kPagedOutputs)
     return Fail("expected 8 inputs and 2 outputs, got " + std::to_string(nparam) + " params");
-  const rfa::Attrs *attrs = AttrsOf(extra);
-  if (!attrs) return Fail("kernel attributes missing (Init did not run)");
+  std::string error;
+  const rfa::Attrs *attrs = rfa::AttrsOf(extra, &error);
+  if (!attrs) return Fail(error);
   return RotaryPagedAttentionRun(attrs, ndims, shapes, dtypes, params);
 }
 
-extern "C" RFA_EXPORT int RotaryCacheWriteInit(int *, int64_t **, const char **, AotExtra *extra) { return Init(extra); }
+extern "C" RFA_EXPORT int RotaryCacheWriteInit(int *, int64_t **, const char **, AotExtra *extra) {
+  return rfa::InitAttrs(extra, PagedDefaults());
+}
 
 // One output: MindSpore calls the single-output forms (a shape, a TypeId), not the vector-of-outputs ones.
 extern "C" RFA_EXPORT std::vector<int64_t> RotaryCacheWriteInferShape(int *, int64_t **, AotExtra *) { return {1}; }
@@ -180,7 +163,8 @@ extern "C" RFA_EXPORT int RotaryCacheWrite(int nparam, void **params, int *ndims
                                            void *, void *extra) {
   if (nparam < rfa::kWriteInputs + rfa::kWriteOutputs)
     return Fail("expected 8 inputs and 1 output, got " + std::to_string(nparam) + " params");
-  const rfa::Attrs *attrs = AttrsOf(extra);
-  if (!attrs) return Fail("kernel attributes missing (Init did not run)");
+  std::string error;
+  const rfa::Attrs *attrs = rfa::AttrsOf(extra, &error);
+  if (!attrs) return Fail(error);
   return RotaryCacheWriteRun(attrs, ndims, shapes, dtypes, params);
 }

@@ -1,9 +1,10 @@
-"""The op contracts (``rotary_flash_attention.yaml``; the paged cache's ``rotary_paged_attention.yaml``
-and ``rotary_cache_write.yaml``) and what is generated from them.
+"""The five ops' contracts (``rotary_flash_attention.yaml``; the paged cache's
+``rotary_paged_attention.yaml`` and ``rotary_cache_write.yaml``; the projection's ``linear.yaml``
+and ``embedding.yaml``) and what is generated from them.
 
-Everything that describes the op's interface -- MindSpore ``CustomRegOp`` registrations for each
-backend, the Python argument checks and the semantics table in docs/semantics.md -- is derived from the YAML
-file beside this module, so the backends cannot drift apart.
+Everything that describes an op's interface -- MindSpore ``CustomRegOp`` registrations for each
+backend, the Python argument checks and the semantics tables in docs/semantics.md -- is derived from
+the YAML files beside this module, so the backends cannot drift apart.
 """
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ import yaml
 CONTRACT_PATH = Path(__file__).with_name("rotary_flash_attention.yaml")
 PAGED_ATTENTION_PATH = Path(__file__).with_name("rotary_paged_attention.yaml")
 CACHE_WRITE_PATH = Path(__file__).with_name("rotary_cache_write.yaml")
+LINEAR_PATH = Path(__file__).with_name("linear.yaml")
+EMBEDDING_PATH = Path(__file__).with_name("embedding.yaml")
+# The contracts docs/semantics.md shows below the attention's own table, in its order.
+OTHER_CONTRACTS = (PAGED_ATTENTION_PATH, CACHE_WRITE_PATH, LINEAR_PATH, EMBEDDING_PATH)
 
 _REG_TYPES = {"int": "int", "float": "float", "bool": "bool", "str": "str"}
 _PY_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
@@ -182,7 +187,7 @@ def attr_values(contract: Contract, given: dict[str, Any]) -> dict[str, Any]:
 def build_reg_info(target: str, attr_values: dict[str, Any], *, any_dtype: bool = False, backward: bool = False,
                    contract: Contract | None = None):
     """The ``CustomRegOp`` op-info for one backend, with the attribute values of one op instance;
-    ``backward=True`` for the gradient op; ``contract``: another op's (the paged cache's), by default
+    ``backward=True`` for the gradient op; ``contract``: another op's, by default
     RotaryFlashAttention's.
 
     ``any_dtype=True`` registers ``None_None`` formats: the CPU aot kernel checks dtypes itself
