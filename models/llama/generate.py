@@ -24,6 +24,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
+from .cache_views import ContiguousDecode, ContiguousPrefill
 from .decoding import (CACHE_MEMORY_FRACTION, GIB, CacheGraph, Generation, Token, available_memory,
                        check_cache_dtype, check_prompts, check_sampling, dynamic_vector, sample,
                        timed_generation)
@@ -38,7 +39,7 @@ class _Prefill(CacheGraph):
     @ms.jit
     def construct(self, input_ids, ends, write_rows):
         self.count_compile()  # a dynamic shape is no constant: no argument
-        return self.lm(input_ids, ends, ends, (self.cache.keys, self.cache.values, write_rows))
+        return self.lm(input_ids, ends, ends, ContiguousPrefill.build(self.cache.keys, self.cache.values, write_rows))
 
 
 class _Decode(CacheGraph):
@@ -48,7 +49,8 @@ class _Decode(CacheGraph):
     @ms.jit
     def construct(self, input_ids, aq, akv, write_rows, positions):
         self.count_compile(input_ids.shape[0])
-        return self.lm(input_ids, aq, akv, (self.cache.keys, self.cache.values, write_rows), positions)
+        view = ContiguousDecode.build(self.cache.keys, self.cache.values, write_rows, positions)
+        return self.lm(input_ids, aq, akv, view)
 
 @dataclass
 class _Request:

@@ -1,5 +1,5 @@
 """Llama2 in MindSpore on ``RotaryFlashAttention``: RMSNorm, SwiGLU, grouped-query attention, and an
-in-place KV cache (``kv_cache.KVCache``) that holds *rotated* keys.
+in-place KV cache (``engine.kv_cache``) that holds *rotated* keys.
 
 Parameter names equal Hugging Face's (``model.layers.0.self_attn.q_proj.weight``, ...), so a
 checkpoint maps onto ``parameters_dict()`` one to one. Two layouts:
@@ -28,6 +28,7 @@ from ms_rope_attention.rope import apply_rope
 
 # Absolute imports: mindspore.rewrite (amp.auto_mixed_precision O1) regenerates this module's source
 # outside the package, where relative imports fail.
+from models.llama.cache_views import CacheView, ContiguousDecode, ContiguousPrefill, PagedDecode, PagedPrefill
 from models.llama.config import LlamaConfig
 from models.llama.rope_scaling import model_rope_tables
 from models.llama.tensor_parallel import TensorParallel
@@ -202,15 +203,11 @@ class LlamaMLP(nn.Cell):
 class LlamaAttention(nn.Cell):
     """Projections around the fused op.
 
-    ``cache`` is None (a plain forward in the model's layout) or ``(cache_keys, cache_values,
-    write_rows)``: this layer's preallocated cache (``KVCache``) and the flat cache row of each new
-    token. With a cache the tokens are packed (TND) whatever the model's layout:
-    - ``positions`` None (prefill of whole prompts, ends ``aq``): the op rotates Q and K and returns
-      the rotated K, which is written to the cache rows with the values;
-    - ``positions`` given (tokens appended to cached sequences): only the new keys are rotated
-      (a handful of rows), written in place, and the op attends over the cache with ``key_rotated``,
-      ``aq``/``akv`` describing every slot as its filled rows then a query-less gap (``KVCache``).
-    Every key is rotated exactly once, and no step copies the cache."""
+    ``cache`` is None (a plain forward in the model's layout) or this layer's view of a step over a
+    KV cache (``cache_views``: one class and one method here per attention variant). With a cache
+    the tokens are packed (TND) whatever the model's layout, and every key is rotated exactly once:
+    a prefill's by the fused op, which returns them, a decode step's alone at their positions. No
+    step copies the cache."""
 
     fused_site = True  # fuse() leaves it alone: it already runs the fused op
 
@@ -246,7 +243,7 @@ class LlamaAttention(nn.Cell):
     def _heads(self, x, heads):
         return x.reshape(x.shape[0], heads, self.head_dim)
 
-    def construct(self, x, aq, akv, cache, positions):
+    def construct(self, x, aq, akv, cache):
         x = self.f(x)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if cache is None and self.context_parallel:
@@ -255,59 +252,67 @@ class LlamaAttention(nn.Cell):
                                     k.reshape(b, s, self.kv_heads, self.head_dim),
                                     v.reshape(b, s, self.kv_heads, self.head_dim), self.cos, self.sin)
             return self.g(self.o_proj(out.reshape(b, s, -1)))
-        if cache is None:
-            if self.layout == "TND":
-                out = self.prefill_attention(self._heads(q, self.heads), self._heads(k, self.kv_heads),
-                                             self._heads(v, self.kv_heads), aq, akv)
-            else:
-                out = self.prefill_attention(q, k, v)
-        else:
-            out = self._cached(q, k, v, aq, akv, cache, positions)
-        if self.layout == "TND" or cache is not None:
-            out = out.reshape(out.shape[0], -1)
-        return self.g(self.o_proj(out))
-
-    def _cached(self, q, k, v, aq, akv, cache, positions):
-        cache_keys, cache_values, write_rows = cache
+        if cache is None and self.layout == "BSH":
+            return self.g(self.o_proj(self.prefill_attention(q, k, v)))
         q, k, v = self._heads(q, self.heads), self._heads(k, self.kv_heads), self._heads(v, self.kv_heads)
-        if isinstance(write_rows, tuple):
-            return self._paged(q, k, v, aq, akv, cache_keys, cache_values, write_rows)
-        if positions is None:
-            out, keys = self.cache_prefill(q, k, v, aq, aq)
-            self.write(cache_keys, write_rows, keys.astype(cache_keys.dtype))
-            self.write(cache_values, write_rows, v.astype(cache_values.dtype))
-            return out
-        self.write(cache_keys, write_rows, self._rotate_new_keys(k, positions).astype(cache_keys.dtype))
-        self.write(cache_values, write_rows, v.astype(cache_values.dtype))
-        # A cache in another dtype than the activations (a float16 cache of a float32 model: half the
-        # bytes to read) meets a query of its own dtype, as the op requires; the op accumulates in
-        # float32 either way.
-        return self.cached_attention(q.astype(cache_keys.dtype), cache_keys, cache_values, aq, akv).astype(q.dtype)
+        if cache is None:
+            out = self.prefill_attention(q, k, v, aq, akv)
+        elif CacheView.variant(cache) is ContiguousPrefill:
+            out = self.contiguous_prefill(q, k, v, aq, cache)
+        elif CacheView.variant(cache) is ContiguousDecode:
+            out = self.contiguous_decode(q, k, v, aq, akv, cache)
+        elif CacheView.variant(cache) is PagedPrefill:
+            out = self.paged_prefill(q, k, v, aq, akv, cache)
+        elif CacheView.variant(cache) is PagedDecode:
+            out = self.paged_decode(q, k, v, cache)
+        else:
+            raise TypeError("cache: a view of models.llama.cache_views with a method of LlamaAttention")
+        return self.g(self.o_proj(out.reshape(out.shape[0], -1)))
 
-    def _paged(self, q, k, v, aq, akv, key_cache, value_cache, where):
-        """A block-paged cache (``PagedKVCache``; ``where`` built by ``serving.PagedGenerator``). The new
-        keys are rotated once and written with the values at their slots (``rotary_cache_write``, one
-        pass). A prefill, ``("prefill", slots, positions, context, copy_from, copy_to)``, first copies
-        the blocks a copy-on-write replaces, then attends over each sequence's cached prefix and new
-        tokens, read from the cache at ``context`` ((block, offset) per key, TND order), with the
-        fused op (``key_rotated``). A decode step, ``("decode", slots, positions, block_tables,
-        context_lens, q_seq_lens)``, attends over the blocks in place (``rotary_paged_attention``)."""
-        kind, slots, positions = where[0], where[1], where[2]
-        if kind == "prefill":
-            copy_from, copy_to = where[4], where[5]
-            copied_keys = self.write(key_cache, copy_to, ops.gather(key_cache, copy_from, 0))
-            copied_values = self.write(value_cache, copy_to, ops.gather(value_cache, copy_from, 0))
-            slots = ops.depend(slots, (copied_keys, copied_values))
+    def contiguous_prefill(self, q, k, v, ends, view):
+        out, keys = self.cache_prefill(q, k, v, ends, ends)
+        self._write(view, ContiguousPrefill.rows(view), keys, v)
+        return out
+
+    def contiguous_decode(self, q, k, v, aq, akv, view):
+        self._write(view, ContiguousDecode.rows(view), self._rotate_new_keys(k, ContiguousDecode.positions(view)), v)
+        # A cache in another dtype than the activations (a float16 cache of a float32 model: half the bytes
+        # to read) meets a query of its own dtype, as the op requires; it accumulates in float32 either way.
+        keys, values = CacheView.keys(view), CacheView.values(view)
+        return self.cached_attention(q.astype(keys.dtype), keys, values, aq, akv).astype(q.dtype)
+
+    def paged_prefill(self, q, k, v, aq, akv, view):
+        key_cache, value_cache = CacheView.keys(view), CacheView.values(view)
+        copy_from, copy_to = PagedPrefill.copy_from(view), PagedPrefill.copy_to(view)
+        copied_keys = self.write(key_cache, copy_to, ops.gather(key_cache, copy_from, 0))
+        copied_values = self.write(value_cache, copy_to, ops.gather(value_cache, copy_from, 0))
+        slots = ops.depend(PagedPrefill.slots(view), (copied_keys, copied_values))
+        key_cache, value_cache = self._write_paged(k, v, PagedPrefill.positions(view), slots, key_cache, value_cache)
+        context = PagedPrefill.context(view)
+        keys, values = ops.gather_nd(key_cache, context), ops.gather_nd(value_cache, context)
+        query = q.astype(key_cache.dtype)  # the op's dtype rule; it accumulates in float32 either way
+        return self.cached_attention(query, keys, values, aq, akv).astype(q.dtype)
+
+    def paged_decode(self, q, k, v, view):
+        key_cache, value_cache = self._write_paged(k, v, PagedDecode.positions(view), PagedDecode.slots(view),
+                                                   CacheView.keys(view), CacheView.values(view))
+        return rotary_paged_attention(q.astype(key_cache.dtype), key_cache, value_cache, self.cos, self.sin,
+                                      PagedDecode.block_tables(view), PagedDecode.context_lens(view),
+                                      PagedDecode.q_seq_lens(view), head_num=self.heads, rotary_mode=self.rotary_mode,
+                                      rotary_dim=self.rotary_dim).astype(q.dtype)
+
+    def _write(self, view, rows, keys, values):
+        """A contiguous cache's rows written in place: rotated keys and values, in the cache's dtype."""
+        cache_keys, cache_values = CacheView.keys(view), CacheView.values(view)
+        self.write(cache_keys, rows, keys.astype(cache_keys.dtype))
+        self.write(cache_values, rows, values.astype(cache_values.dtype))
+
+    def _write_paged(self, k, v, positions, slots, key_cache, value_cache):
+        """The new keys rotated once and written with the values at their slots (one pass); the
+        caches returned depend on the write, so that what reads them next sees it."""
         written = rotary_cache_write(k, v, self.cos, self.sin, positions, slots, key_cache, value_cache,
                                      rotary_mode=self.rotary_mode, rotary_dim=self.rotary_dim)
-        key_cache, value_cache = ops.depend(key_cache, written), ops.depend(value_cache, written)
-        query = q.astype(key_cache.dtype)  # the op's dtype rule; it accumulates in float32 either way
-        if kind == "prefill":
-            keys, values = ops.gather_nd(key_cache, where[3]), ops.gather_nd(value_cache, where[3])
-            return self.cached_attention(query, keys, values, aq, akv).astype(q.dtype)
-        return rotary_paged_attention(query, key_cache, value_cache, self.cos, self.sin, where[3], where[4], where[5],
-                                      head_num=self.heads, rotary_mode=self.rotary_mode,
-                                      rotary_dim=self.rotary_dim).astype(q.dtype)
+        return ops.depend(key_cache, written), ops.depend(value_cache, written)
 
     def _rotate_new_keys(self, k, positions):
         """Standalone RoPE on the step's new keys only (one row per sequence), at their positions."""
@@ -325,8 +330,8 @@ class LlamaDecoderLayer(nn.Cell):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, precision.activations)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, precision.activations)
 
-    def construct(self, x, aq, akv, cache, positions):
-        x = x + self.self_attn(self.input_layernorm(x), aq, akv, cache, positions)
+    def construct(self, x, aq, akv, cache):
+        x = x + self.self_attn(self.input_layernorm(x), aq, akv, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -339,28 +344,25 @@ class LlamaModel(nn.Cell):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, precision.activations)
         self.num_layers = config.num_hidden_layers
 
-    def construct(self, input_ids, aq, akv, cache, positions):
+    def construct(self, input_ids, aq, akv, cache):
         x = self.embed_tokens(input_ids)
         for i in range(self.num_layers):
-            layer_cache = None if cache is None else (cache[0][i], cache[1][i], cache[2])
-            x = self.layers[i](x, aq, akv, layer_cache, positions)
+            x = self.layers[i](x, aq, akv, None if cache is None else CacheView.layer(cache, i))
         return self.norm(x)
 
 
 class LlamaForCausalLM(nn.Cell):
-    """The causal LM. ``construct(input_ids, actual_seq_qlen=None, actual_seq_kvlen=None, cache=None,
-    positions=None)`` returns float32 logits.
+    """The causal LM. ``construct(input_ids, actual_seq_qlen=None, actual_seq_kvlen=None, cache=None)``
+    returns float32 logits.
 
     Without a cache (training, evaluation): input_ids (B, S) int32 for BSH; (T,) for TND with
     cumulative ends ``actual_seq_qlen`` (= ``actual_seq_kvlen``). ``logits="last"`` computes logits
     only at each sequence's last token (at 7B vocab and long prompts the full (S, vocab) logits would
     dominate a prefill).
 
-    With ``cache = (keys, values, write_rows)`` (a ``KVCache``'s parameters and the new tokens' rows;
-    ``models.llama.generate.Generator`` drives this): input_ids (T,) packed, whatever the layout.
-    ``positions`` None: a prefill of whole prompts ending at ``actual_seq_qlen``, logits at each
-    prompt's last token; ``positions`` given: one new token per sequence at those positions, against
-    the cache, logits at every token.
+    With ``cache``, a step's view of a KV cache (``cache_views``; the engines in ``models.llama.engine``
+    build them): input_ids (T,) packed, whatever the layout; logits at each sequence's last new token
+    for a prefill's view, at every token for a decode step's.
 
     ``backend``: "auto" (fused where available, announced fallback otherwise), "fused" or "unfused",
     for the whole model, so both run on identical weights.
@@ -455,10 +457,10 @@ class LlamaForCausalLM(nn.Cell):
         half weights (half the bytes a decode step reads; the op accumulates in float32)."""
         return self.dtype if self.weight_dtype == self.dtype else ms.float16
 
-    def construct(self, input_ids, actual_seq_qlen=None, actual_seq_kvlen=None, cache=None, positions=None):
-        hidden = self.model(input_ids, actual_seq_qlen, actual_seq_kvlen, cache, positions)
+    def construct(self, input_ids, actual_seq_qlen=None, actual_seq_kvlen=None, cache=None):
+        hidden = self.model(input_ids, actual_seq_qlen, actual_seq_kvlen, cache)
         if cache is not None:
-            if positions is None:
+            if CacheView.variant(cache).last_token_logits:
                 hidden = ops.gather(hidden, actual_seq_qlen - 1, 0)
         elif self.last_only:
             if self.layout == "TND":

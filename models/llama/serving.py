@@ -44,6 +44,7 @@ import numpy as np
 from mindspore import Tensor
 
 from .block_pool import SCRATCH_BLOCK, BlockPool, Match, SequenceBlocks, blocks_for, cache_root, prefix_keys
+from .cache_views import PagedDecode, PagedPrefill
 from .decoding import (CACHE_MEMORY_FRACTION, GIB, CacheGraph, Generation, SamplingError, Token,
                        available_memory, check_cache_dtype, check_prompts, check_sampling, dynamic_vector,
                        sample, timed_generation)
@@ -58,8 +59,8 @@ class _PagedPrefill(CacheGraph):
     @ms.jit
     def construct(self, input_ids, aq, akv, slots, positions, context, copy_from, copy_to):
         self.count_compile()
-        where = ("prefill", slots, positions, context, copy_from, copy_to)
-        return self.lm(input_ids, aq, akv, (self.cache.keys, self.cache.values, where))
+        view = PagedPrefill.build(self.cache.keys, self.cache.values, slots, positions, context, copy_from, copy_to)
+        return self.lm(input_ids, aq, akv, view)
 
 
 class _PagedDecode(CacheGraph):
@@ -69,8 +70,9 @@ class _PagedDecode(CacheGraph):
     @ms.jit
     def construct(self, input_ids, slots, positions, block_tables, context_lens, q_seq_lens):
         self.count_compile(input_ids.shape[0])
-        where = ("decode", slots, positions, block_tables, context_lens, q_seq_lens)
-        return self.lm(input_ids, None, None, (self.cache.keys, self.cache.values, where), positions)
+        view = PagedDecode.build(self.cache.keys, self.cache.values, slots, positions, block_tables, context_lens,
+                                 q_seq_lens)
+        return self.lm(input_ids, None, None, view)
 
 
 @dataclass
