@@ -15,7 +15,8 @@ from mindspore import nn
 from safetensors.numpy import load_file
 
 from ms_rope_attention.distributed.launch import launch
-from models.llama import run_directory, train as train_cli
+from models.llama import train as train_cli
+from models.llama.training import run_directory, signals, trainer
 from models.llama.weights import CheckpointError, load_checkpoint
 
 STEPS = 4
@@ -97,8 +98,8 @@ def test_a_save_killed_at_any_point_loses_only_that_save(fault, data, reference,
     ends with the uninterrupted run's weights."""
     out = tmp_path / "run"
     if fault == "weights":
-        monkeypatch.setattr(train_cli, "save_hf_checkpoint", _dies_after(
-            train_cli.save_hf_checkpoint, 2, lambda state, config, directory: Path(directory) / "model.safetensors"))
+        monkeypatch.setattr(trainer, "save_hf_checkpoint", _dies_after(
+            trainer.save_hf_checkpoint, 2, lambda state, config, directory: Path(directory) / "model.safetensors"))
     elif fault == "optimizer":
         monkeypatch.setattr(ms, "save_checkpoint", _dies_after(ms.save_checkpoint, 2, lambda state, path: path))
     else:
@@ -150,7 +151,7 @@ def test_a_signal_the_caller_ignores_stays_ignored():
     ignored signal alone, and handles and restores the others."""
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
-        with train_cli.StopRequest(distributed=False):
+        with signals.StopRequest(distributed=False):
             assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
             assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, signal.SIG_DFL)
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
@@ -162,9 +163,9 @@ def test_sigint_right_after_a_periodic_save_does_not_save_again(data, reference,
     """Ctrl-C as the periodic save of step 2 returns: the checkpoint `latest` names is not written
     again (a save there that died halfway would break the only complete checkpoint)."""
     out = tmp_path / "run"
-    _sigint(monkeypatch, train_cli.Trainer, "save", 1)
-    monkeypatch.setattr(train_cli, "save_hf_checkpoint", _dies_after(
-        train_cli.save_hf_checkpoint, 2, lambda state, config, directory: Path(directory) / "model.safetensors"))
+    _sigint(monkeypatch, trainer.Trainer, "save", 1)
+    monkeypatch.setattr(trainer, "save_hf_checkpoint", _dies_after(
+        trainer.save_hf_checkpoint, 2, lambda state, config, directory: Path(directory) / "model.safetensors"))
     with pytest.raises(SystemExit, match="step 2 saved"):
         train_cli.main(_args(data, out, save_every=2))
     monkeypatch.undo()

@@ -1,7 +1,10 @@
 """Training the Llama model through the fused op: TrainOneStepCell fused vs unfused, mixed precision,
 and the training CLI (``python -m models.llama.train``) end to end."""
+import importlib
 import json
 import re
+import sys
+import warnings
 
 import mindspore as ms
 import numpy as np
@@ -12,6 +15,7 @@ from models.llama import LlamaForCausalLM, preset
 from models.llama import train as train_cli
 from models.llama.generate import Generator
 from models.llama.losses import IGNORE_INDEX, LlamaForTraining
+from models.llama.training import cli, data, run_directory, signals, trainer
 from models.llama.weights import load_checkpoint
 
 
@@ -104,3 +108,32 @@ def test_cli_too_little_data_for_a_batch(tmp_path):
 def test_cli_missing_tokenizer(tmp_path, corpus):
     with pytest.raises(ValueError, match="tokenizer: a preset has no tokenizer"):
         train_cli.main(["--model", "7b", "--layers", "1", "--data", str(corpus), "--out", str(tmp_path / "o")])
+
+
+# What models.llama.train held before training became a package: (name, its module now).
+MOVED = [(name, data) for name in ("ByteTokenizer", "make_tokenizer", "read_documents", "batches",
+                                   "data_parallel_share")] + \
+    [(name, trainer) for name in ("TOKENIZER_FILES", "TRAINER_STATE", "REPLAY_ARGS", "learning_rates", "LossAndGrads",
+                                  "clip_by_global_norm", "Trainer", "trainer_state", "replay_state",
+                                  "resume_problems")] + \
+    [("StopRequest", signals), ("build_model", cli), ("positive_int", cli)]
+
+
+@pytest.mark.parametrize("name, module", MOVED, ids=[name for name, _ in MOVED])
+def test_an_old_name_of_the_train_module_still_works_and_warns(name, module):
+    """For one release users' imports of the old names keep working, told where the name went."""
+    with pytest.warns(DeprecationWarning, match=re.escape(f"models.llama.train.{name} moved to {module.__name__}.")):
+        assert getattr(train_cli, name) is getattr(module, name)
+
+
+def test_the_cli_entry_point_and_the_old_run_directory_path():
+    """``main`` is the CLI, not a moved name: no warning. ``models.llama.run_directory`` is the moved
+    module itself (so a monkeypatch through either name reaches the one in use), with a warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert train_cli.main is cli.main
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        train_cli.no_such_name
+    sys.modules.pop("models.llama.run_directory", None)
+    with pytest.warns(DeprecationWarning, match="models.llama.run_directory moved to models.llama.training"):
+        assert importlib.import_module("models.llama.run_directory") is run_directory
