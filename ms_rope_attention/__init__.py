@@ -8,6 +8,10 @@ Public API:
 - ``rope_tables`` / ``shared_rope_tables``: cos/sin tables.
 - ``fuse(net)`` / ``unfuse(net)``: the fused op inside existing MindFormers, Hugging Face (mindnlp)
   models (``ms_rope_attention.fusion``), with a ``FuseReport``.
+- The paged KV cache's ops ``rotary_paged_attention`` / ``rotary_cache_write``, the CPU projection
+  and embedding primitives ``linear_op()`` / ``embedding_op()``, and RoPE's pieces (``apply_rope``,
+  ``inverse_frequencies``, ``tables_from_inverse_frequencies``): what models build on, so that no
+  user imports a module below this face (``ms_rope_attention.distributed`` has its own).
 """
 import os as _os
 
@@ -21,11 +25,16 @@ _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # the first decode step after a prefill (docs/threads.md). OpenBLAS reads this when linear.py loads it.
 _os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
+from .embedding import embedding_op
 from .functional import RotaryFusionFallbackError, rotary_flash_attention
 from .fusion import FuseError, FuseReport, fuse, unfuse
+from .linear import linear_op
 from .nn import RotaryFlashAttention, RotaryFlashAttentionOp
-from .rope import rope_tables, shared_rope_tables
+from .paged import rotary_cache_write, rotary_paged_attention
+from .rope import apply_rope, inverse_frequencies, rope_tables, shared_rope_tables, tables_from_inverse_frequencies
 
 __all__ = ["rotary_flash_attention", "RotaryFlashAttention", "RotaryFlashAttentionOp", "RotaryFusionFallbackError",
-           "rope_tables", "shared_rope_tables", "fuse", "unfuse", "FuseReport", "FuseError"]
+           "rope_tables", "shared_rope_tables", "fuse", "unfuse", "FuseReport", "FuseError",
+           "rotary_paged_attention", "rotary_cache_write", "linear_op", "embedding_op", "apply_rope",
+           "inverse_frequencies", "tables_from_inverse_frequencies"]
 __version__ = "0.1.0"

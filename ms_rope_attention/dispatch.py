@@ -5,6 +5,8 @@ why the fused op cannot run here) and ``make_kernel(attrs, forwards)`` (a ``grad
 ``backend_for`` builds one ``Backend`` per attribute set and device the first time it is asked for
 (attributes validated, a fallback announced: never silent, ``strict`` raises) and caches it;
 ``clear()`` empties the cache (tests that change the registry or the environment call it).
+The paged cache's two ops are chosen the same way (``PAGED_FACTORIES``, ``paged_primitive``), with
+no fallback: a device without their kernel is refused with their contract's ``ascend`` rule.
 """
 from __future__ import annotations
 
@@ -12,13 +14,15 @@ from typing import Callable, NamedTuple
 
 import mindspore as ms
 
-from . import ascend_kernel, checks, cpu_kernel
+from . import ascend_kernel, checks, cpu_kernel, paged_kernel
 from .attrs import OpAttrs
 from .gradients import AutodiffForwards, FusedKernel, announce_fallback
 from .layouts import shard
+from .op_info import attr_values
 
 BACKENDS = ("auto", "fused", "unfused")
 FACTORIES = {"CPU": cpu_kernel, "Ascend": ascend_kernel}
+PAGED_FACTORIES = {"CPU": paged_kernel}  # device -> module answering make_op(op_name, values)
 
 
 class Backend(NamedTuple):
@@ -81,3 +85,21 @@ def make_kernel(attrs: OpAttrs, forwards: Callable[[OpAttrs], AutodiffForwards],
     if parallel is not None:
         shard(kernel, attrs, *parallel)
     return kernel, None
+
+
+def paged_primitive(op_name: str, items: tuple):
+    """The cached primitive of a paged-cache op (``RotaryPagedAttention`` or ``RotaryCacheWrite``)
+    for its attributes ``items`` ((name, value) pairs over the contract's defaults, checked first) on
+    this device. Where it has no kernel the contract's ``ascend`` rule says what runs instead."""
+    contract = paged_kernel.contract(op_name)
+    values = attr_values(contract, dict(items))
+    key = (op_name, tuple(values.items()), device())
+    found = _backends.get(key)
+    if found is not None:
+        return found
+    factory = PAGED_FACTORIES.get(device())
+    if factory is None:
+        raise RuntimeError(f"{op_name}: no kernel for device {device()!r}; {contract.semantics['ascend']} "
+                           "(docs/serving.md)")
+    found = _backends[key] = factory.make_op(op_name, values)
+    return found

@@ -12,11 +12,12 @@ import functools
 import mindspore as ms
 import numpy as np
 from mindspore import ops
-from mindspore.ops import CustomRegOp, DataType
 
-from .linear import call_entry, library, library_path
+from .cpu_runtime import direct_call, library_path, make_primitive
+from .linear import STEM, WHAT, library
+from .op_info import EMBEDDING_PATH, load_contract
 
-KERNEL_SYMBOL = "RfaEmbedding"
+_TEXTS = ("RfaEmbeddingLastError",)
 
 
 def lookup(ids: np.ndarray, table: np.ndarray, out_shape: tuple | None = None, isa: str | None = None) -> np.ndarray:
@@ -26,7 +27,7 @@ def lookup(ids: np.ndarray, table: np.ndarray, out_shape: tuple | None = None, i
     if out_shape is None:
         out_shape = ids.shape + table.shape[1:2]
     y = np.full(out_shape, np.nan, np.float32)
-    call_entry(KERNEL_SYMBOL, ids, table, y, isa=isa)
+    direct_call(library(isa, _TEXTS), "RfaEmbedding", (ids, table, y), "RfaEmbeddingLastError")
     return y
 
 
@@ -43,11 +44,8 @@ def _bprop():
 @functools.lru_cache(maxsize=None)
 def embedding_op() -> ops.Custom:
     """The aot primitive ``(ids (...) int32/int64, table (V, H) float32/float16/bfloat16) -> (..., H)
-    float32``."""
-    library()  # OpenBLAS first, and fail here, not inside MindSpore
-    reg = CustomRegOp(KERNEL_SYMBOL).input(0, "ids", "required").input(1, "table", "required").output(0, "y", "required")
-    for ids in (DataType.I32_Default, DataType.I64_Default):
-        for table in (DataType.F32_Default, DataType.F16_Default, DataType.BF16_Default):
-            reg = reg.dtype_format(ids, table, DataType.F32_Default)
-    return ops.Custom(f"{library_path()}:{KERNEL_SYMBOL}", out_shape=None, out_dtype=None, func_type="aot",
-                      bprop=_bprop(), reg_info=reg.target("CPU").get_op_info())
+    float32`` (contract: ``op_info/embedding.yaml``), in the projection library."""
+    library(texts=_TEXTS)  # OpenBLAS first, and fail here, not inside MindSpore
+    # Not graph-launched: linear_op says why.
+    return make_primitive(load_contract(str(EMBEDDING_PATH)), {}, library_path(STEM, WHAT), bprop=_bprop(),
+                          any_dtype=False, graph_launch=False)

@@ -29,11 +29,12 @@ import mindspore as ms
 import numpy as np
 import scipy_openblas32
 from mindspore import ops
-from mindspore.ops import CustomRegOp, DataType
 
-from .cpu_kernel import built_libraries, select_library
+from .cpu_runtime import direct_call, library_path, make_primitive, open_library
+from .op_info import LINEAR_PATH, load_contract
 
-KERNEL_SYMBOL = "RfaLinear"
+STEM, WHAT = "_rfa_cpu_linear", "projection GEMM library"
+WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,51 +52,17 @@ def blas_threads() -> int:
     return openblas().scipy_openblas_get_num_threads()
 
 
-WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
-
-
-STEM = "_rfa_cpu_linear"
-
-
-def library_path(isa: str | None = None) -> Path:
-    """The best build of the op's library for this CPU (``RFA_CPU_ISA`` forces one, as for the
-    attention kernel; ``isa`` picks one, for the tests): its own products are compiled per
-    instruction set."""
-    if isa is None:
-        return select_library(STEM, "projection GEMM library")[1]
-    built = built_libraries(STEM)
-    if isa not in built:
-        raise RuntimeError(f"no {isa} build of the projection GEMM library (built: {sorted(built)})")
-    return built[isa]
+def library(isa: str | None = None, texts: tuple = ("RfaLinearLastError", "RfaLinearIsa")) -> ctypes.CDLL:
+    """The projection library (the selected build, or ``isa``'s: its own products are compiled per
+    instruction set), opened after OpenBLAS (its thread count; and the editable checkout's library
+    finds OpenBLAS only this way). It holds the embedding's entry too: ``texts`` are the caller's."""
+    openblas()
+    return open_library(library_path(STEM, WHAT, isa), texts=texts)
 
 
 def library_isa() -> str:
     """The instruction set of the build in use."""
     return library().RfaLinearIsa().decode()
-
-
-@functools.lru_cache(maxsize=None)
-def library(isa: str | None = None) -> ctypes.CDLL:
-    """The op's library (the selected build, or ``isa``'s), opened once per process after OpenBLAS
-    (the handle MindSpore's dlopen shares)."""
-    openblas()
-    lib = ctypes.CDLL(str(library_path(isa)))
-    for entry in ("RfaLinearLastError", "RfaLinearIsa", "RfaEmbeddingLastError"):
-        getattr(lib, entry).restype = ctypes.c_char_p
-    return lib
-
-
-def call_entry(entry: str, *arrays: np.ndarray, isa: str | None = None) -> None:
-    """One of the library's aot entries called directly on numpy arrays (inputs then output), as
-    MindSpore would launch it; ValueError with the library's message when it refuses the call."""
-    params = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
-    ndims = (ctypes.c_int * len(arrays))(*[a.ndim for a in arrays])
-    shapes = (ctypes.POINTER(ctypes.c_int64) * len(arrays))(*[(ctypes.c_int64 * max(a.ndim, 1))(*a.shape)
-                                                              for a in arrays])
-    dtypes = (ctypes.c_char_p * len(arrays))(*[str(a.dtype).encode() for a in arrays])
-    lib = library(isa)
-    if getattr(lib, entry)(len(arrays), params, ndims, shapes, dtypes, None, None):
-        raise ValueError(getattr(lib, f"{entry}LastError")().decode())
 
 
 def multiply(x: np.ndarray, weight: np.ndarray, out_shape: tuple | None = None, isa: str | None = None) -> np.ndarray:
@@ -106,7 +73,7 @@ def multiply(x: np.ndarray, weight: np.ndarray, out_shape: tuple | None = None, 
     if out_shape is None:
         out_shape = x.shape[:-1] + weight.shape[:1] if x.ndim and weight.ndim == 2 else (0,)
     y = np.full(out_shape, np.nan, np.float32)
-    call_entry("RfaLinear", x, weight, y, isa=isa)
+    direct_call(library(isa), "RfaLinear", (x, weight, y), "RfaLinearLastError")
     return y
 
 
@@ -128,11 +95,12 @@ def _bprop():
 @functools.lru_cache(maxsize=None)
 def linear_op() -> ops.Custom:
     """The aot primitive ``(x (..., K) float32, weight (N, K) float32/float16/bfloat16) -> (..., N)
-    float32``; shapes from the library's C++ InferShape, so GRAPH_MODE with dynamic sequence lengths
-    compiles once."""
+    float32`` (contract: ``op_info/linear.yaml``); shapes from the library's C++ InferShape, so
+    GRAPH_MODE with dynamic sequence lengths compiles once."""
     library()  # OpenBLAS first (its thread count), and fail here, not inside MindSpore
-    reg = CustomRegOp(KERNEL_SYMBOL).input(0, "x", "required").input(1, "weight", "required").output(0, "y", "required")
-    for weight in (DataType.F32_Default, DataType.F16_Default, DataType.BF16_Default):
-        reg = reg.dtype_format(DataType.F32_Default, weight, DataType.F32_Default)
-    return ops.Custom(f"{library_path()}:{KERNEL_SYMBOL}", out_shape=None, out_dtype=None, func_type="aot",
-                      bprop=_bprop(), reg_info=reg.target("CPU").get_op_info())
+    # Not graph-launched, as before the runtime was shared (and the embedding likewise): a graph launch
+    # gives bit-equal values and gradients here, but a 1x4096 by 4096x4096 product took the same
+    # 8.7 ms eagerly either way on 2 busy cores, while the launch graph compiled 7 times for 3 shapes
+    # with their gradients. Switching is a change to measure on its own (benchmarks/projections.py).
+    return make_primitive(load_contract(str(LINEAR_PATH)), {}, library_path(STEM, WHAT), bprop=_bprop(),
+                          any_dtype=False, graph_launch=False)

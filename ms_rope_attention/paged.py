@@ -1,4 +1,4 @@
-"""The paged KV cache's two ops on the CPU, as aot ``Custom`` primitives of the attention library:
+"""The paged KV cache's two ops, called eagerly or inside a graph (their kernels: ``paged_kernel``):
 
 - ``rotary_paged_attention``: a few query tokens per sequence (1..16) against a (num_blocks,
   block_size, Nkv, D) cache of rotated keys, read in place through each sequence's block table
@@ -11,68 +11,36 @@ Why: a server's sequences have mixed lengths, and a cache paged in blocks holds 
 reserving each one's longest length (vLLM's reason for paging); MindFormers' serving path stores
 its cache this way, and MindSpore 2.10's ``PagedAttention`` / ``ReshapeAndCache`` have no CPU
 kernel. Contracts: ``op_info/rotary_paged_attention.yaml`` and ``op_info/rotary_cache_write.yaml``;
-both are inference ops (no gradient). On Ascend the same cache is read by MindSpore's own
-``PagedAttention`` (the contracts' ``ascend`` rule); these primitives are CPU-only.
+both are inference ops (no gradient). The primitives come from ``dispatch`` (the CPU's are
+``paged_kernel``'s); on Ascend the same cache is read by MindSpore's own ``PagedAttention`` (the
+contracts' ``ascend`` rule, which the dispatch's refusal quotes).
 """
 from __future__ import annotations
 
-import functools
+from mindspore import ops
 
-import mindspore as ms
-
-from .cpu_kernel import GraphLaunchedCustom, library, select_library
-from .op_info import CACHE_WRITE_PATH, PAGED_ATTENTION_PATH, attr_values, build_reg_info, load_contract
-
-PAGED_SYMBOL = "RotaryPagedAttention"
-WRITE_SYMBOL = "RotaryCacheWrite"
+from . import dispatch
+from .paged_kernel import paged_calls, rotated_keys  # noqa: F401  (the engine's tests read the kernel's counts here)
 
 
-def paged_contract():
-    return load_contract(str(PAGED_ATTENTION_PATH))
+@ops.constexpr(reuse_result=False)
+def _primitive(op_name: str, items: tuple):
+    """``dispatch.paged_primitive`` as a graph constant: the functions below are called inside
+    ``construct`` too."""
+    return dispatch.paged_primitive(op_name, items)
 
 
-def write_contract():
-    return load_contract(str(CACHE_WRITE_PATH))
-
-
-def _require_cpu(what: str) -> None:
-    target = ms.get_context("device_target")
-    if target != "CPU":
-        raise RuntimeError(f"{what}: a CPU kernel; on {target} use MindSpore's PagedAttention / ReshapeAndCache over "
-                           "the same cache (docs/serving.md)")
-
-
-@ms.ops.constexpr(reuse_result=False)
-def _graph_primitive(symbol: str, items: tuple) -> GraphLaunchedCustom:
-    """``_primitive`` as a graph constant: the functions below are called inside ``construct`` too."""
-    return _primitive(symbol, items)
-
-
-@functools.lru_cache(maxsize=None)
-def _primitive(symbol: str, items: tuple) -> GraphLaunchedCustom:
-    contract = paged_contract() if symbol == PAGED_SYMBOL else write_contract()
-    _require_cpu(contract.op_name)
-    values = attr_values(contract, dict(items))
-    _, path = select_library()
-    library()  # refuse a library of another ABI here, not inside MindSpore
-    op = GraphLaunchedCustom(f"{path}:{symbol}", out_shape=None, out_dtype=None, func_type="aot",
-                             reg_info=build_reg_info("CPU", values, any_dtype=True, contract=contract))
-    if symbol == WRITE_SYMBOL:
-        op.add_prim_attr("side_effect_mem", True)  # it writes its cache inputs: keep it ordered, never pruned
-    return op
-
-
-def paged_attention_op(**attrs) -> GraphLaunchedCustom:
+def paged_attention_op(**attrs):
     """The primitive ``(query, key_cache, value_cache, cos, sin, block_tables, context_lens,
     q_seq_lens) -> (attention_out, softmax_lse)`` for these attributes (the contract's names and
     defaults), one per attribute set."""
-    return _graph_primitive(PAGED_SYMBOL, tuple(sorted(attrs.items())))
+    return _primitive("RotaryPagedAttention", tuple(sorted(attrs.items())))
 
 
-def cache_write_op(**attrs) -> GraphLaunchedCustom:
+def cache_write_op(**attrs):
     """The primitive ``(key, value, cos, sin, positions, slot_mapping, key_cache, value_cache) ->
     written`` for these attributes, one per attribute set. It writes the two caches in place."""
-    return _graph_primitive(WRITE_SYMBOL, tuple(sorted(attrs.items())))
+    return _primitive("RotaryCacheWrite", tuple(sorted(attrs.items())))
 
 
 def rotary_paged_attention(query, key_cache, value_cache, cos, sin, block_tables, context_lens, q_seq_lens, *,
@@ -99,12 +67,3 @@ def rotary_cache_write(key, value, cos, sin, positions, slot_mapping, key_cache,
     op = cache_write_op(rotary_mode=rotary_mode, rotary_dim=rotary_dim, key_rotated=key_rotated)
     return op(key, value, cos, sin, positions, slot_mapping, key_cache, value_cache)
 
-
-def paged_calls() -> int:
-    """Calls of RotaryPagedAttention in this process so far (the kernel's own count)."""
-    return library().RotaryPagedAttentionCalls()
-
-
-def rotated_keys() -> int:
-    """Key heads RotaryCacheWrite rotated in this process so far (each new key once per KV head)."""
-    return library().RotaryCacheWriteRotatedKeys()

@@ -3,7 +3,7 @@ entries) checked against the float64 reference: the CPU kernel's tests and the e
 kernel's tests share it."""
 import numpy as np
 
-from ms_rope_attention import cpu_direct
+from ms_rope_attention.testing import cpu_direct
 from ms_rope_attention.cpu_kernel import last_error as cpu_last_error
 from conftest import EPS, tolerance
 from reference import reference, reference_grad

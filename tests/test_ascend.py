@@ -4,7 +4,7 @@ reference over a reduced version of the CPU kernel's correctness matrix."""
 import numpy as np
 import pytest
 
-from ms_rope_attention import ascend_emulated as emu
+from ms_rope_attention.testing import ascend_emulated as emu
 from cases import Case
 from kernel_check import check_kernel
 

@@ -52,7 +52,7 @@ def test_fused_on_npu_matches_unfused_and_reference(mode_name, layout, dtype, rn
 @pytest.mark.parametrize("mode_name", ["pynative", "graph"])
 @pytest.mark.parametrize("layout", ["BNSD", "BSND", "BSH", "TND"])
 @pytest.mark.parametrize("backward", ["flash_attention_score", "unfused", "kernel"])
-def test_backward_on_npu_matches_the_cpu_kernel(mode_name, layout, backward, rng, monkeypatch):
+def test_backward_on_npu_matches_the_cpu_kernel(mode_name, layout, backward, rng, monkeypatch, request):
     """dq/dk/dv of each Ascend backward (``RFA_ASCEND_BACKWARD``, the fused backward kernel
     RotaryFlashAttentionGrad included; float16, GQA 8/2, D = 128, TND with a 1-token sequence)
     against the CPU kernel's fused backward on the same inputs and upstream gradient, within 4x the
@@ -66,7 +66,8 @@ def test_backward_on_npu_matches_the_cpu_kernel(mode_name, layout, backward, rng
     from conftest import round_to, to_numpy, to_tensor, tolerance
 
     monkeypatch.setenv("RFA_ASCEND_BACKWARD", backward)
-    monkeypatch.setattr(dispatch, "_backends", {})
+    dispatch.clear()  # and again after the test: its backends follow RFA_ASCEND_BACKWARD
+    request.addfinalizer(dispatch.clear)
     ms.set_context(mode=ms.GRAPH_MODE if mode_name == "graph" else ms.PYNATIVE_MODE)
     dtype = "float16"
     case = Case(layout=layout, heads=8, kv_heads=2, head_dim=128, q_len=300, kv_len=300, q_lens=[1, 300, 77],
@@ -100,7 +101,7 @@ def test_backward_on_npu_matches_the_cpu_kernel(mode_name, layout, backward, rng
 def cpu_kernel_gradients(q, k, v, cos, sin, aq, ak, d_out, heads, layout, dtype):
     """(d_query, d_key, d_value) of the CPU kernel's forward then fused backward, through ctypes
     (no MindSpore device involved), on the same values the NPU gets."""
-    from ms_rope_attention import cpu_direct
+    from ms_rope_attention.testing import cpu_direct
 
     offsets = (None, None) if aq is None else (np.array(aq, np.int64), np.array(ak, np.int64))
     code, out, lse, _ = cpu_direct.run(q, k, v, cos, sin, *offsets, head_num=heads, input_layout=layout, dtype=dtype)

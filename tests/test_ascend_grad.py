@@ -11,8 +11,8 @@ of each than the CPU kernel, as for the forward)."""
 import numpy as np
 import pytest
 
-from ms_rope_attention import ascend_emulated as emu
-from ms_rope_attention import cpu_direct
+from ms_rope_attention.testing import ascend_emulated as emu
+from ms_rope_attention.testing import cpu_direct
 from cases import Case
 from kernel_check import check_grad, rounded
 

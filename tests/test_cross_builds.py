@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ms_rope_attention.cpu_kernel import usable_isas
+from ms_rope_attention.cpu_runtime import usable_isas
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "ms_rope_attention" / "csrc"

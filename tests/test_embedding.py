@@ -11,7 +11,7 @@ import pytest
 from mindspore import Tensor, nn, ops
 
 from ms_rope_attention import embedding, linear
-from ms_rope_attention.cpu_kernel import built_libraries, usable_isas
+from ms_rope_attention.cpu_runtime import built_libraries, usable_isas
 
 ISAS = [isa for isa in usable_isas() if isa in built_libraries(linear.STEM)]
 TABLE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}

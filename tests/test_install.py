@@ -8,14 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ms_rope_attention.cpu_kernel import usable_isas
+from ms_rope_attention.cpu_runtime import usable_isas
 
 ROOT = Path(__file__).resolve().parents[1]
 
 CALL = """
 import numpy as np, mindspore as ms
 import ms_rope_attention as mra
-from ms_rope_attention.cpu_kernel import kernel_isa, select_library
+from ms_rope_attention.cpu_kernel import kernel_isa
+from ms_rope_attention.cpu_runtime import select_library
 from ms_rope_attention import linear
 ms.set_device("CPU")
 attn = mra.RotaryFlashAttention(head_num=4, head_dim=16, input_layout="BSND")
@@ -25,7 +26,7 @@ assert out.shape == (1, 9, 4, 16) and np.isfinite(out.asnumpy()).all(), out
 assert attn.backend == "fused:CPU", attn.backend
 x, w = np.ones((3, 8), np.float32), np.ones((5, 8), np.float32)
 assert (linear.multiply(x, w) == 8).all()
-print("fused", attn.backend, kernel_isa(), mra.__file__, select_library()[1], linear.library_path())
+print("fused", attn.backend, kernel_isa(), mra.__file__, select_library()[1], select_library(linear.STEM)[1])
 """
 
 

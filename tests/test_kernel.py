@@ -3,7 +3,7 @@ sweeps, every dtype, tiny tiles so every tail and split path runs."""
 import numpy as np
 import pytest
 
-from ms_rope_attention import cpu_direct as kh
+from ms_rope_attention.testing import cpu_direct as kh
 from ms_rope_attention.cpu_kernel import last_error
 from cases import Case
 from conftest import tolerance
@@ -240,7 +240,7 @@ def test_zero_size_first_call_of_a_process():
     import subprocess
     import sys
 
-    script = ("import numpy as np\nfrom ms_rope_attention import cpu_direct as kh\n"
+    script = ("import numpy as np\nfrom ms_rope_attention.testing import cpu_direct as kh\n"
               "from ms_rope_attention.cpu_kernel import last_error\n"
               "z = np.zeros((1, 4, 0, 16)); cos = np.ones((8, 16))\n"
               "code, out, lse, rot = kh.run(z, z[:, :2], z[:, :2], cos, cos)\n"

@@ -9,7 +9,7 @@ float32 2e-5 x max(1, |reference|); float16 / bfloat16 8 ulp of the dtype at the
 import numpy as np
 import pytest
 
-from ms_rope_attention import cpu_direct as kh
+from ms_rope_attention.testing import cpu_direct as kh
 from ms_rope_attention.cpu_kernel import last_error
 from cases import Case
 from kernel_check import check_grad

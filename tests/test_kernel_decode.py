@@ -7,7 +7,7 @@ taken would fail here, not only show in a benchmark."""
 import numpy as np
 import pytest
 
-from ms_rope_attention import cpu_direct as kh
+from ms_rope_attention.testing import cpu_direct as kh
 from ms_rope_attention.cpu_kernel import decode_calls, last_error
 from cases import Case
 from conftest import tolerance

@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ms_rope_attention import cpu_direct, cpu_kernel, linear
-from ms_rope_attention.cpu_kernel import built_libraries, usable_isas
+from ms_rope_attention import cpu_kernel, cpu_runtime, linear
+from ms_rope_attention.cpu_runtime import built_libraries, usable_isas
+from ms_rope_attention.testing import cpu_direct
 
 ISAS = [isa for isa in usable_isas() if isa in built_libraries()]
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,7 +118,7 @@ def test_the_gemm_entry_refuses_null_dtypes_and_data():
 def test_the_kernel_directory_override_must_be_an_absolute_directory(value, message, monkeypatch):
     monkeypatch.setenv("RFA_CPU_KERNEL_DIR", value)
     with pytest.raises(RuntimeError, match=f"RFA_CPU_KERNEL_DIR: {message}"):
-        cpu_kernel.kernel_dir()
+        cpu_runtime.kernel_dir()
 
 
 def test_the_kernel_directory_override_must_not_be_writable_by_others(tmp_path, monkeypatch):
@@ -126,15 +127,15 @@ def test_the_kernel_directory_override_must_not_be_writable_by_others(tmp_path, 
     os.chmod(shared, 0o777)
     monkeypatch.setenv("RFA_CPU_KERNEL_DIR", str(shared))
     with pytest.raises(RuntimeError, match="writable by other users"):
-        cpu_kernel.kernel_dir()
+        cpu_runtime.kernel_dir()
     os.chmod(shared, 0o755)
-    assert cpu_kernel.kernel_dir() == shared
+    assert cpu_runtime.kernel_dir() == shared
 
 
 def _kernel_dirs(tmp_path, monkeypatch):
     """(the RFA_CPU_KERNEL_DIR in use, the generic kernel's file name there, a private sibling
     directory): both directories 0755 and owned by this user."""
-    name = cpu_kernel.built_libraries()["generic"].name
+    name = cpu_runtime.built_libraries()["generic"].name
     kernels, other = tmp_path / "kernels", tmp_path / "other"
     for directory in (kernels, other):
         directory.mkdir(mode=0o755)
@@ -152,9 +153,9 @@ def test_an_override_library_writable_by_others_is_refused_before_it_is_opened(m
     library.chmod(mode)
     with pytest.raises(RuntimeError, match=rf"RFA_CPU_KERNEL_DIR: {re.escape(repr(str(library)))}: writable by "
                                            r"other users or owned by another user: expected a library only you"):
-        cpu_kernel.select_library()
+        cpu_runtime.select_library()
     library.chmod(0o644)
-    assert cpu_kernel.select_library() == ("generic", library)
+    assert cpu_runtime.select_library() == ("generic", library)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
@@ -164,7 +165,7 @@ def test_an_override_library_owned_by_another_user_is_refused(tmp_path, monkeypa
     library.write_bytes(b"not a library")
     os.chown(library, 65534, 65534)
     with pytest.raises(RuntimeError, match="owned by another user: expected a library only you"):
-        cpu_kernel.select_library()
+        cpu_runtime.select_library()
 
 
 def test_an_override_library_symlink_must_lead_into_a_private_directory(tmp_path, monkeypatch):
@@ -174,24 +175,23 @@ def test_an_override_library_symlink_must_lead_into_a_private_directory(tmp_path
     target = other / name
     target.write_bytes(b"not a library")
     (kernels / name).symlink_to(target)
-    assert cpu_kernel.select_library() == ("generic", kernels / name)
+    assert cpu_runtime.select_library() == ("generic", kernels / name)
     other.chmod(0o777)
     with pytest.raises(RuntimeError, match=rf"{re.escape(repr(str(kernels / name)))} \(a symlink to "
                                            rf"{re.escape(repr(str(target)))}\): its directory "
                                            rf"{re.escape(repr(str(other)))} is writable by other users"):
-        cpu_kernel.select_library()
+        cpu_runtime.select_library()
 
 
-def test_a_library_of_another_abi_version_is_refused_by_name(monkeypatch):
-    path = str(cpu_kernel.select_library()[1])
-    monkeypatch.setattr(cpu_kernel, "ABI_VERSION", cpu_kernel.ABI_VERSION + 1)
-    with pytest.raises(RuntimeError, match=rf"{re.escape(path)}: kernel ABI version {cpu_kernel.ABI_VERSION - 1}, "
-                                           rf"this package expects {cpu_kernel.ABI_VERSION}"):
-        cpu_kernel._open.__wrapped__(path)
-    other = str(linear.library_path())  # a library without the version symbol
-    with pytest.raises(RuntimeError, match=rf"{re.escape(other)}: a kernel library without "
+def test_a_library_of_another_abi_version_is_refused_by_name():
+    path, expected = cpu_runtime.select_library()[1], cpu_kernel.ABI_VERSION + 1
+    with pytest.raises(RuntimeError, match=rf"{re.escape(str(path))}: kernel ABI version {cpu_kernel.ABI_VERSION}, "
+                                           rf"this package expects {expected}"):
+        cpu_runtime.open_library.__wrapped__(path, cpu_runtime.Abi("RotaryFlashAttentionAbiVersion", expected))
+    other = cpu_runtime.select_library(linear.STEM)[1]  # a library without the version symbol
+    with pytest.raises(RuntimeError, match=rf"{re.escape(str(other))}: a kernel library without "
                                            r"RotaryFlashAttentionAbiVersion"):
-        cpu_kernel._open.__wrapped__(other)
+        cpu_runtime.open_library.__wrapped__(other, cpu_runtime.Abi("RotaryFlashAttentionAbiVersion", expected))
 
 
 def test_the_python_abi_version_is_the_c_one():

@@ -14,8 +14,8 @@ whose maximum stayed -inf, since NaN never wins a comparison, for a split that s
 import numpy as np
 import pytest
 
-from ms_rope_attention import cpu_direct
-from ms_rope_attention.cpu_kernel import built_libraries, usable_isas
+from ms_rope_attention.testing import cpu_direct
+from ms_rope_attention.cpu_runtime import built_libraries, usable_isas
 from reference import rope_tables, rotate
 
 ISAS = [isa for isa in usable_isas() if isa in built_libraries()]

@@ -14,8 +14,8 @@ import functools
 import numpy as np
 import pytest
 
-from ms_rope_attention import cpu_direct
-from ms_rope_attention.cpu_kernel import built_libraries, usable_isas
+from ms_rope_attention.testing import cpu_direct
+from ms_rope_attention.cpu_runtime import built_libraries, usable_isas
 from cases import Case
 from kernel_check import check_grad, check_kernel
 

@@ -8,17 +8,22 @@
 - RotaryCacheWrite: -1 slots skipped, per-token positions, each key rotated once (counted), the
   cached key bit-equal to RotaryFlashAttention's rotated_key, conversion to the cache's dtype;
 - bad input refused naming the argument, before any read or write (the cache stays as it was);
-- both ops as MindSpore primitives in GRAPH_MODE and PyNative, writing a Parameter in place.
+- both ops as MindSpore primitives in GRAPH_MODE and PyNative, writing a Parameter in place, from
+  the dispatch like the fused op: one per attribute set and device, refused on a device without
+  their kernel with the contract's ``ascend`` rule.
 """
+import re
+
 import numpy as np
 import pytest
 
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
-from ms_rope_attention import cpu_direct as kd
-from ms_rope_attention.cpu_kernel import built_libraries, usable_isas
-from ms_rope_attention.paged import paged_calls, rotary_cache_write, rotary_paged_attention
+from ms_rope_attention import dispatch, paged, paged_kernel, rotary_cache_write, rotary_paged_attention
+from ms_rope_attention.cpu_runtime import GraphLaunchedCustom, built_libraries, usable_isas
+from ms_rope_attention.paged_kernel import paged_calls
+from ms_rope_attention.testing import cpu_direct as kd
 from conftest import tolerance
 from kernel_check import rounded
 from reference import attention_one_sequence, rope_tables, rotate
@@ -279,3 +284,26 @@ def test_write_then_attend_as_primitives(mode, rng):
     run([3, 1])
     run([1, 16])   # sequence 1 into its second block, 16 query tokens
     assert paged_calls() - calls == 4
+
+
+def test_the_primitives_come_from_the_dispatch_one_per_attribute_set():
+    """Attribute sets are checked against the contract, each gets one primitive (graph-launched when
+    called eagerly), the cache write is a side effect, and ``dispatch.clear()`` forgets them."""
+    first = paged.paged_attention_op(head_num=4, scale=0.5)
+    assert first is paged.paged_attention_op(scale=0.5, head_num=4)
+    assert type(first) is GraphLaunchedCustom and first.attrs["scale_text"] == "0.5"
+    write = paged.cache_write_op(rotary_mode=1)
+    assert write.attrs["side_effect_mem"] and "side_effect_mem" not in first.attrs
+    with pytest.raises(ValueError, match="key_rotated: expected a bool"):
+        paged.cache_write_op(key_rotated=1)
+    dispatch.clear()
+    assert paged.paged_attention_op(head_num=4, scale=0.5) is not first
+
+
+def test_a_device_without_the_kernels_is_refused_with_the_contracts_ascend_rule(monkeypatch):
+    monkeypatch.setattr(dispatch, "device", lambda: "Ascend")
+    for op_name, make in (("RotaryPagedAttention", paged.paged_attention_op),
+                          ("RotaryCacheWrite", paged.cache_write_op)):
+        rule = paged_kernel.contract(op_name).semantics["ascend"]
+        with pytest.raises(RuntimeError, match=f"{op_name}: no kernel for device 'Ascend'; {re.escape(rule)}"):
+            make()
