@@ -30,8 +30,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
 
-from .gradients import _no_grad, _zeros_like, announce_backward_fallback, unfused_autodiff_bprop
-from .unfused import _from_bnsd, _rope, _segments, _to_bnsd
+from .gradients import ZEROS_LIKE, announce_backward_fallback, no_grad, unfused_autodiff_bprop
+from .unfused import from_bnsd, rope_at, segments, to_bnsd
 
 SWITCH = "RFA_ASCEND_BACKWARD"
 # Why the op is not on its own backward kernel: the reason every announced stand-in starts with.
@@ -61,18 +61,18 @@ def rotary_flash_attention_score(query, key, value, cos, sin, actual_seq_qlen, a
     in the inputs' own layout and dtype."""
     flash_attention = flash_attention or ops.flash_attention_score
     layout = input_layout
-    q = _to_bnsd(query.astype(ms.float32), layout, head_num, head_dim)
-    k = _to_bnsd(key.astype(ms.float32), layout, kv_head_num, head_dim)
+    q = to_bnsd(query.astype(ms.float32), layout, head_num, head_dim)
+    k = to_bnsd(key.astype(ms.float32), layout, kv_head_num, head_dim)
     cos, sin = cos.astype(ms.float32), sin.astype(ms.float32)
     if layout == "TND":
-        q_seg, q_local, q_lens = _segments(actual_seq_qlen.astype(ms.int64), q.shape[2])
-        _, k_pos, kv_lens = _segments(actual_seq_kvlen.astype(ms.int64), k.shape[2])
+        q_seg, q_local, q_lens = segments(actual_seq_qlen.astype(ms.int64), q.shape[2])
+        _, k_pos, kv_lens = segments(actual_seq_kvlen.astype(ms.int64), k.shape[2])
         q_pos = q_local + kv_lens[q_seg] - q_lens[q_seg]
     else:
         q_pos = ops.arange(0, q.shape[2], dtype=ms.int64) + (k.shape[2] - q.shape[2])
         k_pos = ops.arange(0, k.shape[2], dtype=ms.int64)
-    rotated_query = _from_bnsd(_rope(q, cos, sin, q_pos, rotary_mode, rotary_dim), layout).astype(query.dtype)
-    rotated_key = key if key_rotated else _from_bnsd(_rope(k, cos, sin, k_pos, rotary_mode, rotary_dim),
+    rotated_query = from_bnsd(rope_at(q, cos, sin, q_pos, rotary_mode, rotary_dim), layout).astype(query.dtype)
+    rotated_key = key if key_rotated else from_bnsd(rope_at(k, cos, sin, k_pos, rotary_mode, rotary_dim),
                                                      layout).astype(key.dtype)
     out = flash_attention(rotated_query, rotated_key, value, head_num,
                           attn_mask=_CAUSAL_MASK if causal else None,
@@ -119,10 +119,10 @@ def flash_attention_bprop(flash_forward, unfused_forward, grads_used: tuple[bool
             return unfused(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, out, dout)
         announce_backward_fallback(NOT_KERNEL, strict,
                                    "MindSpore's FlashAttention backward on the rotated q/k")
-        d_rotated_key = dout[2] if rotated_key_used else _zeros_like(key)
+        d_rotated_key = dout[2] if rotated_key_used else ZEROS_LIKE(key)
         d_query, d_key, d_value = vjp(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen,
                                       (dout[0], d_rotated_key))[:3]
-        return (d_query, d_key, d_value, _zeros_like(cos), _zeros_like(sin), _no_grad(actual_seq_qlen),
-                _no_grad(actual_seq_kvlen))
+        return (d_query, d_key, d_value, ZEROS_LIKE(cos), ZEROS_LIKE(sin), no_grad(actual_seq_qlen),
+                no_grad(actual_seq_kvlen))
 
     return bprop

@@ -22,12 +22,12 @@ from mindspore import ops
 logger = logging.getLogger("ms_rope_attention")
 _announced: set = set()
 
-_zeros_like = ops.ZerosLike()
+ZEROS_LIKE = ops.ZerosLike()
 
 
-def _no_grad(x):
+def no_grad(x):
     """The gradient of an input that gets none: zeros, or None for an absent optional input."""
-    return None if x is None else _zeros_like(x)
+    return None if x is None else ZEROS_LIKE(x)
 
 
 def fused_bprop(grad_op, lse_used: bool, rotated_key_used: bool, unproven: str | None = None):
@@ -43,8 +43,8 @@ def fused_bprop(grad_op, lse_used: bool, rotated_key_used: bool, unproven: str |
         d_rotated_key = dout[2] if rotated_key_used else None
         d_query, d_key, d_value = grad_op(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, out[0],
                                           out[1], dout[0], d_lse, d_rotated_key)
-        return (d_query, d_key, d_value, _zeros_like(cos), _zeros_like(sin), _no_grad(actual_seq_qlen),
-                _no_grad(actual_seq_kvlen))
+        return (d_query, d_key, d_value, ZEROS_LIKE(cos), ZEROS_LIKE(sin), no_grad(actual_seq_qlen),
+                no_grad(actual_seq_kvlen))
 
     return bprop
 
@@ -115,7 +115,7 @@ def unfused_autodiff_bprop(unfused_forward, lse_used: bool, reason: str | None, 
         d_lse = dout[1] if lse_used else ops.zeros((0,), out[1].dtype)
         d_query, d_key, d_value = vjp(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen,
                                       (dout[0], d_lse, dout[2]))[:3]
-        return (d_query, d_key, d_value, _zeros_like(cos), _zeros_like(sin), _no_grad(actual_seq_qlen),
-                _no_grad(actual_seq_kvlen))
+        return (d_query, d_key, d_value, ZEROS_LIKE(cos), ZEROS_LIKE(sin), no_grad(actual_seq_qlen),
+                no_grad(actual_seq_kvlen))
 
     return bprop

@@ -17,7 +17,7 @@ _BMM = ops.BatchMatMul()
 _BMM_TRANSPOSED = ops.BatchMatMul(transpose_b=True)
 
 
-def _to_bnsd(x, layout, heads, head_dim):
+def to_bnsd(x, layout, heads, head_dim):
     """(B, N, S, D) view of one input; TND becomes a single batch of T tokens."""
     if layout == "BNSD":
         return x
@@ -28,7 +28,7 @@ def _to_bnsd(x, layout, heads, head_dim):
     return x.transpose(1, 0, 2).expand_dims(0)
 
 
-def _from_bnsd(x, layout):
+def from_bnsd(x, layout):
     if layout == "BNSD":
         return x
     if layout == "BSND":
@@ -39,7 +39,7 @@ def _from_bnsd(x, layout):
     return x.squeeze(0).transpose(1, 0, 2)
 
 
-def _segments(ends, total):
+def segments(ends, total):
     """Per-token sequence id, and start offset of each token's sequence, from cumulative ends."""
     tokens = ops.arange(0, total, dtype=ms.int64)
     seg = (tokens.expand_dims(1) >= ends.expand_dims(0)).astype(ms.int64).sum(1)
@@ -72,7 +72,7 @@ def _rows_seeing(flagged, first, count):
     return (ops.gather(prefix, first + count, 2) - ops.gather(prefix, first, 2)) > 0
 
 
-def _rope(x, cos, sin, positions, rotary_mode, rotary_dim):
+def rope_at(x, cos, sin, positions, rotary_mode, rotary_dim):
     """x (B, N, S, D) float32, rotated at ``positions`` (S,)."""
     return apply_rope(x, ops.gather(cos, positions, 0), ops.gather(sin, positions, 0), rotary_mode, rotary_dim)
 
@@ -90,15 +90,15 @@ def unfused_rotary_flash_attention(query, key, value, cos, sin, actual_seq_qlen=
     out_dtype = query.dtype
     cos = cos.astype(ms.float32)
     sin = sin.astype(ms.float32)
-    q = _to_bnsd(query.astype(ms.float32), layout, head_num, head_dim)
-    k = _to_bnsd(key.astype(ms.float32), layout, kv_head_num, head_dim)
-    v = _to_bnsd(value.astype(ms.float32), layout, kv_head_num, head_dim)
+    q = to_bnsd(query.astype(ms.float32), layout, head_num, head_dim)
+    k = to_bnsd(key.astype(ms.float32), layout, kv_head_num, head_dim)
+    v = to_bnsd(value.astype(ms.float32), layout, kv_head_num, head_dim)
     q_len = q.shape[2]
     kv_len = k.shape[2]
     if layout == "TND":
         kv_ends = actual_seq_kvlen.astype(ms.int64)
-        q_seg, q_local, q_lens = _segments(actual_seq_qlen.astype(ms.int64), q_len)
-        _, k_pos, kv_lens = _segments(kv_ends, kv_len)
+        q_seg, q_local, q_lens = segments(actual_seq_qlen.astype(ms.int64), q_len)
+        _, k_pos, kv_lens = segments(kv_ends, kv_len)
         row_kv_len = kv_lens[q_seg]
         q_pos = q_local + row_kv_len - q_lens[q_seg]
         first, count = (kv_ends - kv_lens)[q_seg], _visible_count(q_pos, row_kv_len, causal)
@@ -107,10 +107,10 @@ def unfused_rotary_flash_attention(query, key, value, cos, sin, actual_seq_qlen=
         k_pos = ops.arange(0, kv_len, dtype=ms.int64)
         first, count = ops.zeros_like(q_pos), _visible_count(q_pos, ops.full_like(q_pos, kv_len), causal)
     if rotary_dim == head_dim:  # the softmax scale rides on Q's (S, D) tables: one pass over Q fewer
-        qr = _rope(q, cos * scale, sin * scale, q_pos, rotary_mode, rotary_dim)
+        qr = rope_at(q, cos * scale, sin * scale, q_pos, rotary_mode, rotary_dim)
     else:
-        qr = _rope(q, cos, sin, q_pos, rotary_mode, rotary_dim) * scale
-    kr = k if key_rotated else _rope(k, cos, sin, k_pos, rotary_mode, rotary_dim)
+        qr = rope_at(q, cos, sin, q_pos, rotary_mode, rotary_dim) * scale
+    kr = k if key_rotated else rope_at(k, cos, sin, k_pos, rotary_mode, rotary_dim)
     # A hidden key must not reach a row even holding NaN/Inf (a preallocated cache's garbage), but
     # 0 x NaN in the matmuls would carry it there. So the matmuls get K/V with non-finite values
     # zeroed, and the rows that do see one get NaN, found from prefix counts over the keys.
@@ -138,7 +138,7 @@ def unfused_rotary_flash_attention(query, key, value, cos, sin, actual_seq_qlen=
     row_sees_a_key = ops.tile((count > 0).astype(ms.float32).expand_dims(-1), (group, 1))
     row_factor = ops.where(poison_rows, ops.full_like(poison_rows, float("nan"), dtype=ms.float32), row_sees_a_key)
     attended = _BMM(ops.softmax(scores, axis=-1), v_clean) * row_factor
-    out = _from_bnsd(attended.reshape(batch, head_num, q_len, head_dim), layout).astype(out_dtype)
+    out = from_bnsd(attended.reshape(batch, head_num, q_len, head_dim), layout).astype(out_dtype)
     if with_softmax_lse:
         lse = ops.logsumexp(scores, -1, keepdim=True)
         lse = ops.masked_fill(lse, ops.broadcast_to(row_sees_a_key == 0, lse.shape), -float("inf"))
@@ -147,5 +147,5 @@ def unfused_rotary_flash_attention(query, key, value, cos, sin, actual_seq_qlen=
         lse = lse.squeeze(0).transpose(1, 0) if layout == "TND" else lse
     else:
         lse = ops.zeros((0,), ms.float32)
-    rotated_key = _from_bnsd(kr, layout).astype(key.dtype) if with_rotated_key else ops.zeros((0,), key.dtype)
+    rotated_key = from_bnsd(kr, layout).astype(key.dtype) if with_rotated_key else ops.zeros((0,), key.dtype)
     return out, lse, rotated_key

@@ -77,12 +77,13 @@ def model_flash_attention_score(query, key, value, head_num, real_shift=None, dr
 
 
 @pytest.fixture
-def ascend_dispatch(monkeypatch):
+def ascend_dispatch(monkeypatch, request):
     """The dispatch as on an Ascend machine with the op package installed (the forward's; the
     backward kernel's header is ``grad_package``'s)."""
     monkeypatch.setattr(dispatch, "device", lambda: "Ascend")
     monkeypatch.setattr(ascend_kernel, "package_status", lambda: None)
-    monkeypatch.setattr(dispatch, "_backends", {})
+    dispatch.clear()  # and again after the test: its backends are the fake Ascend's
+    request.addfinalizer(dispatch.clear)
     monkeypatch.setattr(gradients, "_announced", set())
     monkeypatch.setattr(ops, "flash_attention_score", model_flash_attention_score)
     monkeypatch.delenv(flash_backward.SWITCH, raising=False)

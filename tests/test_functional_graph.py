@@ -104,10 +104,11 @@ def test_bad_input_is_a_compile_time_error_in_graph_code(rng):
         Bad()(q, k, v, cos, sin)
 
 
-def test_fallback_rule_holds_in_graph_code(monkeypatch, caplog, rng):
+def test_fallback_rule_holds_in_graph_code(monkeypatch, caplog, rng, request):
     ms.set_context(mode=ms.GRAPH_MODE)
     monkeypatch.setitem(dispatch.FACTORIES, "CPU", types.SimpleNamespace(unavailable=lambda: "test: kernel missing"))
-    monkeypatch.setattr(dispatch, "_backends", {})
+    dispatch.clear()  # and again after the test: its backends are the fallback's
+    request.addfinalizer(dispatch.clear)
     monkeypatch.setattr(gradients, "_announced", set())
     args = inputs(rng)
 

@@ -220,13 +220,14 @@ def test_model_train(mode):
     assert loss() < 0.9 * before
 
 
-def test_backward_fallback_is_announced_and_strict_raises(monkeypatch, caplog, rng):
+def test_backward_fallback_is_announced_and_strict_raises(monkeypatch, caplog, rng, request):
     """Without a fused backward the gradient is the unfused path's autodiff: one warning naming the
     backward; strict=True raises instead."""
     ms.set_context(mode=ms.PYNATIVE_MODE)
     monkeypatch.setattr(cpu_kernel, "FUSED_BACKWARD", False)
     monkeypatch.setattr(gradients, "_announced", set())
-    monkeypatch.setattr(dispatch, "_backends", {})  # backends built before had the fused backward
+    dispatch.clear()  # backends built before had the fused backward, and those built here have none
+    request.addfinalizer(dispatch.clear)
     case = Case(layout="BSND", q_len=6, kv_len=6)
     with caplog.at_level(logging.WARNING, logger="ms_rope_attention"):
         check_grads(case, rng, backend="auto", use_lse=True, use_rk=True)

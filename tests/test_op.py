@@ -113,11 +113,12 @@ def test_graph_mode_dynamic_sequence_compiles_once(rng):
     assert len(cell.compile_cache) == 1  # one graph for every sequence length
 
 
-def test_fallback_is_loud_and_strict_raises(monkeypatch, caplog):
+def test_fallback_is_loud_and_strict_raises(monkeypatch, caplog, request):
     ms.set_context(mode=ms.PYNATIVE_MODE)
     monkeypatch.setitem(dispatch.FACTORIES, "CPU", types.SimpleNamespace(unavailable=lambda: "test: kernel missing"))
     monkeypatch.setattr(gradients, "_announced", set())
-    monkeypatch.setattr(dispatch, "_backends", {})
+    dispatch.clear()  # and again after the test: its backends are the fallback's
+    request.addfinalizer(dispatch.clear)
     with caplog.at_level(logging.WARNING, logger="ms_rope_attention"):
         cell = mra.RotaryFlashAttention(head_num=2, head_dim=8)
         mra.RotaryFlashAttention(head_num=2, head_dim=8)
