@@ -77,7 +77,7 @@ def positive_int(text: str) -> int:
     return value
 
 
-def main(argv=None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m models.llama.train")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="Hugging Face or Meta checkpoint directory to fine-tune")
@@ -111,6 +111,11 @@ def main(argv=None) -> None:
                         help="under msrun: split heads, MLP and vocabulary over T ranks")
     parser.add_argument("--context-parallel", type=int, default=1, metavar="C",
                         help="under msrun: split every sequence over C ranks (--packing fixed)")
+    return parser
+
+
+def main(argv=None) -> None:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.checkpoint:  # recorded for --resume: the same checkpoint from any working directory
         args.checkpoint = os.path.abspath(args.checkpoint)
