@@ -17,12 +17,13 @@ FUSED_BACKWARD = True  # the library has the backward entry (tests switch it off
 # testing.cpu_direct.Attrs) and of their arguments: csrc/rfa_problem.h's kAbiVersion. A library
 # reporting another version is refused when it is opened.
 ABI_VERSION = 2
+ABI = Abi("RotaryFlashAttentionAbiVersion", ABI_VERSION)  # paged_kernel opens the same library: the same check
 
 
 def library(isa: str | None = None) -> ctypes.CDLL:
     """The selected kernel build (or ``isa``'s), opened once per process (the handle MindSpore's
     dlopen gets)."""
-    return open_library(library_path(STEM, WHAT, isa), Abi("RotaryFlashAttentionAbiVersion", ABI_VERSION),
+    return open_library(library_path(STEM, WHAT, isa), ABI,
                         texts=("RotaryFlashAttentionLastError", "RotaryFlashAttentionIsa"),
                         counts=("RotaryFlashAttentionDecodeCalls",))
 

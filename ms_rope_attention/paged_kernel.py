@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import ctypes
 
-from .cpu_kernel import ABI_VERSION, STEM, WHAT
-from .cpu_runtime import Abi, library_path, make_primitive, open_library
+from .cpu_kernel import ABI, STEM, WHAT
+from .cpu_runtime import library_path, make_primitive, open_library
 from .op_info import CACHE_WRITE_PATH, PAGED_ATTENTION_PATH, Contract, load_contract
 
 CONTRACT_PATHS = {"RotaryPagedAttention": PAGED_ATTENTION_PATH, "RotaryCacheWrite": CACHE_WRITE_PATH}
@@ -20,8 +20,7 @@ def contract(op_name: str) -> Contract:
 
 def library(isa: str | None = None) -> ctypes.CDLL:
     """The attention library (the selected build, or ``isa``'s), with the paged entries' result types."""
-    return open_library(library_path(STEM, WHAT, isa), Abi("RotaryFlashAttentionAbiVersion", ABI_VERSION),
-                        texts=("RotaryPagedAttentionLastError",),
+    return open_library(library_path(STEM, WHAT, isa), ABI, texts=("RotaryPagedAttentionLastError",),
                         counts=("RotaryPagedAttentionCalls", "RotaryCacheWriteRotatedKeys"))
 
 

@@ -1,5 +1,5 @@
 """The fused primitive called eagerly (PyNative) launches through its own one-op graph
-(``cpu_kernel.GraphLaunchedCustom``): same values as the GRAPH_MODE Cell, forward and gradient, a
+(``cpu_runtime.GraphLaunchedCustom``): same values as the GRAPH_MODE Cell, forward and gradient, a
 bounded number of compiles as shapes change, and outputs that keep a mindtorch device tag."""
 import mindspore as ms
 import numpy as np
