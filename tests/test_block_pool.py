@@ -1,4 +1,4 @@
-"""The paged KV cache's host-side bookkeeping (models/llama/block_pool.py), step by step: which
+"""The paged KV cache's host-side bookkeeping (models/llama/engine/block_pool.py), step by step: which
 blocks are handed out (never block 0), reference counts of shared prefixes, what ``match`` finds
 (the chain of full blocks, the cap that leaves the last prompt token to compute, partial blocks),
 copy-on-write, the cache slots of new tokens, LRU eviction of cached blocks, and when blocks are
@@ -14,7 +14,7 @@ import random
 import numpy as np
 import pytest
 
-import models.llama.block_pool as bp
+import models.llama.engine.block_pool as bp
 
 BlockPool, Growth, SCRATCH_BLOCK = bp.BlockPool, bp.Growth, bp.SCRATCH_BLOCK
 blocks_for, prefix_keys = bp.blocks_for, bp.prefix_keys

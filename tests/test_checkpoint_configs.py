@@ -15,7 +15,7 @@ from mindspore import Tensor
 from llama_reference import forward
 from models.llama import LlamaForCausalLM, LlamaConfig, preset
 from models.llama.config import META_SCALED_ROPE
-from models.llama.generate import main as generate_main
+from models.llama.engine.cli import main as generate_main
 from models.llama.rope_scaling import model_rope_tables
 from models.llama.weights import load_checkpoint, read_config, save_hf_checkpoint
 from test_llama import random_state

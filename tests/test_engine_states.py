@@ -32,11 +32,10 @@ import mindspore as ms
 import test_llama
 from test_llama import CONFIG
 
-from models.llama.block_pool import SCRATCH_BLOCK, blocks_for
-from models.llama.generate import Generator
-from models.llama.kv_cache import block_bytes
+from models.llama.engine import Generator, PagedGenerator
+from models.llama.engine.block_pool import SCRATCH_BLOCK, blocks_for
+from models.llama.engine.kv_cache import block_bytes
 from models.llama.model import DTYPES
-from models.llama.serving import PagedGenerator
 from models.llama.weights import load_checkpoint
 
 checkpoint, graph = test_llama.checkpoint, test_llama.graph

@@ -1,4 +1,4 @@
-"""Generation on the in-place KV cache (models/llama/kv_cache.py, generate.py) on the tiny random
+"""Generation on the in-place KV cache (models/llama/engine/kv_cache.py, contiguous.py) on the tiny random
 checkpoint of test_llama: logits of prefill / decode steps / chunks against one full forward, cache
 rows against a one-shot prefill, compiled graphs that do not grow with steps, continuous batching,
 streaming, and bad input refused before anything is written. Logit tolerance as in test_llama."""
@@ -10,8 +10,8 @@ from mindspore import Tensor
 
 from ms_rope_attention.cpu_kernel import decode_calls
 
-from models.llama.generate import Generator, Token
-from models.llama.kv_cache import BUCKET, bucket_capacity, token_bucket
+from models.llama.engine import Generator, Token
+from models.llama.engine.kv_cache import BUCKET, bucket_capacity, token_bucket
 from models.llama.weights import load_checkpoint
 import test_llama
 from test_llama import ATOL, bsh_logits, ids_of
@@ -292,9 +292,10 @@ def test_open_sequences_keep_their_slots_and_refuse_what_would_break_them(checkp
 
 def test_a_cache_over_the_memory_limit_is_refused_before_it_is_allocated(monkeypatch):
     """8 slots of 2^20 positions of the tiny model: 4.00 GiB, over a default limit of 80% of 2 GiB."""
-    from models.llama import LlamaForCausalLM, generate, preset
+    from models.llama import LlamaForCausalLM, preset
+    from models.llama.engine import common
 
-    monkeypatch.setattr(generate, "available_memory", lambda: 2 * generate.GIB)
+    monkeypatch.setattr(common, "available_memory", lambda: 2 * common.GIB)
     gen = Generator(LlamaForCausalLM(preset("tiny"), max_positions=2 ** 20))
     message = (r"slots=8 x capacity=1048576 positions \(600000 needed\) would take 4.00 GiB, over the limit "
                r"of 1.60 GiB")
@@ -316,7 +317,7 @@ def test_a_cache_growth_over_the_limit_keeps_the_cache_it_has(checkpoint, graph)
 
 
 def test_cli_sizes_the_slots_to_the_prompts_and_takes_a_memory_limit():
-    from models.llama.generate import main
+    from models.llama.engine.cli import main
 
     with pytest.raises(ValueError, match=r"slots=1 x capacity=512 positions .* over the limit of 0.00 GiB"):
         main(["--model", "tiny", "--ids", "1,2", "--max-new-tokens", "2", "--cache-memory-limit", "1e-6"])

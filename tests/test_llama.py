@@ -11,7 +11,8 @@ from safetensors.numpy import save_file
 
 from llama_reference import forward, hf_to_meta_qk
 from models.llama import LlamaForCausalLM, preset
-from models.llama.generate import main, sample
+from models.llama.engine import sample
+from models.llama.engine.cli import main
 from models.llama import train as train_cli
 from models.llama.weights import (CheckpointError, load_checkpoint, load_weights, model_state,
                                   save_hf_checkpoint)

@@ -62,3 +62,50 @@ def test_the_old_parallel_paths_still_work():
             "         'scatter_state': weights}\n"
             "assert all(getattr(parallel, name) is getattr(home, name) for name, home in moved.items())\n")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=300)
+
+
+OLD_ENGINE_PATHS = {  # old module -> a name it held and the module that holds it now
+    "generate": [("Generator", "contiguous"), ("Sequence", "contiguous"), ("sample", "common"), ("Token", "common"),
+                 ("PagedGenerator", "paged")],
+    "serving": [("PagedGenerator", "paged")],
+    "decoding": [("sample", "common"), ("SamplingError", "common"), ("CacheGraph", "common")],
+    "block_pool": [("BlockPool", "block_pool"), ("blocks_for", "block_pool")],
+    "kv_cache": [("KVCache", "kv_cache"), ("bucket_capacity", "kv_cache")],
+}
+
+
+@pytest.mark.parametrize("old", sorted(OLD_ENGINE_PATHS))
+def test_the_old_engine_paths_still_work_and_warn(old):
+    """models.llama.{generate, serving, decoding, block_pool, kv_cache}'s names, moved to
+    models.llama.engine, stay importable for one release with a DeprecationWarning."""
+    code = (f"import importlib, warnings\n"
+            f"old = importlib.import_module('models.llama.{old}')\n"
+            f"for name, home in {OLD_ENGINE_PATHS[old]!r}:\n"
+            f"    with warnings.catch_warnings(record=True) as caught:\n"
+            f"        warnings.simplefilter('always')\n"
+            f"        value = getattr(old, name)\n"
+            f"    assert value is getattr(importlib.import_module('models.llama.engine.' + home), name), name\n"
+            f"    assert [w.category for w in caught] == [DeprecationWarning], (name, caught)\n"
+            f"    assert f'models.llama.{old}.{{name}} moved to' in str(caught[0].message), caught[0].message\n"
+            f"try:\n"
+            f"    old.no_such_name\n"
+            f"except AttributeError:\n"
+            f"    pass\n"
+            f"else:\n"
+            f"    raise AssertionError('no AttributeError')\n")
+    if old == "generate":  # the CLI's entry point, as models.llama.train.main: no warning
+        code += ("with warnings.catch_warnings():\n"
+                 "    warnings.simplefilter('error')\n"
+                 "    from models.llama.generate import main\n"
+                 "from models.llama.engine.cli import main as cli_main\n"
+                 "assert main is cli_main\n")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=300)
+
+
+def test_nothing_in_the_library_imports_an_old_engine_path():
+    """models/ uses models.llama.engine; the old modules only point there."""
+    importers = [str(path.relative_to(ROOT)) for folder in ("models", "ms_rope_attention")
+                 for path in (ROOT / folder).rglob("*.py")
+                 if not (path.parent == LLAMA and path.stem in OLD_ENGINE_PATHS)
+                 and _imports_any(path, list(OLD_ENGINE_PATHS))]
+    assert not importers, importers

@@ -1,4 +1,4 @@
-"""models.llama.decoding.sample, the one sampler of both generators, against what it promises:
+"""models.llama.engine.common.sample, the one sampler of both generators, against what it promises:
 every call at any temperature, top_k and top_p returns a token (the float64 sum of the mass ending a
 few ulps under 1 once made 41-59% of the calls at the default top_p=1 raise), the draws follow the
 temperature-scaled distribution restricted as stated, and rows or settings it cannot honour are
@@ -6,7 +6,7 @@ refused by name, never answered with an arbitrary token."""
 import numpy as np
 import pytest
 
-from models.llama.decoding import SamplingError, check_sampling, sample
+from models.llama.engine.common import SamplingError, check_sampling, sample
 
 
 @pytest.mark.parametrize("vocab", [256, 32000, 128256])

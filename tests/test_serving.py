@@ -1,4 +1,4 @@
-"""The paged generator (models/llama/serving.py) on the tiny random checkpoint of test_llama:
+"""The paged generator (models/llama/engine/paged.py) on the tiny random checkpoint of test_llama:
 greedy tokens equal to the contiguous Generator's (the reference: its prefill and decode are checked
 against full forwards in test_generation.py) in both modes and block sizes, cache rows equal to the
 contiguous cache's bit for bit (copy-on-write included), prefix caching computing only what is not
@@ -14,12 +14,10 @@ import test_llama
 from test_llama import CONFIG
 
 from ms_rope_attention.paged import paged_calls
-from models.llama.block_pool import blocks_for
-from models.llama.decoding import SamplingError
-from models.llama.generate import Generator
-from models.llama.kv_cache import block_bytes
+from models.llama.engine import Generator, PagedGenerator, SamplingError
+from models.llama.engine.block_pool import blocks_for
+from models.llama.engine.kv_cache import block_bytes
 from models.llama.model import DTYPES
-from models.llama.serving import PagedGenerator
 from models.llama.weights import load_checkpoint
 
 checkpoint, graph = test_llama.checkpoint, test_llama.graph

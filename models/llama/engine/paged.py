@@ -1,0 +1,372 @@
+"""The paged engine: serving on a block-paged KV cache with prefix caching, ``PagedGenerator``.
+
+The contiguous ``Generator`` gives every slot a whole capacity bucket, sized for the longest
+sequence a slot may reach; a server with requests of mixed lengths fits far fewer of them, and a
+shared system prompt is computed again for each request. Here the cache is one pool of blocks
+(``kv_cache.PagedKVCache``, MindFormers' and vLLM's layout): a request holds only the blocks its
+tokens reach, allocated as it grows and released when it ends, and requests whose prompts share a
+prefix share its blocks (``block_pool.BlockPool``: reference counts, copy-on-write, a SHA-256 chain
+per block), so the shared part is computed once.
+
+A server drives it with ``add_request`` (per-request sampling settings and cache salt) / ``step`` /
+``abort``; ``stream`` and ``generate`` are the ``Generator``'s own calls (``common.Engine``). Each
+``step`` either prefills the requests it admits (one packed call; the new keys rotated once and written by
+``rotary_cache_write``, attention over cached prefix + new tokens by the fused op with
+``key_rotated``) or decodes one token of every running request (one call of
+``rotary_paged_attention`` per layer, reading the blocks in place). A request is admitted when the
+blocks it can grow to (prompt + new tokens, less the full blocks it shares) fit beside what the
+running requests can still take, so a step never runs out of blocks and nothing is preempted;
+admission is first come, first served, and a request the cache can hold alone is admitted at the
+latest when nothing else runs.
+
+**A step is all or nothing.** The blocks it grows, the graph call and the sampling of every row
+happen first; if any of them raises, every request of the step ends (its blocks freed, nothing it
+wrote registered as cached) and the exception propagates. Only after all of them succeeded does the
+step commit: each request's written tokens enter its context and its new token becomes pending. A
+request whose own row cannot be sampled (``SamplingError``: NaN logits) ends alone, with a last
+``Token`` carrying the error; the others carry on.
+
+**Threads.** Every public call takes the generator's lock, so a server may ``abort`` or
+``add_request`` from a request's thread while its engine thread runs ``step``: the call waits for
+the step to end, and never sees a request half stepped.
+
+    python -m models.llama.generate --model tiny --ids 1,15,27 --ids 1,15,28 --paged
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor
+
+from ..cache_views import PagedDecode, PagedPrefill
+from ..model import LlamaForCausalLM
+from .block_pool import SCRATCH_BLOCK, BlockPool, Match, SequenceBlocks, blocks_for, cache_root, prefix_keys
+from .common import (CACHE_MEMORY_FRACTION, GIB, CacheGraph, Engine, Request, Sampling, SamplingError, Token,
+                     cache_memory_budget, check_eos, check_prompts, check_sampling, dynamic_vector)
+from .kv_cache import PagedKVCache, block_bytes, token_bucket
+
+
+class _PagedPrefill(CacheGraph):
+    """Whole prompts' uncached tokens (packed, ending at ``aq``; their sequences, cached prefix
+    included, ending at ``akv``) into their blocks; logits of each prompt's last token."""
+
+    @ms.jit
+    def construct(self, input_ids, aq, akv, slots, positions, context, copy_from, copy_to):
+        self.count_compile()
+        view = PagedPrefill.build(self.cache.keys, self.cache.values, slots, positions, context, copy_from, copy_to)
+        return self.lm(input_ids, aq, akv, view)
+
+
+class _PagedDecode(CacheGraph):
+    """One new token per sequence (padded to a power of two with filler sequences that write
+    nothing), attended over the blocks in place; static shapes: one graph per token count."""
+
+    @ms.jit
+    def construct(self, input_ids, slots, positions, block_tables, context_lens, q_seq_lens):
+        self.count_compile(input_ids.shape[0])
+        view = PagedDecode.build(self.cache.keys, self.cache.values, slots, positions, block_tables, context_lens,
+                                 q_seq_lens)
+        return self.lm(input_ids, None, None, view)
+
+
+@dataclass
+class _Request(Request):
+    root: bytes = field(kw_only=True)  # its cache salt's chain root
+    seq: SequenceBlocks | None = None
+    reserved: int = 0      # blocks it may still allocate
+
+
+class PagedGenerator(Engine):
+    """Drives a ``LlamaForCausalLM`` over a block-paged KV cache (see the module's docstring).
+
+    ``max_cache_bytes`` is the cache's budget (default: ``max_batch`` sequences of the model's
+    positions, at most ``CACHE_MEMORY_FRACTION`` of the memory available), cut into blocks of
+    ``block_size`` positions (a multiple of 16); ``max_batch`` bounds the sequences of one step.
+    ``cache_dtype`` as the ``Generator``'s. ``prefix_caching=False`` computes every prompt whole.
+    CPU only: the paged ops have no Ascend kernel (docs/serving.md)."""
+
+    def __init__(self, model: LlamaForCausalLM, *, max_cache_bytes: int | None = None, block_size: int = 16,
+                 max_batch: int = 8, cache_dtype=None, prefix_caching: bool = True):
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch: expected a positive int, got {max_batch!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 16 or block_size % 16:
+            raise ValueError(f"block_size: expected a positive multiple of 16, got {block_size!r}")
+        if model.parallel is not None:
+            raise ValueError("model: the paged cache serves a model on one device; use Generator for tensor parallel")
+        super().__init__(model, cache_dtype)
+        self.max_batch, self.block_size = max_batch, block_size
+        per_block = block_bytes(model.cache_config, block_size, self.cache_dtype)
+        limit = cache_memory_budget()
+        if max_cache_bytes is None:
+            max_cache_bytes = min(limit, (max_batch * blocks_for(model.max_positions, block_size) + 1) * per_block)
+        elif isinstance(max_cache_bytes, bool) or not isinstance(max_cache_bytes, int) or max_cache_bytes < 1:
+            raise ValueError(f"max_cache_bytes: expected a positive int of bytes, got {max_cache_bytes!r}")
+        elif max_cache_bytes > limit:
+            raise ValueError(f"max_cache_bytes: {max_cache_bytes / GIB:.2f} GiB is over {CACHE_MEMORY_FRACTION:.0%} of "
+                             f"the memory available ({limit / GIB:.2f} GiB)")
+        num_blocks = max_cache_bytes // per_block
+        if num_blocks < 2:
+            raise ValueError(f"max_cache_bytes: {max_cache_bytes} bytes hold {num_blocks} block(s) of {per_block} "
+                             "bytes; at least 2 are needed (one is the padding's)")
+        self.pool = BlockPool(int(num_blocks), block_size, prefix_caching)
+        self.cache = PagedKVCache(model.cache_config, int(num_blocks), block_size, self.cache_dtype)
+        self.table_width = blocks_for(model.max_positions, block_size)
+        self.prefill, self.decode = _PagedPrefill(model, self.cache), _PagedDecode(model, self.cache)
+        self.graphs = (self.prefill, self.decode)
+        # ids, query ends, key ends, slots, positions, (block, offset) of each key, copy-on-write pairs
+        self.prefill.set_inputs(*[dynamic_vector(t) for t in (ms.int32, ms.int64, ms.int64, ms.int32, ms.int32)],
+                                Tensor(shape=[None, 2], dtype=ms.int32), *[dynamic_vector(ms.int32)] * 2)
+        self._lock = threading.RLock()  # every public call holds it: see the module's docstring
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []
+        self.reserved = 0  # blocks the running requests may still allocate
+        self._next_id = 0
+        self.compile_s = 0.0
+        self.last_step = None  # what the last step() ran: 'prefill', 'decode' or None (nothing to do)
+        self.last_logits = None  # its logits (float32, one row per token it returned, in that order)
+        self.prefilled_tokens = self.cached_prompt_tokens = 0  # prompt tokens computed / found in the cache
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens in the cache of the running requests (a shared block counted for each)."""
+        return sum(r.seq.length for r in self.running)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the server's calls ----
+    def add_request(self, prompt, max_new_tokens: int = 32, *, temperature: float = 0.0, top_k: int = 0,
+                    top_p: float = 1.0, seed: int = 0, eos_ids=None, cache_salt: str | bytes | None = None) -> int:
+        """Queues a request; returns its id (``Token.request`` of its tokens). Refused here, naming
+        the argument, when it could never run: bad ids or settings, or more blocks than the budget.
+        Requests share cached blocks only with requests of the same ``cache_salt`` (None: unsalted)."""
+        (count,) = check_prompts(self.model, [prompt], max_new_tokens, name="prompt")
+        check_sampling(temperature, top_k, top_p)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed: expected an int >= 0, got {seed!r}")
+        eos = check_eos(eos_ids, self.model)
+        root = cache_root(cache_salt)
+        need = blocks_for(len(prompt) + count - 1, self.block_size)
+        if need > self.pool.usable:
+            raise ValueError(f"prompt: {len(prompt)} tokens + {count} new tokens need {need} blocks of "
+                             f"{self.block_size} positions, the cache holds {self.pool.usable}; raise max_cache_bytes")
+        with self._lock:
+            sampling = Sampling(float(temperature), int(top_k), float(top_p), np.random.default_rng(int(seed)))
+            request = _Request(self._next_id, [int(t) for t in prompt], count, eos, sampling, root=root)
+            self._next_id += 1
+            self.waiting.append(request)
+            return request.id
+
+    def abort(self, request_id: int) -> bool:
+        """Stops a request, waiting or running; its blocks go back to the pool (the cached ones stay
+        findable). False if no such request is unfinished."""
+        with self._lock:
+            for request in self.waiting:
+                if request.id == request_id:
+                    self.waiting.remove(request)
+                    return True
+            for request in self.running:
+                if request.id == request_id:
+                    self._finish(request)
+                    return True
+            return False
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix: call it after changing the model's weights, so that no
+        request is served keys the old weights computed (running requests finish as they are)."""
+        with self._lock:
+            self.pool.reset()
+
+    def step(self) -> list[Token]:
+        """One call of the model: prefill of the requests that can be admitted, else one decode
+        token of every running request. Returns the tokens sampled (``Token.request``: the id), all
+        or nothing (see the module's docstring)."""
+        with self._lock:
+            joining = self._admit()
+            if joining:
+                kind, requests = "prefill", joining
+            elif self.running:
+                kind, requests = "decode", list(self.running)
+            else:
+                self.last_step, self.last_logits = None, None
+                return []
+            try:
+                logits = self._run_prefill(requests) if kind == "prefill" else self._run_decode(requests)
+                drawn = [self._draw(request, row) for request, row in zip(requests, logits)]
+            except BaseException:
+                self._failed(requests)
+                raise
+            self.last_step, self.last_logits = kind, logits
+            return self._commit(kind, requests, drawn)
+
+    def _draw(self, request: _Request, row: np.ndarray):
+        """The request's next token, or the ``SamplingError`` its row raised (it ends alone)."""
+        try:
+            return int(request.sampling.draw(row[None])[0])
+        except SamplingError as exc:
+            return exc
+
+    def _commit(self, kind: str, requests: list[_Request], drawn: list) -> list[Token]:
+        """The step ran for every request: what it wrote enters their contexts, their new tokens
+        become pending; a request whose row could not be sampled ends with its error."""
+        self.pool.settle()
+        tokens = []
+        for request, token in zip(requests, drawn):
+            if isinstance(token, Exception):
+                self._finish(request, keep=False)
+                tokens.append(Token(request.id, None, True, token))
+                continue
+            written = request.prompt[request.seq.length:] if kind == "prefill" else [request.pending]
+            self.pool.commit(request.seq, written)
+            finished = request.took(token)
+            tokens.append(Token(request.id, token, finished))
+            if finished:
+                self._finish(request)
+        return tokens
+
+    # ---- scheduling ----
+    def _admit(self) -> list[_Request]:
+        """Waiting requests, in order, while a batch has room and their blocks fit; a request whose
+        next uncached block a joining request is computing waits a step, then finds it cached."""
+        joining, computing = [], set()
+        bs = self.block_size
+        while self.waiting and len(self.running) < self.max_batch:
+            request = self.waiting[0]
+            match = self.pool.match(request.prompt, request.root)
+            keys = prefix_keys(request.prompt, bs, request.root) if self.pool.prefix_caching else []
+            if match.tokens // bs < len(keys) and keys[match.tokens // bs] in computing:
+                break
+            if not self._fits(request, match):
+                # a partial block is held while the step copies it: it may be the one block too many
+                match = match.whole_blocks(bs)
+                if not self._fits(request, match):
+                    break
+            self.waiting.popleft()
+            request.seq = self.pool.open(request.prompt, match.blocks, match.tokens, request.root)
+            request.reserved = self._growth_blocks(request, match)
+            self.reserved += request.reserved
+            self.running.append(request)
+            joining.append(request)
+            computing.update(keys)
+        return joining
+
+    def _growth_blocks(self, request: _Request, match: Match) -> int:
+        """Blocks the request may still allocate on ``match``: all its positions' less the full
+        blocks it shares (a partial one is replaced by a copy, which counts)."""
+        return blocks_for(len(request.prompt) + request.max_new_tokens - 1, self.block_size) - \
+            match.tokens // self.block_size
+
+    def _fits(self, request: _Request, match: Match) -> bool:
+        """Its growth fits beside the running requests' reservations, less the cached blocks it
+        takes out of the eviction order by holding them (each counted once)."""
+        idle = sum(1 for b in set(match.blocks) if self.pool.refs[b] == 0)
+        return self.reserved + self._growth_blocks(request, match) <= self.pool.available - idle
+
+    def _grow(self, request: _Request, count: int):
+        before = len(request.seq.blocks)
+        growth = self.pool.grow(request.seq, count)
+        taken = len(request.seq.blocks) - before + len(growth.copies)
+        request.reserved -= taken
+        self.reserved -= taken
+        return growth
+
+    def _finish(self, request: _Request, keep: bool = True) -> None:
+        self.pool.close(request.seq, keep)
+        self.reserved -= request.reserved
+        request.reserved = 0
+        self.running.remove(request)
+
+    def _failed(self, requests) -> None:
+        """A step raised: its requests end (their blocks freed, none registered as cached)."""
+        self.pool.settle()
+        for request in requests:
+            if request in self.running:
+                self._finish(request, keep=False)
+
+    # ---- the two calls ----
+    def _run_prefill(self, joining: list[_Request]) -> np.ndarray:
+        bs = self.block_size
+        slots, positions, context, copies, ids, q_lens, kv_lens = [], [], [], [], [], [], []
+        for request in joining:
+            start, length = request.seq.length, len(request.prompt)
+            growth = self._grow(request, length - start)
+            slots.append(growth.slots)
+            copies += growth.copies
+            positions.append(np.arange(start, length))
+            keys = np.arange(length)
+            context.append(np.stack([np.asarray(request.seq.blocks)[keys // bs], keys % bs], 1))
+            ids.append(request.prompt[start:])
+            q_lens.append(length - start)
+            kv_lens.append(length)
+            self.prefilled_tokens += length - start
+            self.cached_prompt_tokens += start
+        copies = copies or [(SCRATCH_BLOCK, SCRATCH_BLOCK)]  # the graph's copy takes at least one pair
+        args = (np.concatenate(ids).astype(np.int32), np.cumsum(q_lens).astype(np.int64),
+                np.cumsum(kv_lens).astype(np.int64), np.concatenate(slots).astype(np.int32),
+                np.concatenate(positions).astype(np.int32), np.concatenate(context).astype(np.int32),
+                np.array([c[0] for c in copies], np.int32), np.array([c[1] for c in copies], np.int32))
+        return self.prefill(*[Tensor(a) for a in args]).asnumpy()
+
+    def _run_decode(self, running: list[_Request]) -> np.ndarray:
+        count = len(running)
+        vocab = self.model.vocab_size
+        for request in running:  # an id out of range would read a zero row of a float32 embedding, silently
+            if not 0 <= request.pending < vocab:
+                raise RuntimeError(f"PagedGenerator: request {request.id} would decode token id {request.pending}, "
+                                   f"outside [0, {vocab}) (a bug of the engine: please report it)")
+        tokens = token_bucket(count)  # filler sequences of one token each: read the scratch block, write nothing
+        slots = np.full(tokens, -1, np.int32)
+        positions = np.zeros(tokens, np.int32)
+        ids = np.zeros(tokens, np.int32)
+        tables = np.full((tokens, self.table_width), -1, np.int32)
+        tables[count:, 0] = SCRATCH_BLOCK
+        context = np.ones(tokens, np.int32)
+        for i, request in enumerate(running):
+            growth = self._grow(request, 1)
+            slots[i], positions[i], ids[i] = growth.slots[0], request.seq.length, request.pending
+            tables[i, :len(request.seq.blocks)] = request.seq.blocks
+            context[i] = request.seq.length + 1
+        logits = self.decode(Tensor(ids), Tensor(slots), Tensor(positions), Tensor(tables), Tensor(context),
+                             Tensor(np.ones(tokens, np.int32))).asnumpy()
+        return logits[:count]
+
+    # ---- the spine's calls (common.Engine: stream, generate, warm_up) ----
+    def _prepare(self, prompts, counts) -> None:
+        """A stream has the engine to itself: its requests' tokens are told apart by their index."""
+        if self.has_unfinished:
+            raise ValueError(f"stream: {len(self.waiting) + len(self.running)} requests of add_request are "
+                             "unfinished; drive them with step()")
+
+    def _steps(self, prompts, counts, settings: dict, seed: int, eos: frozenset):
+        """A stream's requests through ``add_request`` / ``step`` (prompt i samples from its own
+        random stream, seeded ``seed + i``); closing it aborts what is left of them."""
+        index = {}
+        try:
+            for i, (prompt, count) in enumerate(zip(prompts, counts)):
+                index[self.add_request(prompt, count, **settings, seed=seed + i, eos_ids=eos)] = i
+            while self.has_unfinished:
+                tokens = self.step()
+                yield self.last_step, [Token(index[t.request], t.token, t.finished, t.error) for t in tokens]
+        finally:
+            for request_id in index:
+                self.abort(request_id)
+
+    def warm_up(self, prompts, max_new_tokens=2) -> float:
+        """As the ``Generator``'s, with prefix caching off meanwhile, so that it leaves nothing cached."""
+        caching, self.pool.prefix_caching = self.pool.prefix_caching, False
+        try:
+            return super().warm_up(prompts, max_new_tokens)
+        finally:
+            self.pool.prefix_caching = caching
+
+    def _record_warm_up(self, seconds: float) -> None:
+        self.compile_s += seconds
