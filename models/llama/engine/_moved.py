@@ -15,7 +15,7 @@ def moved(old: str, *homes: str):
             for home in homes:
                 module = importlib.import_module(home)
                 if hasattr(module, name):
-                    warnings.warn(f"{old}.{name} moved to {home}.{name} (or models.llama.engine); the old path "
+                    warnings.warn(f"{old}.{name} moved to {home}.{name}; the old path "
                                   "works for one more release", DeprecationWarning, stacklevel=2)
                     return getattr(module, name)
         raise AttributeError(f"module {old!r} has no attribute {name!r}")
