@@ -67,7 +67,7 @@ def run_direct(length, heads, kv_heads, head_dim, dtype, repeats):
     between processes run at different moments of a noisy machine. A round costs no graph compile, so
     these series take more rounds than `repeats` when they are short (the RoPE cost is a ratio of
     two of them, a few percent wide). Returns {series name: times}."""
-    from ms_rope_attention import cpu_direct
+    from ms_rope_attention.testing import cpu_direct
     from ms_rope_attention.cpu_kernel import last_error
     from ms_rope_attention.rope import rope_tables
 

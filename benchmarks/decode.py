@@ -48,8 +48,9 @@ def bandwidth_point(contexts: list[int], repeats: int = 20) -> dict:
     """The op's decode call (q_len 1, 32 heads, D 128, BSND cache) against the read bandwidth, for
     every kernel build this CPU runs (the one the op picks first), their calls interleaved so that
     the machine's drift falls on all of them alike."""
-    from ms_rope_attention import cpu_direct
-    from ms_rope_attention.cpu_kernel import built_libraries, isa_library, select_library, usable_isas
+    from ms_rope_attention.testing import cpu_direct
+    from ms_rope_attention.cpu_kernel import isa_library
+    from ms_rope_attention.cpu_runtime import built_libraries, select_library, usable_isas
     from ms_rope_attention.rope import rope_tables
 
     read = read_bandwidth()

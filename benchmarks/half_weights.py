@@ -41,7 +41,7 @@ def gemm_point(out_features: int = 11008, in_features: int = 4096, repeats: int 
     import ml_dtypes
 
     from ms_rope_attention import linear
-    from ms_rope_attention.cpu_kernel import built_libraries, usable_isas
+    from ms_rope_attention.cpu_runtime import built_libraries, usable_isas
 
     read = read_bandwidth()
     rng = np.random.default_rng(0)
@@ -111,8 +111,8 @@ def paired_point(checkpoint: str, context: int, new_tokens: int, seed: int, pref
     ms.set_device("CPU")
     ms.set_context(mode=ms.GRAPH_MODE)
     from peers import WARM_UP_TOKENS, prompts_for
-    from models.llama.generate import Generator
-    from models.llama.kv_cache import bucket_capacity
+    from models.llama.engine import Generator
+    from models.llama.engine.kv_cache import bucket_capacity
     from models.llama.weights import load_checkpoint
 
     gens = {}

@@ -27,7 +27,7 @@ BLOCK_SIZES = (16, 128)
 
 def layouts(context: int, dtype: str, rng) -> dict:
     """{name: (launch, bytes read)} for one context: the contiguous call and one per block size."""
-    from ms_rope_attention import cpu_direct
+    from ms_rope_attention.testing import cpu_direct
     from ms_rope_attention.rope import rope_tables
 
     q = rng.standard_normal((1, HEADS, HEAD_DIM), dtype=np.float32)
@@ -53,7 +53,8 @@ def layouts(context: int, dtype: str, rng) -> dict:
 
 
 def measure(contexts: list[int], repeats: int) -> dict:
-    from ms_rope_attention.cpu_kernel import built_libraries, isa_library, select_library, usable_isas
+    from ms_rope_attention.cpu_kernel import isa_library
+    from ms_rope_attention.cpu_runtime import built_libraries, select_library, usable_isas
 
     read = read_bandwidth()
     builds = {isa: isa_library(isa) for isa in usable_isas() if isa in built_libraries()}

@@ -266,8 +266,8 @@ def project_generation_point(backend: str, checkpoint: str, context: int, batch:
 
     ms.set_device("CPU")
     ms.set_context(mode=ms.GRAPH_MODE)
-    from models.llama.generate import Generator
-    from models.llama.kv_cache import bucket_capacity
+    from models.llama.engine import Generator
+    from models.llama.engine.kv_cache import bucket_capacity
     from models.llama.weights import load_checkpoint
 
     lm = load_checkpoint(checkpoint, backend=backend, max_positions=context + new_tokens, progress=False,

@@ -73,7 +73,7 @@ def model_series(config, length: int, seed: int) -> dict:
     import mindspore as ms
 
     from models.llama import LlamaForCausalLM
-    from models.llama.generate import Generator
+    from models.llama.engine import Generator
     from peers import prompt_ids
 
     models = {}

@@ -4,7 +4,7 @@ small call (S=16) in both modes.
 
 Why: PyNative's Python thread waits for its dispatch queue in a busy loop, which on a CPU took a
 core from the kernel (1.5x slower at S=2048 before eager calls were launched through a one-op graph,
-``cpu_kernel.GraphLaunchedCustom``). Shape: 1x32xSx128, causal, float32, BNSD. Reports min and
+``cpu_runtime.GraphLaunchedCustom``). Shape: 1x32xSx128, causal, float32, BNSD. Reports min and
 median per series and the PyNative/graph ratio of medians; writes JSON.
 
     python benchmarks/pynative.py --lengths 2048 4096 --repeats 5 --out benchmarks/results

@@ -1,4 +1,4 @@
-"""Serving on the paged KV cache (models/llama/serving.py) against the contiguous cache it replaces
+"""Serving on the paged KV cache (models/llama/engine/paged.py) against the contiguous cache it replaces
 and transformers, on one seeded random checkpoint (``peers.write_checkpoint``: Llama2-7B dimensions,
 ``--layers`` layers, float32), each point in a fresh process, greedy tokens compared across systems.
 
@@ -66,8 +66,8 @@ def _ids(rng, n: int, vocab: int) -> list[int]:
 
 def step_point(system: str, checkpoint: str, context: int, new_tokens: int, seed: int) -> dict:
     """One prompt of ``context`` tokens, then ``new_tokens`` decode steps."""
-    from models.llama.generate import Generator
-    from models.llama.serving import PagedGenerator
+    from models.llama.engine import Generator
+    from models.llama.engine import PagedGenerator
 
     lm = _model(checkpoint, context + new_tokens)
     prompt = _ids(np.random.default_rng(seed + context), context, lm.vocab_size)
@@ -86,7 +86,7 @@ def prefix_point(checkpoint: str, rounds: int, new_tokens: int, seed: int, syste
     """Per round: a fresh system prompt; request A (system + user turn A) with nothing cached, then
     request B (system + user turn B) finding the system prompt in the cache; B's tokens against B
     computed by a generator without prefix caching."""
-    from models.llama.serving import PagedGenerator
+    from models.llama.engine import PagedGenerator
 
     lm = _model(checkpoint, system_prompt + USER_TURN + new_tokens)
     rng = np.random.default_rng(seed)
@@ -139,9 +139,9 @@ def trace_point(system: str, checkpoint: str, shape: dict, budget_gib: float) ->
     """The trace replayed against ``system``; per request its arrival, token times and tokens."""
     if system == "hf-static":
         return _hf_trace(checkpoint, shape)
-    from models.llama.generate import Generator
-    from models.llama.kv_cache import bucket_capacity, cache_bytes
-    from models.llama.serving import PagedGenerator
+    from models.llama.engine import Generator
+    from models.llama.engine.kv_cache import bucket_capacity, cache_bytes
+    from models.llama.engine import PagedGenerator
 
     lm = _model(checkpoint, _positions(shape))
     trace = _trace(shape, lm.vocab_size)
@@ -200,8 +200,8 @@ def budget_point(checkpoint: str, shape: dict, budget_gib: float) -> dict:
     contiguous generator's slots (each the capacity bucket of the longest request), and the paged
     one's requests taken in trace order (repeated as needed), each reserving the blocks of its
     prompt and new tokens, no prefix shared."""
-    from models.llama.block_pool import blocks_for
-    from models.llama.kv_cache import block_bytes, bucket_capacity, cache_bytes
+    from models.llama.engine.block_pool import blocks_for
+    from models.llama.engine.kv_cache import block_bytes, bucket_capacity, cache_bytes
 
     lm = _model(checkpoint, _positions(shape))
     trace = _trace(shape, lm.vocab_size)

@@ -92,7 +92,7 @@ DIRECT_ROUNDS_SECONDS = 60.0
 def run_direct(length, heads, head_dim, repeats):
     """The fused forward + backward kernels without MindSpore, alternating in one process with PyTorch's
     SDPA forward + backward (no RoPE) when installed; the order turns every round. {series: times}."""
-    from ms_rope_attention import cpu_direct
+    from ms_rope_attention.testing import cpu_direct
     from ms_rope_attention.cpu_kernel import last_error, library
     from ms_rope_attention.rope import rope_tables
 

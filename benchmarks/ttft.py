@@ -56,7 +56,7 @@ def ttft_point(model: str, layers: int, dtype: str, batch: int, backend: str, le
     ms.set_device(device)
     ms.set_context(mode=ms.GRAPH_MODE)
     from models.llama import LlamaForCausalLM, preset
-    from models.llama.generate import Generator
+    from models.llama.engine import Generator
     from models.llama.weights import load_checkpoint
 
     start = time.perf_counter()

@@ -272,6 +272,16 @@ def test_cli_with_tokenizer(checkpoint, tmp_path, capsys):
     (path / "tokenizer.json").unlink()
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_cli_samples_at_the_default_top_p(capsys, paged):
+    """``generate --temperature 0.8`` (top_p left at 1) exited 1 on about half its sampled tokens
+    (review 2 F2): 3 seeds of 16 tokens each, both engines, all printed."""
+    for seed in range(3):
+        main(["--model", "tiny", "--ids", "1,15,27", "--max-new-tokens", "16", "--temperature", "0.8",
+              "--seed", str(seed)] + (["--paged"] if paged else []))
+    assert capsys.readouterr().out.count("prompt ids [1, 15, 27] ->") == 3
+
+
 def test_llama2_7b_dimensions_prefill_in_graph_mode(graph, rng):
     """The published 7B shapes (hidden 4096, 32 heads, MLP 11008, vocab 32000), one layer."""
     model = LlamaForCausalLM(preset("7b", num_hidden_layers=1), logits="last")

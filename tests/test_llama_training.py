@@ -13,7 +13,7 @@ from mindspore import Tensor, amp, nn
 
 from models.llama import LlamaForCausalLM, preset
 from models.llama import train as train_cli
-from models.llama.generate import Generator
+from models.llama.engine import Generator
 from models.llama.losses import IGNORE_INDEX, LlamaForTraining
 from models.llama.training import cli, data, run_directory, signals, trainer
 from models.llama.weights import load_checkpoint

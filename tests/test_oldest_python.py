@@ -47,7 +47,7 @@ IMPORTS = r"""
 import pathlib, sys
 import ms_rope_attention
 from ms_rope_attention import cpu_kernel
-import models.llama, models.llama.train, models.llama.generate, models.llama.serving
+import models.llama, models.llama.train, models.llama.generate, models.llama.engine
 root = pathlib.Path(ms_rope_attention.__file__).parent.parent
 assert root == pathlib.Path(sys.argv[1]), (root, sys.argv[1])  # the checkout, installed editable
 for package in ("ms_rope_attention", "models"):

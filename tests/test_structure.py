@@ -140,7 +140,6 @@ def _deep_imports(folder: str) -> list:
     return found
 
 
-@pytest.mark.xfail(strict=True, reason="models/llama still imports by deep path until the sweep")
 def test_the_model_imports_the_package_by_its_face():
     """models/ builds on ``ms_rope_attention``'s face (and ``distributed``'s), never on a module below it:
     the rooms behind the face can move without touching the model. benchmarks/ and tests/ are not held

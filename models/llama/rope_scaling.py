@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 
-from ms_rope_attention.rope import inverse_frequencies, tables_from_inverse_frequencies
+from ms_rope_attention import inverse_frequencies, tables_from_inverse_frequencies
 
 from .config import LlamaConfig
 

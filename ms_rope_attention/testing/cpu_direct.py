@@ -13,7 +13,7 @@ from .. import cpu_kernel, paged_kernel
 from ..cpu_runtime import aot_call
 from ..op_info import output_shapes
 
-LAYOUTS = {"BNSD": 0, "BSND": 1, "BSH": 2, "TND": 3}
+LAYOUT_CODES = {"BNSD": 0, "BSND": 1, "BSH": 2, "TND": 3}  # the C ABI's enum of the contract's layouts
 
 
 class Attrs(ctypes.Structure):  # mirrors rfa::Attrs in csrc/rfa_problem.h (cpu_kernel.ABI_VERSION)
@@ -63,7 +63,7 @@ def prepare(q, k, v, cos, sin, aq=None, ak=None, *, head_num=None, input_layout=
             with_rotated_key=True, key_rotated=False, out_shapes=None):
     """(C arguments of one launch: attrs, ndims, shapes, dtypes, params; output arrays). The arrays
     must outlive the call, so the caller keeps the returned tuple alive until it is done."""
-    attrs = Attrs(head_num or 0, LAYOUTS[input_layout], rotary_mode, rotary_dim or 0, scale or 0.0, causal,
+    attrs = Attrs(head_num or 0, LAYOUT_CODES[input_layout], rotary_mode, rotary_dim or 0, scale or 0.0, causal,
                   with_lse, with_rotated_key, key_rotated)
     inputs, dtypes = _forward_inputs(q, k, v, cos, sin, aq, ak, dtype, table_dtype)
     shapes = out_shapes or output_shapes(q.shape, k.shape, {"input_layout": input_layout, "head_num": head_num or 0,
@@ -109,7 +109,7 @@ def prepare_grad(q, k, v, cos, sin, aq, ak, out, lse, d_out, d_lse=None, d_rotat
                  table_dtype="float32", key_rotated=False, out_shapes=None):
     """``prepare`` for the backward entry: (attrs, ndims, shapes, dtypes, params; d_query, d_key,
     d_value buffers; what must outlive the call). ``out``/``lse`` are the forward's outputs."""
-    attrs = Attrs(head_num or 0, LAYOUTS[input_layout], rotary_mode, rotary_dim or 0, scale or 0.0, causal,
+    attrs = Attrs(head_num or 0, LAYOUT_CODES[input_layout], rotary_mode, rotary_dim or 0, scale or 0.0, causal,
                   True, True, key_rotated)
     inputs, dtypes = _forward_inputs(q, k, v, cos, sin, aq, ak, dtype, table_dtype)
     inputs += [encode(out, dtype), np.ascontiguousarray(lse, np.float32), encode(d_out, dtype),
@@ -144,7 +144,7 @@ def paged_arguments(q, key_cache, value_cache, cos, sin, block_tables, context_l
     """``prepare`` for ``RotaryPagedAttentionRun``: (C arguments, outputs, what must outlive the
     call). The caches are encoded to ``cache_dtype`` (default: ``dtype``, as the op requires), the
     tables to ``table_dtype``."""
-    attrs = Attrs(head_num, LAYOUTS["TND"], rotary_mode, rotary_dim, scale, True, with_lse, False, key_rotated)
+    attrs = Attrs(head_num, LAYOUT_CODES["TND"], rotary_mode, rotary_dim, scale, True, with_lse, False, key_rotated)
     cache_dtype = cache_dtype or dtype
     inputs = [encode(q, dtype), encode(key_cache, cache_dtype), encode(value_cache, cache_dtype),
               encode(cos, table_dtype), encode(sin, table_dtype), _int32(block_tables), _int32(context_lens),
@@ -176,7 +176,7 @@ def cache_write_run(key, value, cos, sin, positions, slot_mapping, key_cache, va
                     isa=None):
     """(return code, written, key_cache, value_cache) of ``RotaryCacheWriteRun``: the caches given
     (float arrays, encoded to ``cache_dtype``) are written in a copy, returned decoded to float64."""
-    attrs = Attrs(0, LAYOUTS["TND"], rotary_mode, rotary_dim, 0.0, True, False, False, key_rotated)
+    attrs = Attrs(0, LAYOUT_CODES["TND"], rotary_mode, rotary_dim, 0.0, True, False, False, key_rotated)
     caches = [encode(key_cache, cache_dtype), encode(value_cache, cache_dtype)]
     inputs = [encode(key, dtype), encode(value, dtype), encode(cos, table_dtype), encode(sin, table_dtype),
               _int32(positions), _int32(slot_mapping)] + caches

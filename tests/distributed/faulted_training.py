@@ -8,9 +8,10 @@ import sys
 import time
 
 from models.llama import train
+from models.llama.training.trainer import Trainer
 
 FAULTS = os.environ.get("FAULTS", "").split(",")
-real_save, real_step = train.Trainer.save, train.Trainer.train_step
+real_save, real_step = Trainer.save, Trainer.train_step
 
 
 def slow_save(self, *args):
@@ -27,7 +28,7 @@ def step_then_sigterm(self, micro_batches):
 
 
 if "slow-save" in FAULTS:
-    train.Trainer.save = slow_save
+    Trainer.save = slow_save
 if "sigterm-rank-1-at-3" in FAULTS:
-    train.Trainer.train_step = step_then_sigterm
+    Trainer.train_step = step_then_sigterm
 train.main(sys.argv[1:])

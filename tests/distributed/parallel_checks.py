@@ -176,7 +176,7 @@ def check_llama_tensor_parallel(name, mode, kv_heads=2):
     from mindspore.nn.utils import no_init_parameters
 
     from models.llama import LlamaForCausalLM, preset
-    from models.llama.generate import Generator
+    from models.llama.engine import Generator
     from models.llama.losses import LlamaForTraining
     from models.llama.weights import gathered_state, load_checkpoint, load_weights, model_state, save_hf_checkpoint
 
