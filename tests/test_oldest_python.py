@@ -10,20 +10,10 @@ import subprocess
 import tomllib
 
 import pytest
-from conftest import ROOT
-
-VENV = os.path.join(ROOT, ".venv-py310")
-
+from conftest import ROOT, thirdparty_python
 
 def oldest_python() -> str:
-    """The oldest Python's environment; a skip when it is not installed, a failure under
-    RFA_REQUIRE_THIRDPARTY=1 (CI, which installs it: a skip there guards nothing)."""
-    if not os.path.exists(os.path.join(VENV, ".installed")):
-        message = f"the oldest Python's environment {VENV} is not installed (make oldest-python)"
-        if os.environ.get("RFA_REQUIRE_THIRDPARTY") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
-    return os.path.join(VENV, "bin", "python")
+    return thirdparty_python("python3.10")
 
 
 def run(python, args, cwd, timeout=900):
