@@ -245,14 +245,16 @@ class EngineMachine(RuleBasedStateMachine):
         assert record.tokens == self.resources["reference"](record.prompt, record.max_new, record.eos)
 
     def teardown(self):
-        """Runs what is left to its end (bounded: a livelock fails), then leaves the generator empty."""
+        """Runs what is left to its end, then leaves the generator empty. Bounded: each unfinished
+        request needs at most its prefill and its new tokens' decode steps, so more is a livelock."""
         try:
-            for _ in range(200):
+            bound = sum(r.max_new + 1 for r in self.shadow.values() if r.state in ("waiting", "running"))
+            for _ in range(bound):
                 if not self.paged.has_unfinished:
                     break
                 self.fail_next = False
                 self._step()
-            assert not self.paged.has_unfinished, "requests left unfinished after 200 steps"
+            assert not self.paged.has_unfinished, f"requests left unfinished after {bound} steps"
             assert (self.paged.pool.refs == 0).all() and self.paged.reserved == 0
             for record in self.shadow.values():
                 COUNTS[record.state] = COUNTS.get(record.state, 0) + (record.state in ("aborted", "failed"))
