@@ -14,10 +14,10 @@ the first token; a decode step is the time from one token to the next (transform
 time stamps); tokens/s is per sequence.
 
 The op's point, in a process of its own in the same run: one decode call (q_len 1, 32 heads,
-head_dim 128, a BSND cache of ``context`` rotated keys, float32 and float16) through
-``cpu_direct``, by every kernel build this CPU runs, against the read bandwidth of this machine (the best of a sum over 1 GiB on every core
-by numpy threads and by PyTorch): the fraction of it the call reaches is bytes(K + V) / time /
-bandwidth.
+head_dim 128, a BSND cache of ``context`` rotated keys, float32 and float16) through ``cpu_direct``,
+by every kernel build this CPU runs, against the read bandwidth of this machine
+(``harness.read_bandwidth``: peaks.c's read loop on every core over at least 1 GiB and 4x the
+last-level cache): the fraction of it the call reaches is bytes(K + V) / time / bandwidth.
 
     python benchmarks/decode.py                                  # 512..8192 batch 1, varlen8 at 512, 2048
     python benchmarks/decode.py --contexts 512 2048 --batches 1  # make bench's short run
@@ -79,7 +79,8 @@ def bandwidth_point(contexts: list[int], repeats: int = 20) -> dict:
                               "median_ms": statistics.median(t) * 1e3, "bytes": nbytes,
                               "gb_per_s": nbytes / min(t) / 1e9, "fraction_of_bandwidth": nbytes / min(t) / bandwidth})
     return {"read_bandwidth_gb_per_s": bandwidth / 1e9, "bandwidth_probe": read["probe"],
-            "probes_gb_per_s": read["probes_gb_per_s"], "selected_isa": select_library()[0], "calls": calls}
+            "probes_gb_per_s": read["probes_gb_per_s"], "read_bandwidth": read, "selected_isa": select_library()[0],
+            "calls": calls}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ import time
 
 import numpy as np
 
-from harness import machine_info, memory_total_bytes, read_bandwidth, run_isolated, save, turned
+from harness import (arithmetic_peaks, machine_info, memory_total_bytes, peak_fractions, read_bandwidth,
+                     run_isolated, save, turned)
 
 SYSTEMS = {  # name -> (peers.generation_point system, extra kwargs)
     "fused-float32": ("fused", {"weight_dtype": "float32"}),
@@ -69,7 +70,7 @@ def gemm_point(out_features: int = 11008, in_features: int = 4096, repeats: int 
                          "gflops": 2.0 * m * out_features * in_features / min(t) / 1e9,
                          "speedup_vs_float32": min(times[(isa, "float32")]) / min(t)})
     return {"read_bandwidth_gb_per_s": read["bytes_per_s"] / 1e9, "bandwidth_probe": read["probe"],
-            "shape": [out_features, in_features], "rows": rows}
+            "read_bandwidth": read, "shape": [out_features, in_features], "rows": rows}
 
 
 def write_half_checkpoint(model: str, layers: int, seed: int, directory: str) -> dict:
@@ -180,12 +181,25 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 def table(results: dict) -> str:
     g = results["gemm"]
-    lines = [f"GEMM W {tuple(g['shape'])}, read bandwidth {g['read_bandwidth_gb_per_s']:.1f} GB/s ({g['bandwidth_probe']})",
-             "| build | W dtype | M | min ms | median ms | W GB/s | of bandwidth | GFLOP/s | vs float32 |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    peaks = results.get("peaks") or {}
+
+    def pct(x):
+        return "n/a" if x is None else f"{100 * x:.0f}%"
+
+    def gflops(key):
+        return "n/a" if not peaks.get(f"{key}_gflops") else f"{peaks[f'{key}_gflops']:.0f}"
+
+    lines = [f"GEMM W {tuple(g['shape'])}, read bandwidth {g['read_bandwidth_gb_per_s']:.1f} GB/s "
+             f"({g['bandwidth_probe']}); "
+             f"peaks this run: float32 FMA {gflops('float32_fma')}, bfloat16 vdpbf16ps {gflops('bfloat16_dot')}, "
+             f"bfloat16 AMX {gflops('bfloat16_amx')} GFLOP/s",
+             "| build | W dtype | M | min ms | median ms | W GB/s | of bandwidth | GFLOP/s | vs float32 | "
+             "of float32 / bfloat16 peak |", "|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['isa']} | {r['weight_dtype']} | {r['m']} | {r['min_ms']:.2f} | {r['median_ms']:.2f} | "
               f"{r['weight_gb_per_s']:.1f} | {100 * r['fraction_of_bandwidth']:.0f}% | {r['gflops']:.0f} | "
-              f"x{r['speedup_vs_float32']:.2f} |" for r in g["rows"]]
+              f"x{r['speedup_vs_float32']:.2f} | "
+              + (f"{pct(r.get('fraction_of_float32_fma_peak'))} / {pct(r.get('fraction_of_bfloat16_dot_peak'))} |"
+                 if r["m"] >= 512 else "|") for r in g["rows"]]
     s = results["settings"]
     lines += ["", f"Llama2 {s['model']} dims, {s['layers']} layers, float16 checkpoint ({results['checkpoint_gb']:.1f} GB), "
               f"{s['new_tokens']} new tokens, {s['rounds']} round(s)",
@@ -242,15 +256,20 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-gemm", action="store_true", help="skip the GEMM section")
+    parser.add_argument("--peak-seconds", type=float, default=0.5,
+                        help="duration of each repeat of the CPU's peak probes (harness.arithmetic_peaks)")
     parser.add_argument("--memory-limit-gb", type=float, default=round(0.9 * memory_total_bytes() / 2**30, 1))
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     limit = int(args.memory_limit_gb * 2**30)
+    peaks = arithmetic_peaks(args.peak_seconds)  # this CPU's peaks, before anything else runs
     gemm = {"read_bandwidth_gb_per_s": float("nan"), "bandwidth_probe": "skipped", "shape": [0, 0], "rows": []}
     if not args.no_gemm:
         gemm = run_isolated("half_weights", "gemm_point", {})
         if gemm["status"] != "ok":
             raise RuntimeError(f"GEMM point failed: {gemm.get('error')}\n{gemm.get('log_tail', '')}")
+        for row in gemm["rows"]:  # GFLOP/s against the peaks of this run
+            row.update(peak_fractions(row["gflops"], peaks))
     with tempfile.TemporaryDirectory(prefix="half-weights-") as scratch:
         written = run_isolated("half_weights", "write_half_checkpoint",
                                {"model": args.model, "layers": args.layers, "seed": args.seed, "directory": scratch},
@@ -283,7 +302,7 @@ def main(argv=None) -> dict:
             ours[r["context"]][r["system"]] = r["tokens"]
     disagree = sorted({c for c, t in ours.items() if len(t) == 2 and t["fused-half"] != t["fused-float32"]}
                       | {p["context"] for p in paired if p["tokens"]["fused-half"] != p["tokens"]["fused-float32"]})
-    results = {"machine": machine_info(), "settings": vars(args), "gemm": gemm,
+    results = {"machine": machine_info(), "peaks": peaks, "settings": vars(args), "gemm": gemm,
                "checkpoint_gb": written["bytes"] / 1e9, "runs": runs, "summary": summary,
                "ratios": ratios(summary), "paired": paired, "tokens_disagree": disagree}
     save(results, args.out, "half_weights.json", "half_weights.png", plot, table)

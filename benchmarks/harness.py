@@ -4,7 +4,6 @@ as out of memory, min/median statistics, and a description of the machine and ve
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import os
 import platform
@@ -67,35 +66,239 @@ def memory_total_bytes() -> int:
     raise RuntimeError("/proc/meminfo has no MemTotal")
 
 
-def read_bandwidth() -> dict:
-    """Bytes per second this machine reads on every core: the best of a threaded numpy sum and, when
-    installed, PyTorch's sum (the faster probe is the stricter yardstick), over 1 GiB, best of 10."""
+# ---------------------------------------------------------------------------------------------
+# This CPU's peaks and read bandwidth, measured in the run whose figures they scale (peaks.c).
+
+PEAKS_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peaks.c")
+# probe -> (the /proc/cpuinfo flags it needs, the compiler flags of its library). The float32 probe
+# takes the first of FLOAT32_PROBES this CPU has (and the compiler builds); each library holds only
+# its own instructions, so a CPU without an instruction set never runs them.
+PROBES = {
+    "avx512": ({"avx512f", "fma"}, ["-mavx512f", "-mfma"]),
+    "avx2": ({"avx2", "fma"}, ["-mavx2", "-mfma"]),
+    "generic": (set(), []),
+    "bf16": ({"avx512f", "avx512bw", "avx512_bf16"}, ["-mavx512f", "-mavx512bw", "-mavx512bf16"]),
+    "amx": ({"amx_tile", "amx_bf16"}, ["-mamx-tile", "-mamx-bf16"]),
+}
+FLOAT32_PROBES = ("avx512", "avx2", "generic")
+_PROBE_LIBRARIES: dict = {}  # probe -> (ctypes library or None, reason it is unavailable)
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags of this machine (empty where /proc/cpuinfo is unavailable): the same
+    reading as ms_rope_attention.cpu_runtime.cpu_flags, which this module does not import (it runs
+    under the peers' interpreters too, and importing it imports MindSpore)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def c_compiler() -> tuple[list[str] | None, str]:
+    """(argv of the C compiler, its description), or (None, why there is none): ``CC`` when set
+    (and then only it), else the first of cc, gcc, clang on PATH."""
+    import shlex
+    import shutil
+
+    if os.environ.get("CC"):
+        argv = shlex.split(os.environ["CC"])
+        if not argv or not shutil.which(argv[0]):
+            return None, f"no C compiler: CC={os.environ['CC']!r} is not found"
+    else:
+        found = next((name for name in ("cc", "gcc", "clang") if shutil.which(name)), None)
+        if found is None:
+            return None, "no C compiler: none of cc, gcc, clang is on PATH (set CC)"
+        argv = [found]
+    try:
+        version = subprocess.run([*argv, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"no C compiler: {' '.join(argv)} --version failed ({exc})"
+    return argv, f"{' '.join(argv)}: {(version.splitlines() or ['unknown version'])[0]}"
+
+
+def probe_library(probe: str):
+    """(ctypes library of ``probe``, None) compiled from peaks.c in a temporary directory, once per
+    process, or (None, the reason it is unavailable: the CPU lacks its flags, no compiler, the
+    compiler failed). Never raises."""
+    import ctypes
+    import shutil
+
+    if probe in _PROBE_LIBRARIES:
+        return _PROBE_LIBRARIES[probe]
+    needed, flags = PROBES[probe]
+    missing = sorted(needed - cpu_flags())
+    if missing:
+        result = (None, f"not available: this CPU lacks {', '.join(missing)}")
+    else:
+        compiler, about = c_compiler()
+        if compiler is None:
+            result = (None, f"not available: {about}")
+        else:
+            scratch = tempfile.mkdtemp(prefix="peaks-")
+            try:
+                out = os.path.join(scratch, f"peaks_{probe}.so")
+                cmd = [*compiler, "-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off",
+                       f"-DPROBE_{probe.upper()}", *flags, PEAKS_SOURCE, "-o", out]
+                try:
+                    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+                    if done.returncode != 0:
+                        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+                        result = (None, f"not available: {' '.join(cmd[:1] + flags)} failed: {' / '.join(tail)}")
+                    else:
+                        lib = ctypes.CDLL(out)  # mapped: the file may go
+                        lib.peaks_compute.restype = ctypes.c_double
+                        lib.peaks_compute.argtypes = [ctypes.c_int, ctypes.c_double]
+                        lib.peaks_read.restype = ctypes.c_double
+                        lib.peaks_read.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_int,
+                                                   ctypes.POINTER(ctypes.c_double)]
+                        lib.peaks_kernel.restype = ctypes.c_char_p
+                        result = (lib, None)
+                except (OSError, subprocess.SubprocessError) as exc:
+                    result = (None, f"not available: {' '.join(cmd[:1])} failed: {exc}")
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+    _PROBE_LIBRARIES[probe] = result
+    return result
+
+
+_COMPUTE_ERRORS = {-1: "no CPU in this process's affinity mask", -2: "a thread could not be created",
+                   -3: "the kernel refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"}
+
+
+def _compute_peak(probe: str, threads: int, seconds: float, repeats: int) -> tuple[list[float] | None, str]:
+    """(GFLOP/s of each repeat, the kernel's description) or (None, why not)."""
+    lib, reason = probe_library(probe)
+    if lib is None:
+        return None, reason
+    rates = []
+    for _ in range(repeats):
+        rate = lib.peaks_compute(threads, seconds)
+        if rate <= 0:
+            return None, f"not available: {_COMPUTE_ERRORS.get(int(rate), f'error {rate}')}"
+        rates.append(rate / 1e9)
+    return rates, lib.peaks_kernel().decode()
+
+
+def arithmetic_peaks(seconds: float = 0.5, repeats: int = 3) -> dict:
+    """This CPU's arithmetic peaks on every core (one pinned thread per CPU of this process, each
+    running its own register-only loop for ``seconds``; the best of ``repeats``), from peaks.c
+    compiled now with the system's C compiler: float32 FMA on the widest vectors the CPU has
+    (AVX-512, else AVX2, else SSE2 / scalar multiply + add), bfloat16 dot products (vdpbf16ps) where
+    it has avx512_bf16, and AMX bfloat16 tiles (tdpbf16ps) where it has amx_bf16. A probe that
+    cannot run is None, with its reason in ``unavailable``; nothing here raises."""
+    threads = len(os.sched_getaffinity(0))
+    result = {"threads": threads, "seconds_per_repeat": seconds, "repeats": repeats, "unavailable": {}}
+    for probe in FLOAT32_PROBES:
+        if PROBES[probe][0] <= cpu_flags():
+            rates, about = _compute_peak(probe, threads, seconds, repeats)
+            if rates is not None:
+                break
+            result["unavailable"][f"float32 {probe}"] = about
+    for key, probe in (("float32_fma", None), ("bfloat16_dot", "bf16"), ("bfloat16_amx", "amx")):
+        if probe is not None:
+            rates, about = _compute_peak(probe, threads, seconds, repeats)
+        result[f"{key}_gflops"] = max(rates) if rates else None
+        result[f"{key}_repeats_gflops"] = rates
+        if rates:
+            result[f"{key}_kernel"] = about
+        else:
+            result["unavailable"][key] = about
+    result["compiler"] = c_compiler()[1]
+    result["method"] = (f"benchmarks/peaks.c compiled at run time; {threads} threads, one pinned to each CPU of the "
+                        f"process, each its own register-only loop of independent accumulators for {seconds} s; "
+                        f"GFLOP/s summed over the threads, best of {repeats}. FLOP: 2 per multiply-add (64 per zmm "
+                        "vdpbf16ps, 16384 per tdpbf16ps).")
+    return result
+
+
+def peak_fractions(gflops: float, peaks: dict | None) -> dict:
+    """``gflops`` as a fraction of each peak ``arithmetic_peaks`` measured (None where it has none)."""
+    peaks = peaks or {}
+    return {f"fraction_of_{key}_peak": gflops / peaks[f"{key}_gflops"] if peaks.get(f"{key}_gflops") else None
+            for key in ("float32_fma", "bfloat16_dot", "bfloat16_amx")}
+
+
+def last_level_cache_bytes() -> int | None:
+    """The size of this CPU's last-level cache (the highest level in sysfs), or None."""
+    import glob
+
+    best = None
+    for folder in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+        try:
+            with open(f"{folder}/level") as f:
+                level = int(f.read())
+            with open(f"{folder}/size") as f:
+                text = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:].upper(), 1)
+        size = int(text.rstrip("KMGkmg")) * scale
+        if best is None or level > best[0] or (level == best[0] and size > best[1]):
+            best = (level, size)
+    return best[1] if best else None
+
+
+def read_bandwidth(repeats: int = 10, size: int | None = None) -> dict:
+    """Bytes per second this machine reads on every core: one pinned thread per CPU of the process,
+    each summing its own slice of one buffer (first touched by that thread) with its vector loads
+    (peaks.c's read loop, the float32 probe's build), the bytes of all slices over the time from the
+    first thread's start to the last one's end, best of ``repeats`` passes. The buffer is at least
+    1 GiB and 4x the last-level cache (at most a quarter of the memory). The one probe behind every
+    "% of bandwidth" figure; without a C compiler, a numpy sum over the same buffer on every core
+    (its method says so). ``size`` overrides the buffer's size (tests)."""
+    llc = last_level_cache_bytes()
+    if size is None:
+        size = min(max(2**30, 4 * (llc or 0)), memory_total_bytes() // 4)
+    threads = len(os.sched_getaffinity(0))
+    lib, reason = None, "no float32 probe for this CPU"
+    for probe in FLOAT32_PROBES:
+        if PROBES[probe][0] <= cpu_flags():
+            lib, reason = probe_library(probe)
+            if lib is not None:
+                break
+    base = {"buffer_bytes": size, "last_level_cache_bytes": llc, "threads": threads}
+    if lib is not None:
+        import ctypes
+
+        rates = (ctypes.c_double * repeats)()
+        best = lib.peaks_read(threads, size, repeats, rates)
+        if best > 0:
+            name = f"C read loop ({probe} build), one thread per core"
+            return {"bytes_per_s": best, "probe": name, "probes_gb_per_s": {name: best / 1e9},
+                    "repeats_gb_per_s": [r / 1e9 for r in rates], **base,
+                    "method": f"benchmarks/peaks.c's read loop ({probe} build, compiled at run time): {threads} "
+                              f"threads, one pinned to each CPU, each summing its own slice of a {size / 2**30:.2f} "
+                              f"GiB buffer ({size / llc:.1f}x the last-level cache) it touched first; all bytes over "
+                              f"the first start to the last end, best of {repeats} passes" if llc else
+                              f"benchmarks/peaks.c's read loop ({probe} build): {threads} threads over "
+                              f"{size / 2**30:.2f} GiB, best of {repeats} passes"}
+        reason = f"peaks_read failed ({best})"
+    return {**_numpy_read_bandwidth(size, threads, repeats, reason), **base}
+
+
+def _numpy_read_bandwidth(size: int, threads: int, repeats: int, reason: str) -> dict:
+    """The fallback when peaks.c cannot run: a threaded numpy sum (which releases the GIL)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np
 
-    cores = os.cpu_count()
-    block = np.ones(2**28, np.float32)
-    slices = np.array_split(block, cores)
-    probes = {}
-    with ThreadPoolExecutor(cores) as pool:  # numpy's reductions release the GIL
-        probes["numpy sum, one slice per core"] = lambda: list(pool.map(np.sum, slices))
-        if importlib.util.find_spec("torch") is not None:
-            import torch
-
-            torch.set_num_threads(cores)
-            tensor = torch.from_numpy(block)
-            probes["torch sum"] = lambda: float(tensor.sum())
-        best = {}
-        for name, probe in probes.items():
-            times = []
-            for _ in range(10):
-                start = time.perf_counter()
-                probe()
-                times.append(time.perf_counter() - start)
-            best[name] = block.nbytes / min(times)
-    name = max(best, key=best.get)
-    return {"bytes_per_s": best[name], "probe": name, "probes_gb_per_s": {k: v / 1e9 for k, v in best.items()}}
+    block = np.ones(size // 4, np.float32)
+    slices = np.array_split(block, threads)
+    times = []
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            list(pool.map(np.sum, slices))
+            times.append(time.perf_counter() - start)
+    name = "numpy sum, one slice per core"
+    return {"bytes_per_s": block.nbytes / min(times), "probe": name,
+            "probes_gb_per_s": {name: block.nbytes / min(times) / 1e9},
+            "repeats_gb_per_s": [block.nbytes / t / 1e9 for t in times],
+            "method": f"{name} over {size / 2**30:.2f} GiB, best of {repeats} (peaks.c's read loop {reason})"}
 
 
 def _rss_bytes(pid: int) -> int:

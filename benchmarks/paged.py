@@ -80,7 +80,8 @@ def measure(contexts: list[int], repeats: int) -> dict:
                               "fraction_of_bandwidth": nbytes / min(t) / read["bytes_per_s"],
                               "vs_contiguous": min(t) / contiguous})
     return {"machine": machine_info(), "read_bandwidth_gb_per_s": read["bytes_per_s"] / 1e9,
-            "bandwidth_probe": read["probe"], "selected_isa": select_library()[0], "repeats": repeats, "calls": calls}
+            "bandwidth_probe": read["probe"], "read_bandwidth": read, "selected_isa": select_library()[0],
+            "repeats": repeats, "calls": calls}
 
 
 def table(results: dict) -> str:

@@ -3,9 +3,12 @@ OpenBLAS op (``ms_rope_attention.linear``), numpy's (OpenBLAS) and PyTorch's (MK
 a decoder layer's projection shapes (Llama2-7B by default); then the whole prefill of that model
 (2 layers) with each of the two MindSpore GEMMs (``projections="auto"`` vs ``"matmul"``, same
 weights). Series alternate round by round (``harness.alternate``), so a noisy machine slows them
-alike. Reports min and median, GFLOP/s and the ratios against MatMul; writes JSON.
+alike. Reports min and median, GFLOP/s and the ratios against MatMul, and each GFLOP/s as a fraction
+of this CPU's float32 FMA and bfloat16 dot-product (and AMX, where present) peaks, probed at the start
+of the same run (``harness.arithmetic_peaks``); writes JSON.
 
     python benchmarks/projections.py --lengths 512 2048 --out benchmarks/results
+    python benchmarks/projections.py --lengths 512 --repeats 3 --model-repeats 2   # a short run
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness import alternate, machine_info, stats
+from harness import alternate, arithmetic_peaks, machine_info, peak_fractions, stats
 
 
 def layer_shapes(config) -> list[tuple[str, int, int, int]]:
@@ -87,10 +90,32 @@ def model_series(config, length: int, seed: int) -> dict:
             "OpenBLAS op (this project)": lambda: generators["auto"].prefill_logits(prompts)}
 
 
-def summarize(times: dict, flop: float) -> dict:
+def summarize(times: dict, flop: float, peaks: dict | None = None) -> dict:
+    """Per series: min/median, GFLOP/s (from the min), the speedup over MatMul and the GFLOP/s as a
+    fraction of each of ``peaks`` (``harness.arithmetic_peaks``; None where a peak is unavailable)."""
     base = min(times["MindSpore MatMul"])
-    return {name: {**stats(t), "gflops": flop / min(t) / 1e9, "speedup_vs_matmul": base / min(t)}
+    return {name: {**stats(t), "gflops": flop / min(t) / 1e9, "speedup_vs_matmul": base / min(t),
+                   **peak_fractions(flop / min(t) / 1e9, peaks)}
             for name, t in times.items()}
+
+
+def of_peaks(r: dict) -> str:
+    """A series' share of the float32 / bfloat16 (/ AMX) peaks, for the printed table."""
+    def pct(key):
+        return "n/a" if r.get(key) is None else f"{100 * r[key]:.0f}%"
+    text = f"{pct('fraction_of_float32_fma_peak')} fp32 / {pct('fraction_of_bfloat16_dot_peak')} bf16"
+    if r.get("fraction_of_bfloat16_amx_peak") is not None:
+        text += f" / {pct('fraction_of_bfloat16_amx_peak')} AMX"
+    return text + " peak"
+
+
+def peaks_line(peaks: dict) -> str:
+    def gflops(key):
+        value = peaks.get(f"{key}_gflops")
+        return f"{value:.0f} GFLOP/s" if value else peaks["unavailable"].get(key, "not available")
+    line = (f"peaks of this CPU, this run ({peaks['threads']} threads, best of {peaks['repeats']}): float32 FMA "
+            f"{gflops('float32_fma')}, bfloat16 vdpbf16ps {gflops('bfloat16_dot')}")
+    return line + (f", bfloat16 AMX {gflops('bfloat16_amx')}" if peaks.get("bfloat16_amx_gflops") else "")
 
 
 def main(argv=None) -> dict:
@@ -104,6 +129,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=5, help="rounds at least (more when they fit in 30 s)")
     parser.add_argument("--model-repeats", type=int, default=6, help="rounds of the model-level A/B")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--peak-seconds", type=float, default=0.5, help="duration of each peak probe's repeat")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     from models.llama import preset
@@ -112,22 +138,25 @@ def main(argv=None) -> dict:
     ms.set_context(mode=ms.GRAPH_MODE)
     config = preset(args.model, num_hidden_layers=args.layers)
     shapes = layer_shapes(config)
-    report = {"machine": machine_info(), "settings": vars(args), "ops": {}, "model": {}}
+    peaks = arithmetic_peaks(args.peak_seconds)  # first: nothing else on the cores yet
+    print(peaks_line(peaks))
+    report = {"machine": machine_info(), "peaks": peaks, "settings": vars(args), "ops": {}, "model": {}}
     for length in args.lengths:
         for name, n, k, _ in shapes:
             key = f"S={length} {name} ({length}x{k} @ {k}x{n})"
-            report["ops"][key] = summarize(alternate(op_series(length, n, k), args.repeats), 2.0 * length * n * k)
+            report["ops"][key] = summarize(alternate(op_series(length, n, k), args.repeats), 2.0 * length * n * k,
+                                           peaks)
             print(key)
             for who, r in report["ops"][key].items():
                 print(f"  {who:28s} {r['min_s'] * 1e3:8.1f} / {r['median_s'] * 1e3:8.1f} ms  {r['gflops']:6.1f} GFLOP/s"
-                      f"  x{r['speedup_vs_matmul']:.2f}")
+                      f"  x{r['speedup_vs_matmul']:.2f}  {of_peaks(r)}")
         times = alternate(model_series(config, length, args.seed), args.model_repeats, args.model_repeats, 0.0)
         flop = 2.0 * length * args.layers * sum(n * k * count for _, n, k, count in shapes)
-        report["model"][str(length)] = summarize(times, flop)
+        report["model"][str(length)] = summarize(times, flop, peaks)
         print(f"S={length} prefill, {args.layers} layers (GFLOP/s over the projections' {flop / 1e9:.0f} GFLOP)")
         for who, r in report["model"][str(length)].items():
             print(f"  {who:28s} {r['min_s']:8.3f} / {r['median_s']:8.3f} s  {r['gflops']:6.1f} GFLOP/s"
-                  f"  x{r['speedup_vs_matmul']:.2f}")
+                  f"  x{r['speedup_vs_matmul']:.2f}  {of_peaks(r)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "projections.json").write_text(json.dumps(report, indent=2))

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness import machine_info, memory_total_bytes, run_isolated, save, stats, timed, turned
+from harness import arithmetic_peaks, machine_info, memory_total_bytes, run_isolated, save, stats, timed, turned
 from peers import prompt_ids, timed_prefill, weights_checksum
 
 SCHEMA_VERSION = 3  # 3: one run per process and round ("round"), merged per point
@@ -250,6 +250,7 @@ def _sweep(args, scratch: str, progress: bool) -> dict:
     from models.llama.weights import read_config
 
     limit = int(args.memory_limit_gb * 2**30)
+    peaks = arithmetic_peaks(args.peak_seconds)  # this CPU's peaks, before the points (nothing else runs)
     checkpoint = args.checkpoint
     if any(system in PEERS for system in args.systems) and not checkpoint:
         # One set of weights for every system: the seeded random model, written once.
@@ -292,7 +293,7 @@ def _sweep(args, scratch: str, progress: bool) -> dict:
         runs.append({**base, **result})
     # Extrapolate to the depth of the model the layers come from.
     full_layers = (read_config(args.checkpoint)[0] if args.checkpoint else preset(args.model)).num_hidden_layers
-    results = {"schema_version": SCHEMA_VERSION, "machine": machine_info(),
+    results = {"schema_version": SCHEMA_VERSION, "machine": machine_info(), "peaks": peaks,
                "settings": {**vars(args), "full_layers": full_layers}, "runs": runs,
                "summary": summarize(runs, args.layers, full_layers)}
     if not same_weights(runs):
@@ -418,6 +419,8 @@ def parse_args(argv=None):
     parser.add_argument("--memory-limit-gb", type=float, default=round(0.85 * memory_total_bytes() / 2**30, 1),
                         help="a point whose resident memory exceeds this is stopped and reported out of memory")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per point")
+    parser.add_argument("--peak-seconds", type=float, default=0.5,
+                        help="duration of each repeat of the CPU's peak probes (harness.arithmetic_peaks)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     if min(args.layers, args.batch, args.rounds, args.repeats, *args.lengths) < 1:

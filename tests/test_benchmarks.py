@@ -221,9 +221,10 @@ def test_mindformers_compat_stands_in_for_hyper_parallel():
 
 def test_tiny_sweep_end_to_end(tmp_path):
     results = ttft.main(["--model", "tiny", "--lengths", "8", "33", "--rounds", "2", "--out", str(tmp_path),
-                         "--mindformers-python", str(tmp_path / "no-such-python")])
+                         "--mindformers-python", str(tmp_path / "no-such-python"), "--peak-seconds", "0.02"])
     written = json.loads((tmp_path / "results.json").read_text())
     ttft.validate(written)
+    assert written["peaks"]["float32_fma_gflops"] > 0 and written["machine"]["cpus"] > 0  # side by side
     assert (tmp_path / "ttft.png").stat().st_size > 0
     status = {r["backend"]: r["status"] for r in written["runs"]}
     assert status["fused"] == status["unfused"] == "ok" and status["hf"] in ("ok", "skipped")
@@ -293,6 +294,69 @@ def test_ascend_backward_report_shows_every_system_and_out_of_memory(tmp_path):
     assert (tmp_path / "ascend_backward.png").stat().st_size > 0
 
 
+def _positive(x) -> bool:
+    return isinstance(x, float) and np.isfinite(x) and x > 0
+
+
+def test_peak_probes_compile_and_measure():
+    """peaks.c compiles with the system's compiler and each probe this CPU has returns a positive
+    finite GFLOP/s (no speed asserted); the bfloat16 dot product wherever the CPU has avx512_bf16."""
+    flags = harness.cpu_flags()
+    peaks = harness.arithmetic_peaks(seconds=0.02, repeats=2)
+    assert _positive(peaks["float32_fma_gflops"]) and len(peaks["float32_fma_repeats_gflops"]) == 2
+    assert peaks["float32_fma_gflops"] == max(peaks["float32_fma_repeats_gflops"])
+    assert peaks["threads"] == len(os.sched_getaffinity(0)) and "peaks.c" in peaks["method"]
+    if {"avx512f", "avx512bw", "avx512_bf16"} <= flags:
+        assert _positive(peaks["bfloat16_dot_gflops"]) and "vdpbf16ps" in peaks["bfloat16_dot_kernel"]
+    else:
+        assert peaks["bfloat16_dot_gflops"] is None and "lacks" in peaks["unavailable"]["bfloat16_dot"]
+    if {"amx_tile", "amx_bf16"} <= flags:  # or the kernel refused the tile state: said, not raised
+        assert _positive(peaks["bfloat16_amx_gflops"]) or "AMX" in peaks["unavailable"]["bfloat16_amx"]
+    else:
+        assert peaks["bfloat16_amx_gflops"] is None
+    json.dumps(peaks)  # JSON as it is
+    fractions = harness.peak_fractions(peaks["float32_fma_gflops"] / 2, peaks)
+    assert fractions["fraction_of_float32_fma_peak"] == pytest.approx(0.5)
+
+
+def test_peak_probes_without_the_instruction_sets_take_the_portable_loop(monkeypatch):
+    """A CPU without AVX2 / AVX-512 / bf16 flags never loads those builds: the portable float32 loop
+    (SSE2 or scalar multiply + add) measures, the others say why not."""
+    monkeypatch.setattr(harness, "_PROBE_LIBRARIES", {})
+    monkeypatch.setattr(harness, "cpu_flags", lambda: set())
+    peaks = harness.arithmetic_peaks(seconds=0.02, repeats=1)
+    assert _positive(peaks["float32_fma_gflops"]) and "no FMA" in peaks["float32_fma_kernel"]
+    assert peaks["bfloat16_dot_gflops"] is None and peaks["bfloat16_amx_gflops"] is None
+    assert "lacks avx512_bf16" in peaks["unavailable"]["bfloat16_dot"]
+    assert set(harness._PROBE_LIBRARIES) == {"generic", "bf16", "amx"}
+    assert [p for p, (lib, _) in harness._PROBE_LIBRARIES.items() if lib is not None] == ["generic"]
+
+
+def test_no_compiler_reports_the_probes_unavailable(monkeypatch):
+    """CC naming a missing compiler: every peak None with the reason, and the read bandwidth falls
+    back to a numpy sum that says so; nothing raises."""
+    monkeypatch.setattr(harness, "_PROBE_LIBRARIES", {})
+    monkeypatch.setenv("CC", "/no/such/compiler-cc")
+    peaks = harness.arithmetic_peaks(seconds=0.02, repeats=1)
+    assert peaks["float32_fma_gflops"] is None and peaks["bfloat16_dot_gflops"] is None
+    assert "CC='/no/such/compiler-cc' is not found" in peaks["unavailable"]["float32_fma"]
+    assert all(v is None for v in harness.peak_fractions(100.0, peaks).values())
+    read = harness.read_bandwidth(repeats=2, size=2**24)
+    assert _positive(read["bytes_per_s"]) and read["probe"].startswith("numpy")
+    assert "compiler-cc" in read["method"] and len(read["repeats_gb_per_s"]) == 2
+
+
+def test_read_bandwidth_is_the_c_loop_sized_past_the_cache():
+    """The one read-bandwidth probe: peaks.c's loop on every core, its method and buffer stated; by
+    default at least 1 GiB and 4x the last-level cache (or a quarter of the memory)."""
+    read = harness.read_bandwidth(repeats=2, size=2**24)
+    assert _positive(read["bytes_per_s"]) and read["probe"].startswith("C read loop")
+    assert read["buffer_bytes"] == 2**24 and "peaks.c" in read["method"]
+    assert list(read["probes_gb_per_s"].values()) == [read["bytes_per_s"] / 1e9]
+    llc = harness.last_level_cache_bytes()
+    assert llc is None or llc > 0
+
+
 def test_projection_shapes_merge_equal_shapes_and_count_every_gemm():
     from models.llama import preset
     shapes = projections.layer_shapes(preset("7b"))
@@ -304,11 +368,18 @@ def test_projection_shapes_merge_equal_shapes_and_count_every_gemm():
 
 def test_projections_benchmark_end_to_end(tmp_path):
     report = projections.main(["--model", "tiny", "--lengths", "8", "--layers", "1", "--repeats", "1",
-                               "--model-repeats", "1", "--out", str(tmp_path)])
-    assert json.loads((tmp_path / "projections.json").read_text())["model"]["8"] == report["model"]["8"]
-    for series in list(report["ops"].values()) + [report["model"]["8"]]:
+                               "--model-repeats", "1", "--peak-seconds", "0.02", "--out", str(tmp_path)])
+    written = json.loads((tmp_path / "projections.json").read_text())
+    assert written["model"]["8"] == report["model"]["8"]
+    assert _positive(written["peaks"]["float32_fma_gflops"])
+    for series in list(written["ops"].values()) + [written["model"]["8"]]:
         assert series["MindSpore MatMul"]["speedup_vs_matmul"] == 1.0
-        assert series["OpenBLAS op (this project)"]["gflops"] > 0
+        ours = series["OpenBLAS op (this project)"]
+        assert ours["gflops"] > 0
+        # GFLOP/s as a fraction of the same run's peaks (None where the CPU has no such peak)
+        fp32, bf16 = written["peaks"]["float32_fma_gflops"], written["peaks"]["bfloat16_dot_gflops"]
+        assert ours["fraction_of_float32_fma_peak"] == pytest.approx(ours["gflops"] / fp32)
+        assert ours["fraction_of_bfloat16_dot_peak"] == (pytest.approx(ours["gflops"] / bf16) if bf16 else None)
 
 
 def test_fuse_benchmark_end_to_end(tmp_path):
@@ -380,7 +451,9 @@ def test_half_weights_benchmark_on_the_tiny_model(tmp_path):
     assert {(r["weight_dtype"], r["m"]) for r in gemm["rows"]} >= {(d, m) for d in ("float16", "bfloat16")
                                                                     for m in half_weights.GEMM_ROWS}
     results = half_weights.main(["--model", "tiny", "--contexts", "16", "--rounds", "1", "--new-tokens", "3",
-                                 "--systems", "fused-float32", "fused-half", "--no-gemm", "--out", str(tmp_path)])
+                                 "--systems", "fused-float32", "fused-half", "--no-gemm", "--peak-seconds", "0.02",
+                                 "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "half_weights.json").read_text())["peaks"]["float32_fma_gflops"] > 0
     assert [r["status"] for r in results["summary"]] == ["ok", "ok"] and not results["tokens_disagree"]
     assert [r["against"] for r in results["ratios"]] == ["fused-float32"]
     paired = results["paired"][0]  # both systems in one process, call by call: 3 prefills and 2 steps each
