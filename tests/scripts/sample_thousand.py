@@ -1,4 +1,4 @@
-"""Issue 52's done-when, outside make test (90 s): 1,000 requests through the contiguous Generator at
+"""Issue 52's done-when, outside make test (about a minute): 1,000 requests through the contiguous Generator at
 temperature 0.8 and the default top_p (the sampler that crashed on about half its calls), then the
 generate CLI with --temperature 0.8 for 20 seeds. The paged engine's 1,000 requests are a test
 (tests/test_serving.py::test_a_thousand_sampled_requests_run_without_an_exception).
