@@ -561,3 +561,23 @@ def test_reset_forgets_every_prefix_and_a_sequence_across_it_registers_nothing()
     chain = list(c.blocks)
     pool.close(c)
     assert pool.match(Z + [5, 6]) == (chain, BS + 1)
+
+
+def test_a_block_two_sequences_share_across_a_reset_is_never_written_and_comes_back():
+    """make fuzz's shrunk counter-example: two running sequences share a registered full block when
+    the pool is reset, which unregisters it while both still hold it. Neither writes into it (each
+    writes past it, into its own block), and once both end it is free, not cached."""
+    pool = token_pool(8)
+    a, _, _ = prefill(pool, X + [1])
+    b, _, matched = prefill(pool, X + [2])
+    assert matched == BS and a.blocks[0] == b.blocks[0]
+    shared = a.blocks[0]
+    pool.reset()
+    assert pool.refs[shared] == 2 and not pool.registered(shared)
+    for seq in (a, b):
+        growth = decode(pool, seq, 3)
+        assert growth.copies == [] and all(int(slot) // BS != shared for slot in growth.slots)
+    pool.close(a)
+    pool.close(b)
+    assert pool.cached == 0 and pool.available == pool.usable and shared in pool.free
+

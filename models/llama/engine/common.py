@@ -36,7 +36,8 @@ def cache_memory_budget() -> int:
     return int(CACHE_MEMORY_FRACTION * available_memory())
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
+    """An integer, Python's or numpy's, and not a bool (which Python counts as one)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
@@ -50,7 +51,7 @@ def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
         raise ValueError(f"temperature: expected a finite number >= 0, got {temperature!r}")
     if not _is_real(top_p) or not 0 < top_p <= 1:
         raise ValueError(f"top_p: expected a number in (0, 1], got {top_p!r}")
-    if not _is_int(top_k) or top_k < 0:
+    if not is_int(top_k) or top_k < 0:
         raise ValueError(f"top_k: expected an int >= 0 (0: no cut), got {top_k!r}")
 
 
@@ -58,7 +59,7 @@ def check_eos(eos_ids, model) -> frozenset:
     """The token ids that end a request: ``eos_ids``, or the model config's when None."""
     if eos_ids is None:
         eos_ids = model.config.eos_token_ids
-    elif not isinstance(eos_ids, (list, tuple, set, frozenset)) or any(not _is_int(t) for t in eos_ids):
+    elif not isinstance(eos_ids, (list, tuple, set, frozenset)) or any(not is_int(t) for t in eos_ids):
         raise ValueError(f"eos_ids: expected a list of token ids (empty: no EOS), got {eos_ids!r:.80}")
     return frozenset(int(t) for t in eos_ids)
 
@@ -115,13 +116,13 @@ def check_prompts(model, prompts, max_new_tokens, name: str = "prompts") -> list
     name ``{name}[i]`` (a single request's call passes ``name='prompt'``, named alone)."""
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts: expected a non-empty list of prompts (lists of token ids)")
-    if _is_int(max_new_tokens):
+    if is_int(max_new_tokens):
         counts = [int(max_new_tokens)] * len(prompts)
     elif isinstance(max_new_tokens, (list, tuple)):
         counts = list(max_new_tokens)
     else:
         counts = None
-    if counts is None or len(counts) != len(prompts) or any(not _is_int(n) or n < 1 for n in counts):
+    if counts is None or len(counts) != len(prompts) or any(not is_int(n) or n < 1 for n in counts):
         raise ValueError(f"max_new_tokens: expected a positive int or one per prompt, got {max_new_tokens!r:.80}")
     counts = [int(n) for n in counts]
     vocab = model.vocab_size

@@ -46,7 +46,7 @@ from ..cache_views import PagedDecode, PagedPrefill
 from ..model import LlamaForCausalLM
 from .block_pool import SCRATCH_BLOCK, BlockPool, Match, SequenceBlocks, blocks_for, cache_root, prefix_keys
 from .common import (CACHE_MEMORY_FRACTION, GIB, CacheGraph, Engine, Request, Sampling, SamplingError, Token,
-                     cache_memory_budget, check_eos, check_prompts, check_sampling, dynamic_vector)
+                     cache_memory_budget, check_eos, check_prompts, check_sampling, dynamic_vector, is_int)
 from .kv_cache import PagedKVCache, block_bytes, token_bucket
 
 
@@ -151,7 +151,7 @@ class PagedGenerator(Engine):
         Requests share cached blocks only with requests of the same ``cache_salt`` (None: unsalted)."""
         (count,) = check_prompts(self.model, [prompt], max_new_tokens, name="prompt")
         check_sampling(temperature, top_k, top_p)
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        if not is_int(seed) or seed < 0:
             raise ValueError(f"seed: expected an int >= 0, got {seed!r}")
         eos = check_eos(eos_ids, self.model)
         root = cache_root(cache_salt)
