@@ -14,6 +14,8 @@ refused by name, never emulated silently. ``"float32"`` is today's arithmetic, b
 """
 from __future__ import annotations
 
+import os
+
 from .cpu_runtime import cpu_flags
 
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -23,7 +25,10 @@ NATIVE_FLAGS = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp1
 
 
 def native_half_dtypes(flags: set[str] | None = None) -> tuple[str, ...]:
-    """The half dtypes this CPU (or ``flags``) computes with its own instructions."""
+    """The half dtypes this CPU (or ``flags``) computes with its own instructions; none when
+    ``RFA_CPU_ISA`` forces a build below AVX-512 (the half kernels are in the AVX-512 build only)."""
+    if os.environ.get("RFA_CPU_ISA", "avx512") != "avx512":
+        return ()
     flags = cpu_flags() if flags is None else flags
     return tuple(dtype for dtype in HALF_DTYPES if any(flag in flags for flag in NATIVE_FLAGS[dtype]))
 
