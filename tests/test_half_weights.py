@@ -2,8 +2,10 @@
 Face and Meta layouts) load with their weights' dtype by default, with no float32 copy
 of any weight (peak RSS asserted, in a process of its own, on the bfloat16 model forced onto the
 AVX2 build, a CPU without bfloat16 instructions), and compute the float32 model of the same
-half-rounded weights: logits within 1e-4 relative in both modes, the same greedy tokens, the
-float16 KV cache by default. Training-side models keep float32 master weights."""
+half-rounded weights (compute_dtype="float32"; the default, "auto", computes a half checkpoint in
+its own dtype where the CPU has instructions for it: tests/test_compute_dtype.py): logits within 1e-4
+relative in both modes, the same greedy tokens, the float16 KV cache by default. Training-side
+models keep float32 master weights."""
 import json
 import subprocess
 import sys
@@ -38,7 +40,7 @@ def relative(a, b):
 def test_half_checkpoint_keeps_its_dtype_and_equals_the_float32_model(half_checkpoint, mode, rng):
     dtype, _, path = half_checkpoint
     assert checkpoint_dtype(path) == dtype
-    half = load_checkpoint(path, progress=False)
+    half = load_checkpoint(path, progress=False, compute_dtype="float32")
     full = load_checkpoint(path, progress=False, weight_dtype="float32")
     assert str(half.weight_dtype).lower() == dtype and half.dtype == ms.float32 and half.cache_dtype == ms.float16
     assert full.weight_dtype == ms.float32 and full.cache_dtype == ms.float32
@@ -60,7 +62,7 @@ def test_tied_embeddings_with_half_weights(rng):
     ids = Tensor(rng.integers(0, config.vocab_size, (1, 7)).astype(np.int32))
     models = []
     for weight_dtype in ("float16", "float32"):
-        lm = LlamaForCausalLM(config, weight_dtype=weight_dtype)
+        lm = LlamaForCausalLM(config, weight_dtype=weight_dtype, compute_dtype="float32")
         for name, p in lm.parameters_dict().items():
             p.set_data(Tensor(half[name].astype(np.float32)).astype(p.dtype))
         models.append(lm(ids).asnumpy())
@@ -70,7 +72,7 @@ def test_tied_embeddings_with_half_weights(rng):
 def test_meta_half_checkpoint_keeps_its_dtype(tmp_path, rng):
     state = {k: v.astype(ml_dtypes.bfloat16) for k, v in random_state(CONFIG, np.random.default_rng(4)).items()}
     directory = meta_checkpoint(state, CONFIG, tmp_path / "meta", shards=2)
-    lm = load_checkpoint(directory, progress=False)
+    lm = load_checkpoint(directory, progress=False, compute_dtype="float32")
     assert lm.weight_dtype == ms.bfloat16
     reference = load_checkpoint(save_hf_checkpoint(state, CONFIG, tmp_path / "hf"), progress=False,
                                 weight_dtype="float32")

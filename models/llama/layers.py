@@ -1,5 +1,5 @@
 """The Llama net's building blocks besides attention: the projections, the embedding table, RMSNorm,
-and the two dtypes (``Precision``) they are built in. Parameter names are Hugging Face's.
+and the dtypes and arithmetic (``Precision``) they are built in. Parameter names are Hugging Face's.
 """
 from __future__ import annotations
 
@@ -14,31 +14,42 @@ from ms_rope_attention import embedding_op, linear_op
 
 @dataclass(frozen=True)
 class Precision:
-    """The model's two dtypes: its activations' (and norms') and its projection / embedding / LM-head
-    weights'. They differ for a half checkpoint kept in its own precision on the CPU (float32
-    activations, float16 / bfloat16 weights: the float32 model of the half-rounded weights, in half
-    the memory and, at decode, half the time)."""
+    """The model's two dtypes, its activations' (and norms') and its projection / embedding / LM-head
+    weights', and the arithmetic of its CPU ops. The dtypes differ for a half checkpoint kept in its
+    own precision on the CPU (float32 activations, float16 / bfloat16 weights). ``compute``
+    (``ms_rope_attention.compute``): 'float32' is the float32 model of those weights; 'bfloat16' /
+    'float16' round each op's float32 operands once inside the op and accumulate in float32, while
+    the activations between the ops (norms, residual stream, softmax statistics) stay float32."""
 
     activations: object
     weights: object
+    compute: str = "float32"
+
+    @property
+    def attention_compute(self) -> str:
+        """The attention kernel's arithmetic: bfloat16 with a bfloat16 model; otherwise float32 (x86
+        has no float16 dot product accumulating in float32, so a float16 model attends in float32)."""
+        return "bfloat16" if self.compute == "bfloat16" else "float32"
 
 
 class Linear(nn.Cell):
     """y = x W^T, W stored (out, in) as in Hugging Face checkpoints; no bias (Llama has none).
 
-    On the CPU, float32 activations go through ``ms_rope_attention.linear`` (OpenBLAS, and its own
-    product for decode-sized inputs), faster there than MindSpore's MatMul, with the weight in float32
-    or kept in the checkpoint's float16 / bfloat16; other devices and dtypes (amp's float16) take
-    MatMul. ``weight_hook``: a Cell the weight passes through first (a replicated tensor-parallel
-    weight's gradient sum)."""
+    On the CPU, float32 activations go through ``ms_rope_attention.linear`` in ``precision.compute``
+    (float32: OpenBLAS, and its own product for decode-sized inputs, faster there than MindSpore's
+    MatMul, the weight in float32 or kept in the checkpoint's float16 / bfloat16; bfloat16: oneDNN and
+    bfloat16 dot products), with the weight in ``precision.weights``; other devices and dtypes (amp's
+    float16) take MatMul. ``weight_hook``: a Cell the weight passes through first (a replicated
+    tensor-parallel weight's gradient sum)."""
 
-    def __init__(self, in_features: int, out_features: int, dtype, weight_hook: nn.Cell | None = None):
+    def __init__(self, in_features: int, out_features: int, precision: Precision, weight_hook: nn.Cell | None = None):
         super().__init__()
-        self.weight = Parameter(initializer(Normal(0.02), (out_features, in_features), dtype), name="weight")
+        self.weight = Parameter(initializer(Normal(0.02), (out_features, in_features), precision.weights),
+                                name="weight")
         self.in_features, self.out_features = in_features, out_features
         self.matmul = ops.MatMul(transpose_b=True)
         self.use_blas = ms.get_context("device_target") == "CPU"  # LlamaForCausalLM(projections="matmul") clears it
-        self.blas = linear_op() if self.use_blas else None
+        self.blas = linear_op(compute_dtype=precision.compute) if self.use_blas else None
         self.weight_hook = weight_hook
 
     def construct(self, x):

@@ -18,6 +18,7 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from ms_rope_attention import RotaryFlashAttention, apply_rope, linear_op, rotary_cache_write, rotary_paged_attention
+from ms_rope_attention.compute import HALF_DTYPES, check_compute_dtype, resolve_compute_dtype
 
 # Absolute imports: mindspore.rewrite (amp.auto_mixed_precision O1) regenerates this module's source
 # outside the package, where relative imports fail.
@@ -51,6 +52,20 @@ def check_device_dtype(dtype: str) -> None:
                          "weight_dtype='bfloat16' to hold a bfloat16 checkpoint in its own precision")
 
 
+def model_compute_dtype(requested: str, weight_dtype: str, dtype: str) -> str:
+    """The model's arithmetic (``LlamaForCausalLM(compute_dtype=...)``) for its weights' and
+    activations' dtypes: half arithmetic is what the CPU ops do with float32 activations; elsewhere
+    (another device, amp's float16 activations) the model computes in its activations' dtype, and only
+    "auto" or "float32" are accepted."""
+    check_compute_dtype(requested)
+    if ms.get_context("device_target") == "CPU" and dtype == "float32":
+        return resolve_compute_dtype(requested, weight_dtype)
+    if requested not in ("auto", "float32"):
+        raise ValueError(f"compute_dtype: {requested!r} is the arithmetic of the CPU ops with float32 activations; "
+                         f"this model runs on {ms.get_context('device_target')} with {dtype} activations: use 'auto'")
+    return "float32"
+
+
 class _Identity(nn.Cell):
     def construct(self, x):
         return x
@@ -81,10 +96,9 @@ class LlamaMLP(nn.Cell):
     def __init__(self, config: LlamaConfig, precision: Precision, tp=None):
         super().__init__()
         features = config.intermediate_size // tp.size if tp else config.intermediate_size
-        dtype = precision.weights
-        self.gate_proj = Linear(config.hidden_size, features, dtype)
-        self.up_proj = Linear(config.hidden_size, features, dtype)
-        self.down_proj = Linear(features, config.hidden_size, dtype)
+        self.gate_proj = Linear(config.hidden_size, features, precision)
+        self.up_proj = Linear(config.hidden_size, features, precision)
+        self.down_proj = Linear(features, config.hidden_size, precision)
         self.f, self.g = _tensor_parallel_pair(tp)
 
     def construct(self, x):
@@ -106,21 +120,22 @@ class LlamaAttention(nn.Cell):
     def __init__(self, config: LlamaConfig, cos_sin, layout: str, backend: str, precision: Precision, cp=None,
                  tp=None):
         super().__init__()
-        dtype = precision.weights
         self.heads, self.kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
                                                     config.dim_per_head)
         if tp:  # the rank's heads (Megatron: q/k/v column-parallel, o row-parallel)
             self.heads, self.kv_heads = tp.heads(config), tp.kv_heads(config)
         self.f, self.g = _tensor_parallel_pair(tp)
-        self.q_proj = Linear(config.hidden_size, self.heads * self.head_dim, dtype)
-        self.k_proj = Linear(config.hidden_size, self.kv_heads * self.head_dim, dtype, _replica_gradient_sum(tp))
-        self.v_proj = Linear(config.hidden_size, self.kv_heads * self.head_dim, dtype, _replica_gradient_sum(tp))
-        self.o_proj = Linear(self.heads * self.head_dim, config.hidden_size, dtype)
+        self.q_proj = Linear(config.hidden_size, self.heads * self.head_dim, precision)
+        self.k_proj = Linear(config.hidden_size, self.kv_heads * self.head_dim, precision, _replica_gradient_sum(tp))
+        self.v_proj = Linear(config.hidden_size, self.kv_heads * self.head_dim, precision, _replica_gradient_sum(tp))
+        self.o_proj = Linear(self.heads * self.head_dim, config.hidden_size, precision)
         self.layout = layout
         self.rotary_mode, self.rotary_dim = config.rotary_mode, config.rotary_dim
         self.cos, self.sin = cos_sin
         common = dict(head_num=self.heads, head_dim=self.head_dim, rotary_dim=self.rotary_dim,
-                      rotary_mode=self.rotary_mode, backend=backend, cos_sin=cos_sin)
+                      rotary_mode=self.rotary_mode, backend=backend, cos_sin=cos_sin,
+                      compute_dtype=precision.attention_compute)
+        self.compute_dtype = precision.attention_compute
         self.prefill_attention = RotaryFlashAttention(input_layout=layout, **common)
         self.cache_prefill = RotaryFlashAttention(input_layout="TND", return_rotated_key=True, **common)
         self.cached_attention = RotaryFlashAttention(input_layout="TND", key_rotated=True, **common)
@@ -191,7 +206,7 @@ class LlamaAttention(nn.Cell):
         return rotary_paged_attention(q.astype(key_cache.dtype), key_cache, value_cache, self.cos, self.sin,
                                       PagedDecode.block_tables(view), PagedDecode.context_lens(view),
                                       PagedDecode.q_seq_lens(view), head_num=self.heads, rotary_mode=self.rotary_mode,
-                                      rotary_dim=self.rotary_dim).astype(q.dtype)
+                                      rotary_dim=self.rotary_dim, compute_dtype=self.compute_dtype).astype(q.dtype)
 
     def _write(self, view, rows, keys, values):
         """A contiguous cache's rows written in place: rotated keys and values, in the cache's dtype."""
@@ -267,6 +282,13 @@ class LlamaForCausalLM(nn.Cell):
     CPU: float32 activations and arithmetic on exactly its weights, in half the memory (what
     ``weights.load_checkpoint`` does by default). Training wants float32 master weights.
 
+    ``compute_dtype``: the arithmetic of the CPU ops (``ms_rope_attention.compute``): "auto" computes a
+    bfloat16 (float16) checkpoint in bfloat16 (float16) where this CPU has native instructions for it
+    and in float32 otherwise; "float32" is the float32 model of the weights, bit for bit as before;
+    "bfloat16" / "float16" ask for it (refused on a CPU without the instructions; float32 weights are
+    then rounded to it once, at load). Either way accumulation, RMSNorm, softmax statistics, RoPE
+    angles and the residual stream are float32; ``compute_dtype`` (the attribute) says what runs.
+
     ``parallel``: this rank's ``ms_rope_attention.distributed.ParallelMesh`` (``mindspore.communication
     .init()`` first), or None for one process. Along its context axis each rank runs its load-balanced
     part of every sequence (``ms_rope_attention.distributed.load_balanced_chunks``, BSH, no cache) and
@@ -279,7 +301,7 @@ class LlamaForCausalLM(nn.Cell):
 
     def __init__(self, config: LlamaConfig, *, dtype="float32", layout: str = "BSH", backend: str = "auto",
                  logits: str = "all", max_positions: int | None = None, projections: str = "auto",
-                 parallel=None, weight_dtype=None):
+                 parallel=None, weight_dtype=None, compute_dtype: str = "auto"):
         super().__init__()
         dtype = dtype_name(dtype)
         weight_dtype = dtype if weight_dtype is None else dtype_name(weight_dtype)
@@ -305,14 +327,23 @@ class LlamaForCausalLM(nn.Cell):
         self.hidden_size, self.vocab_size = config.hidden_size, config.vocab_size
         self.layout = layout
         self.max_positions = max_positions or config.max_position_embeddings
-        precision = Precision(DTYPES[dtype], DTYPES[weight_dtype])
+        # MindSpore's MatMul (projections="matmul", the benchmarks' A/B) computes in float32: "auto" takes that.
+        compute = model_compute_dtype("float32" if projections == "matmul" and compute_dtype == "auto" else compute_dtype,
+                                      weight_dtype, dtype)
+        if compute in HALF_DTYPES and weight_dtype != compute:
+            weight_dtype = compute  # asked for explicitly: the weights are rounded to it once, at load
+        if compute != "float32" and projections == "matmul":
+            raise ValueError(f"compute_dtype: {compute!r} arithmetic runs in the CPU projection op; "
+                             "projections='matmul' computes in float32: use compute_dtype='float32'")
+        self.compute_dtype = compute
+        precision = Precision(DTYPES[dtype], DTYPES[weight_dtype], compute)
         cos, sin = model_rope_tables(config, self.max_positions)
         cos_sin = (Tensor(cos), Tensor(sin))  # one pair for every layer
         self.model = LlamaModel(config, cos_sin, layout, backend, precision, cp, tp)
         self.tie_word_embeddings = config.tie_word_embeddings
         self.local_vocab = config.vocab_size // tp.size if tp else config.vocab_size
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, self.local_vocab, precision.weights)
+            self.lm_head = Linear(config.hidden_size, self.local_vocab, precision)
         self.f, _ = _tensor_parallel_pair(tp)
         self.vocab_parallel = tp is not None
         if tp:
@@ -320,7 +351,8 @@ class LlamaForCausalLM(nn.Cell):
             self.gather_vocab = GatherFromTensorParallel(tp.rank, tp.size, tp.group)
         self.matmul = ops.MatMul(transpose_b=True)
         # A tied LM head reads the embedding table through the projection op (any weight dtype).
-        self.tied_blas = linear_op() if ms.get_context("device_target") == "CPU" and projections == "auto" else None
+        self.tied_blas = (linear_op(compute_dtype=compute) if ms.get_context("device_target") == "CPU"
+                          and projections == "auto" else None)
         self.last_only = logits == "last"
         if projections == "matmul":
             for _, cell in self.cells_and_names():

@@ -358,14 +358,16 @@ def default_weight_dtype(directory: str | Path, dtype: str) -> str:
 def load_checkpoint(directory: str | Path, *, dtype: str = "float32", layout: str = "BSH", backend: str = "auto",
                     logits: str = "all", max_positions: int | None = None, num_layers: int | None = None,
                     progress: bool = True, projections: str = "auto", parallel=None,
-                    weight_dtype: str = "auto") -> LlamaForCausalLM:
+                    weight_dtype: str = "auto", compute_dtype: str = "auto") -> LlamaForCausalLM:
     """A ``LlamaForCausalLM`` built from a checkpoint's config and filled with its weights
     (only the first ``num_layers`` decoder layers when given).
 
     ``weight_dtype``: "auto" keeps a float16 / bfloat16 checkpoint's weights in their own precision
     on the CPU (``dtype`` float32: float32 activations and arithmetic, the weights in half the
     memory, each read straight into its parameter with no float32 copy); "float32" (or any dtype)
-    converts them on load. Norm weights always take ``dtype``."""
+    converts them on load. Norm weights always take ``dtype``. ``compute_dtype``: the CPU ops'
+    arithmetic (``LlamaForCausalLM``; "auto": a half checkpoint's own dtype where this CPU has
+    native instructions for it)."""
     config, source = read_config(directory)
     weight_dtype = default_weight_dtype(directory, dtype) if weight_dtype == "auto" else dtype_name(weight_dtype)
     if num_layers is not None:
@@ -377,7 +379,7 @@ def load_checkpoint(directory: str | Path, *, dtype: str = "float32", layout: st
     with no_init_parameters():
         model = LlamaForCausalLM(config, dtype=dtype, layout=layout, backend=backend, logits=logits,
                                  max_positions=max_positions, projections=projections, parallel=parallel,
-                                 weight_dtype=weight_dtype)
+                                 weight_dtype=weight_dtype, compute_dtype=compute_dtype)
     load_weights(model, directory, source, progress, first_layers_only=num_layers is not None)
     return model
 

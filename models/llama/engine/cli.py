@@ -12,6 +12,8 @@ import argparse
 
 import mindspore as ms
 
+from ms_rope_attention.compute import COMPUTE_DTYPES
+
 from ..model import LlamaForCausalLM
 from .common import CACHE_MEMORY_FRACTION, GIB
 from .contiguous import Generator
@@ -36,6 +38,9 @@ def main(argv=None) -> None:
     parser.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                         help="the projections' and embedding's: 'auto' keeps a half checkpoint's own precision "
                              "on the CPU (with --model and no checkpoint: --dtype's)")
+    parser.add_argument("--compute-dtype", default="auto", choices=list(COMPUTE_DTYPES),
+                        help="the CPU ops' arithmetic: 'auto' computes a half checkpoint in its own dtype where this "
+                             "CPU has native instructions for it, in float32 otherwise (docs/compute-dtype.md)")
     parser.add_argument("--backend", default="auto", choices=["auto", "fused", "unfused"])
     parser.add_argument("--mode", default="graph", choices=["graph", "pynative"])
     parser.add_argument("--device", default="CPU")
@@ -75,7 +80,7 @@ def main(argv=None) -> None:
         prompts = [[int(t) for t in ids.split(",")] for ids in args.ids]
     else:
         parser.error("give --prompt or --ids")
-    kwargs = dict(dtype=args.dtype, backend=args.backend, parallel=mesh)
+    kwargs = dict(dtype=args.dtype, backend=args.backend, parallel=mesh, compute_dtype=args.compute_dtype)
     if args.checkpoint:
         model = load_checkpoint(args.checkpoint, weight_dtype=args.weight_dtype, **kwargs)
     else:
@@ -95,5 +100,5 @@ def main(argv=None) -> None:
     for prompt, tokens in zip(prompts, result.tokens):
         text = tokenizer.decode(tokens) if tokenizer else ""
         print(f"prompt ids {prompt} -> {tokens}" + (f"\n{text}" if text else ""))
-    print(f"backend {model.backend}; TTFT {result.ttft_s * 1e3:.1f} ms (compile {result.compile_s:.1f} s "
+    print(f"backend {model.backend}; compute {model.compute_dtype}; TTFT {result.ttft_s * 1e3:.1f} ms (compile {result.compile_s:.1f} s "
           f"excluded); decode {result.decode_tokens_per_s:.1f} tokens/s per sequence")
