@@ -85,7 +85,7 @@ $(PEERS): $(STAMP) pyproject.toml
 # The third-party libraries fuse() works on, each in its own virtual environment with this project
 # installed into it as their users would (editable: the checkout is what runs). tests/test_fuse_thirdparty.py
 # runs tests/thirdparty/ in them; .ci/run installs them first (make thirdparty).
-thirdparty: $(MINDFORMERS) $(MINDNLP)
+thirdparty: $(MINDFORMERS) $(MINDNLP) $(PEERS)
 
 $(MINDFORMERS): benchmarks/peers/mindformers.txt pyproject.toml setup.py $(KERNEL_SOURCES)
 	test -x $(MINDFORMERS_VENV)/bin/python || $(PYTHON) -m venv $(MINDFORMERS_VENV)

@@ -15,17 +15,20 @@ ms.set_device("CPU")
 # tests/thirdparty/ runs inside MindFormers' and mindnlp's own environments (tests/test_fuse_thirdparty.py).
 collect_ignore = ["thirdparty"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# name -> (its environment, the make target that builds it); the oldest declared Python is one too
-THIRDPARTY_VENVS = {"mindformers": (os.path.join(ROOT, ".venv-mindformers"), "make thirdparty"),
-                    "mindnlp": (os.path.join(ROOT, ".venv-mindnlp"), "make thirdparty"),
-                    "python3.10": (os.path.join(ROOT, ".venv-py310"), "make oldest-python")}
+# name -> (its environment, the stamp its make target leaves there, the make target); the oldest declared
+# Python is one too, and transformers (with PyTorch) is the benchmarks' peers extra in .venv itself, run in
+# a process of its own (its OpenMP runtime stays out of the test's).
+THIRDPARTY_VENVS = {"mindformers": (os.path.join(ROOT, ".venv-mindformers"), ".installed", "make thirdparty"),
+                    "mindnlp": (os.path.join(ROOT, ".venv-mindnlp"), ".installed", "make thirdparty"),
+                    "python3.10": (os.path.join(ROOT, ".venv-py310"), ".installed", "make oldest-python"),
+                    "transformers": (os.path.join(ROOT, ".venv"), ".peers", "make thirdparty")}
 
 
 def thirdparty_python(library: str) -> str:
     """The Python of a third-party library's environment; a skip when it is not installed, a
     failure under RFA_REQUIRE_THIRDPARTY=1 (CI, which installs them: a skip there guards nothing)."""
-    venv, target = THIRDPARTY_VENVS[library]
-    if not os.path.exists(os.path.join(venv, ".installed")):
+    venv, stamp, target = THIRDPARTY_VENVS[library]
+    if not os.path.exists(os.path.join(venv, stamp)):
         message = f"{library}'s environment {venv} is not installed ({target})"
         if os.environ.get("RFA_REQUIRE_THIRDPARTY") == "1":
             pytest.fail(message)
