@@ -34,13 +34,25 @@ import numpy as np
 from harness import arithmetic_peaks, machine_info, memory_total_bytes, run_isolated, save, stats, timed, turned
 from peers import prompt_ids, timed_prefill, weights_checksum
 
-SCHEMA_VERSION = 3  # 3: one run per process and round ("round"), merged per point
-BACKENDS = ("fused", "unfused")  # this project's two paths, in MindSpore
+SCHEMA_VERSION = 4  # 4: the bfloat16 systems, each run's "precision"; 3: one run per process and round
+BACKENDS = ("fused", "unfused")  # this project's two paths, in MindSpore, in --dtype
 PEERS = {"hf": "Hugging Face transformers LlamaForCausalLM (sdpa), PyTorch",
          "mindformers": "MindFormers LlamaForCausalLM, MindSpore GRAPH_MODE (its own virtual environment)"}
+# The checkpoint's weights rounded to bfloat16 at load: this project computing in bfloat16 (compute_dtype,
+# float32 activations between its ops) and transformers in bfloat16 (every activation bfloat16).
+BFLOAT16 = {"fused-bfloat16": "this project, compute_dtype='bfloat16' (fused op; projections on oneDNN)",
+            "hf-bfloat16": "Hugging Face transformers LlamaForCausalLM (sdpa), PyTorch, torch.bfloat16"}
 MINDFORMERS_PYTHON = Path(__file__).resolve().parent.parent / ".venv-mindformers" / "bin" / "python"
-SYSTEMS = BACKENDS + tuple(PEERS)
+SYSTEMS = BACKENDS + tuple(PEERS) + tuple(BFLOAT16)
 LOGITS_RTOL = 1e-3  # the systems' agreement on peers.LOGITS_PROBE's logits, relative to the largest logit
+# bfloat16 systems against fused's float32 logits: a few 2^-8 roundings per layer (tests/test_compute_dtype.py
+# measures 1-2e-2 on a tiny model for both this project and transformers).
+BFLOAT16_LOGITS_RTOL = 6e-2
+
+
+def precision(system: str, dtype: str) -> str:
+    """The arithmetic a system runs in: bfloat16 for the BFLOAT16 systems, --dtype for the others."""
+    return "bfloat16" if system in BFLOAT16 else dtype
 
 
 # ---------------------------------------------------------------------------------------------
@@ -48,7 +60,7 @@ LOGITS_RTOL = 1e-3  # the systems' agreement on peers.LOGITS_PROBE's logits, rel
 # and peers.mindformers_prefill_point.
 
 def ttft_point(model: str, layers: int, dtype: str, batch: int, backend: str, length: int, repeats: int,
-               checkpoint: str | None, seed: int, device: str) -> dict:
+               checkpoint: str | None, seed: int, device: str, compute_dtype: str = "float32") -> dict:
     import ms_rope_attention  # noqa: F401  before MindSpore, as users run it (docs/threads.md)
     import mindspore as ms
     from mindspore import Tensor, nn, ops
@@ -62,12 +74,12 @@ def ttft_point(model: str, layers: int, dtype: str, batch: int, backend: str, le
     start = time.perf_counter()
     if checkpoint:
         lm = load_checkpoint(checkpoint, dtype=dtype, backend=backend, logits="last", num_layers=layers,
-                             max_positions=length, progress=False)
+                             max_positions=length, progress=False, compute_dtype=compute_dtype)
     else:
         ms.set_seed(seed)
         config = preset(model, num_hidden_layers=layers)
         lm = LlamaForCausalLM(config, dtype=dtype, backend=backend, logits="last",
-                              max_positions=max(config.max_position_embeddings, length))
+                              max_positions=max(config.max_position_embeddings, length), compute_dtype=compute_dtype)
     build_s = time.perf_counter() - start
     config = lm.config
     rng = np.random.default_rng(seed)
@@ -99,15 +111,16 @@ def ttft_point(model: str, layers: int, dtype: str, batch: int, backend: str, le
 
         def construct(self, ids):
             h = self.lm.model.norm(self.lm.model.embed_tokens(ids))[:, -1, :]
-            weight = self.lm.model.embed_tokens.weight if self.lm.tie_word_embeddings else self.lm.lm_head.weight
-            return self.matmul(h, weight)
+            if self.lm.tie_word_embeddings:
+                return self.matmul(h, self.lm.model.embed_tokens.weight.astype(h.dtype))
+            return self.lm.lm_head(h)  # the model's own projection op, in its compute dtype
 
     attention_net, head_net = Attention(), Head()
     ids = Tensor(np.array(prompts, np.int32))
     _, attention_times = timed(lambda: attention_net(q, k, v)[0].asnumpy(), repeats)
     _, head_times = timed(lambda: head_net(ids).asnumpy(), repeats)
     probe = lm.model.layers[0].mlp.down_proj.weight[:8].astype(ms.float32).asnumpy()
-    return {"backend_ran": lm.backend, "build_s": build_s, "compile_s": compile_s, "ttft": stats(ttft),
+    return {"backend_ran": lm.backend, "compute_ran": lm.compute_dtype, "build_s": build_s, "compile_s": compile_s, "ttft": stats(ttft),
             "attention": stats(attention_times), "head": stats(head_times), "weights_checksum": weights_checksum(probe),
             "logits_probe": probe_logits}
 
@@ -178,6 +191,9 @@ def summarize(runs: list[dict], layers: int, full_layers: int) -> dict:
                 row[f"{other}_over_fused_full_depth"] = cell["full_depth_s"] / fused["full_depth_s"]
         if "unfused_over_fused" in row:
             row["fused_ttft_change"] = 1 / row["unfused_over_fused_full_depth"] - 1
+        ours, theirs = row.get("fused-bfloat16", {}), row.get("hf-bfloat16", {})
+        if ours.get("status") == "ok" and theirs.get("status") == "ok":
+            row["hf-bfloat16_over_fused-bfloat16"] = theirs["ttft_min_s"] / ours["ttft_min_s"]
         rows.append(row)
     exponents = {}
     for backend in SYSTEMS:
@@ -215,12 +231,16 @@ def validate(results: dict) -> None:
 
 
 def same_weights(runs: list[dict]) -> bool:
-    return len({r["weights_checksum"] for r in runs if r["status"] == "ok"}) <= 1
+    """One weights checksum per precision (the bfloat16 systems read the same weights rounded once)."""
+    ok = [r for r in runs if r["status"] == "ok"]
+    return all(len({r["weights_checksum"] for r in ok if r.get("precision") == p}) <= 1
+               for p in {r.get("precision") for r in ok})
 
 
 def logits_disagree(runs: list[dict]) -> list[str]:
     """Per length, the systems whose last-token logits differ from fused's (or the first system's) by more
-    than LOGITS_RTOL of the largest: the proof that every system computed the same model."""
+    than LOGITS_RTOL of the largest (BFLOAT16_LOGITS_RTOL for the bfloat16 systems): the proof that every
+    system computed the same model."""
     problems = []
     for length in sorted({r["length"] for r in runs}):
         ok = [r for r in runs if r["length"] == length and r["status"] == "ok" and r.get("logits_probe")]
@@ -231,7 +251,7 @@ def logits_disagree(runs: list[dict]) -> list[str]:
         scale = max(np.abs(reference).max(), 1e-6)
         for run in ok[1:]:
             error = np.abs(np.array(run["logits_probe"]) - reference).max() / scale
-            if error > LOGITS_RTOL:
+            if error > (BFLOAT16_LOGITS_RTOL if run["backend"] in BFLOAT16 else LOGITS_RTOL):
                 problems.append(f"{run['backend']} vs {ok[0]['backend']} at S={length}: {error:.2e} relative")
     return problems
 
@@ -248,11 +268,12 @@ def _sweep(args, scratch: str, progress: bool) -> dict:
 
     from models.llama import preset
     from models.llama.weights import read_config
+    from ms_rope_attention.compute import native_half_dtypes
 
     limit = int(args.memory_limit_gb * 2**30)
     peaks = arithmetic_peaks(args.peak_seconds)  # this CPU's peaks, before the points (nothing else runs)
     checkpoint = args.checkpoint
-    if any(system in PEERS for system in args.systems) and not checkpoint:
+    if any(system in PEERS or system in BFLOAT16 for system in args.systems) and not checkpoint:
         # One set of weights for every system: the seeded random model, written once.
         written = run_isolated("peers", "write_checkpoint", {"model": args.model, "layers": args.layers,
                                                               "seed": args.seed, "directory": scratch})
@@ -266,21 +287,23 @@ def _sweep(args, scratch: str, progress: bool) -> dict:
     bar = tqdm(points, desc="TTFT sweep", unit="process", disable=not progress)
     for length, round_, system in bar:
         bar.set_postfix_str(f"{system} S={length} round {round_ + 1}/{args.rounds}")
-        base = {"backend": system, "length": length, "round": round_}
+        base = {"backend": system, "length": length, "round": round_, "precision": precision(system, args.dtype)}
         if system in not_again:
             runs.append({**base, **not_again[system]})
             continue
-        if system in PEERS:
-            module, function = "peers", f"{system}_prefill_point"
+        if system in PEERS or system == "hf-bfloat16":
+            module, function = "peers", f"{system.split('-')[0]}_prefill_point"
             kwargs = {"checkpoint": checkpoint, "length": length, "repeats": args.repeats, "seed": args.seed,
-                      "batch": args.batch, "dtype": args.dtype}
+                      "batch": args.batch, "dtype": base["precision"]}
         else:
             module, function, kwargs = "ttft", "ttft_point", {
                 "model": args.model, "layers": args.layers, "dtype": args.dtype, "batch": args.batch,
-                "backend": system, "length": length, "repeats": args.repeats, "checkpoint": checkpoint,
-                "seed": args.seed, "device": args.device}
+                "backend": system.split("-")[0], "length": length, "repeats": args.repeats, "checkpoint": checkpoint,
+                "seed": args.seed, "device": args.device, "compute_dtype": base["precision"]}
         python = args.mindformers_python if system == "mindformers" else None
-        if python and not Path(python).exists():
+        if system == "fused-bfloat16" and "bfloat16" not in native_half_dtypes():
+            result = {"status": "skipped", "error": "this CPU has no bfloat16 instructions (avx512_bf16 / AMX-BF16)"}
+        elif python and not Path(python).exists():
             result = {"status": "skipped", "error": f"not installed: no MindFormers interpreter at {python} "
                                                     "(make bench installs it)"}
         else:
@@ -305,8 +328,10 @@ def _sweep(args, scratch: str, progress: bool) -> dict:
     return results
 
 
-NAMES = {"fused": "fused", "unfused": "unfused", "hf": "HF transformers", "mindformers": "MindFormers"}
-COLORS = {"fused": "tab:blue", "unfused": "tab:red", "hf": "tab:orange", "mindformers": "tab:green"}
+NAMES = {"fused": "fused", "unfused": "unfused", "hf": "HF transformers", "mindformers": "MindFormers",
+         "fused-bfloat16": "fused bf16", "hf-bfloat16": "HF transformers bf16"}
+COLORS = {"fused": "tab:blue", "unfused": "tab:red", "hf": "tab:orange", "mindformers": "tab:green",
+          "fused-bfloat16": "tab:purple", "hf-bfloat16": "tab:brown"}
 
 
 def table(results: dict) -> str:
@@ -316,7 +341,9 @@ def table(results: dict) -> str:
     rows = results["summary"]["rows"]
     systems = [name for name in SYSTEMS if any(name in r for r in rows)]
     others = [name for name in systems if name != "fused"]
+    bf16_pair = set(BFLOAT16) <= set(systems)
     head = ["S"] + [f"{NAMES[n]} TTFT min / median" for n in systems] + [f"{NAMES[n]} / fused" for n in others]
+    head += ["HF transformers bf16 / fused bf16"] if bf16_pair else []
     head += [f"full depth ({s['full_layers']} layers) " + " / ".join(NAMES[n] for n in systems),
              "attention share " + " / ".join(NAMES[n] for n in systems), "peak RSS " + " / ".join(NAMES[n] for n in systems)]
     lines = [f"Llama2 {s['model']} dims, {s['layers']} layers (extrapolated to {s['full_layers']}), {s['dtype']}, "
@@ -336,6 +363,9 @@ def table(results: dict) -> str:
         cells = [str(row["length"])]
         cells += [cell(row.get(n, {}), lambda c: f"{ms(c['ttft_min_s'])} / {ms(c['ttft_median_s'])}") for n in systems]
         cells += [f"{row[f'{n}_over_fused']:.2f}x" if f"{n}_over_fused" in row else "-" for n in others]
+        if bf16_pair:
+            ratio = row.get("hf-bfloat16_over_fused-bfloat16")
+            cells.append(f"{ratio:.2f}x" if ratio is not None else "-")
         cells.append(" / ".join(cell(row.get(n, {}), lambda c: ms(c["full_depth_s"])) for n in systems))
         cells.append(" / ".join(cell(row.get(n, {}), lambda c: format(c["attention_share"], ".0%")) for n in systems))
         cells.append(" / ".join(cell(row.get(n, {}), lambda c: format(c["peak_rss_mb"] / 1024, ".1f") + " GB")

@@ -23,6 +23,7 @@ import serving  # noqa: E402
 import train  # noqa: E402
 import ttft  # noqa: E402
 from conftest import thirdparty_python  # noqa: E402
+from ms_rope_attention.compute import native_half_dtypes  # noqa: E402
 
 
 BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
@@ -197,6 +198,17 @@ def test_another_interpreter_sees_only_the_benchmarks_folder():
     assert harness.run_isolated("test_benchmarks", "allocate", {"gib": 0.0})["status"] == "ok"
 
 
+def test_bfloat16_systems_agree_with_fused_within_their_own_tolerance():
+    runs = [dict(fake_run(name, 512, 1.0), logits_probe=[1.0, -2.0, 0.5], precision="float32") for name in ("fused", "hf")]
+    runs += [dict(fake_run(name, 512, 1.0), logits_probe=[1.0, -2.0, 0.5 + 0.5 * ttft.BFLOAT16_LOGITS_RTOL * 2.0],
+                  precision="bfloat16", weights_checksum=2.5) for name in ("fused-bfloat16", "hf-bfloat16")]
+    assert ttft.logits_disagree(runs) == [] and ttft.same_weights(runs)
+    runs[3]["logits_probe"] = [1.0, -2.0, 0.5 + 2 * ttft.BFLOAT16_LOGITS_RTOL * 2.0]
+    assert ttft.logits_disagree(runs) == [f"hf-bfloat16 vs fused at S=512: {2 * ttft.BFLOAT16_LOGITS_RTOL:.2e} relative"]
+    runs[3]["weights_checksum"] = 3.5
+    assert not ttft.same_weights(runs)
+
+
 def test_systems_must_agree_on_the_logits():
     runs = [dict(fake_run(name, 512, 1.0), logits_probe=[1.0, -2.0, 0.5]) for name in ("hf", "fused", "mindformers")]
     assert ttft.logits_disagree(runs) == []
@@ -229,14 +241,20 @@ def test_tiny_sweep_end_to_end(tmp_path):
     status = {r["backend"]: r["status"] for r in written["runs"]}
     assert status["fused"] == status["unfused"] == "ok" and status["hf"] in ("ok", "skipped")
     assert status["mindformers"] == "skipped"
-    assert {r["backend_ran"] for r in written["runs"] if r["status"] == "ok" and r["backend"] != "hf"} == {
-        "fused:CPU", "unfused"}
+    bf16 = "bfloat16" in native_half_dtypes()
+    assert status["fused-bfloat16"] == ("ok" if bf16 else "skipped") and status["hf-bfloat16"] == status["hf"]
+    ours = [r for r in written["runs"] if r["status"] == "ok" and not r["backend"].startswith("hf")]
+    assert {r["backend_ran"] for r in ours} == {"fused:CPU", "unfused"}
+    assert {(r["backend"], r["compute_ran"]) for r in ours} >= {("fused", "float32"), ("unfused", "float32")}
+    assert all(r["compute_ran"] == "bfloat16" for r in ours if r["backend"] == "fused-bfloat16")
     assert ttft.same_weights(written["runs"])  # the peer, when installed, loaded the same weights
     assert ttft.logits_disagree(written["runs"]) == []  # ... and computed the same logits
     assert results["summary"]["exponents"]["fused"] is not None
     order = [(r["round"], r["backend"]) for r in written["runs"] if r["length"] == 8]
-    assert order == [(0, "fused"), (0, "unfused"), (0, "hf"), (0, "mindformers"),
-                     (1, "unfused"), (1, "hf"), (1, "mindformers"), (1, "fused")]  # the order turns each round
+    systems = ["fused", "unfused", "hf", "mindformers", "fused-bfloat16", "hf-bfloat16"]
+    assert order == [(0, s) for s in systems] + [(1, s) for s in systems[1:] + systems[:1]]  # turns each round
+    if bf16 and status["hf"] == "ok":
+        assert "hf-bfloat16_over_fused-bfloat16" in results["summary"]["rows"][0]
     assert {row["fused"]["rounds"] for row in results["summary"]["rows"]} == {2}
 
 
