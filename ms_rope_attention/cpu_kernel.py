@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import ctypes
 
-from .cpu_runtime import Abi, library_path, make_primitive, open_library, select_library
+from .attrs import check_compute_dtype
+from .compute import resolve_compute_dtype
+from .cpu_runtime import Abi, cpu_flags, library_path, make_primitive, open_library, select_library
 from .cpu_runtime import built_libraries, usable_isas  # noqa: F401  (the benchmarks' old path, for one release)
 from .gradients import FusedKernel, fused_bprop, unfused_autodiff_bprop
 from .op_info import load_contract
@@ -16,7 +18,7 @@ FUSED_BACKWARD = True  # the library has the backward entry (tests switch it off
 # The version of the C layout the direct-call entries take (rfa::Attrs, mirrored by
 # testing.cpu_direct.Attrs) and of their arguments: csrc/rfa_problem.h's kAbiVersion. A library
 # reporting another version is refused when it is opened.
-ABI_VERSION = 2
+ABI_VERSION = 3
 ABI = Abi("RotaryFlashAttentionAbiVersion", ABI_VERSION)  # paged_kernel opens the same library: the same check
 
 
@@ -25,7 +27,7 @@ def library(isa: str | None = None) -> ctypes.CDLL:
     dlopen gets)."""
     return open_library(library_path(STEM, WHAT, isa), ABI,
                         texts=("RotaryFlashAttentionLastError", "RotaryFlashAttentionIsa"),
-                        counts=("RotaryFlashAttentionDecodeCalls",))
+                        counts=("RotaryFlashAttentionDecodeCalls", "RotaryFlashAttentionNativeBf16"))
 
 
 def isa_library(isa: str) -> ctypes.CDLL:
@@ -48,6 +50,27 @@ def kernel_isa() -> str:
     return library().RotaryFlashAttentionIsa().decode()
 
 
+def native_bfloat16(isa: str | None = None) -> bool:
+    """Whether the loaded build (or ``isa``'s) computes bfloat16 products on this CPU: the avx512 build
+    on a CPU with avx512_bf16 (the kernel's own answer)."""
+    return bool(library(isa).RotaryFlashAttentionNativeBf16())
+
+
+def compute_dtype_for(requested: str, input_dtype: str, isa: str | None = None) -> str:
+    """The arithmetic of Q K^T and P V ('float32' or 'bfloat16') the kernel runs for the setting
+    ``requested`` and inputs (or a KV cache) of ``input_dtype``: ``compute.resolve_compute_dtype``'s
+    rule with this build's own bfloat16 capability as the CPU's, as the kernel resolves it at launch.
+    An explicit 'bfloat16' it cannot compute is refused (ValueError), as the kernel refuses it."""
+    check_compute_dtype(requested)
+    native = native_bfloat16(isa)
+    if requested == "bfloat16" and not native:
+        where = "" if "avx512_bf16" in cpu_flags() else " on a CPU without avx512_bf16"
+        raise ValueError(f"compute_dtype: 'bfloat16' needs the avx512_bf16 instructions (vdpbf16ps) and the kernel's "
+                         f"avx512 build; this is the {kernel_isa() if isa is None else isa} build{where}; "
+                         "use 'auto' or 'float32'")
+    return resolve_compute_dtype(requested, input_dtype, {"avx512_bf16"} if native else set())
+
+
 def unavailable() -> str | None:
     """None when a kernel build for this CPU can be loaded, else why not (the dispatch's fallback reason)."""
     try:
@@ -64,6 +87,7 @@ def make_kernel(attrs, forwards) -> FusedKernel:
     announced fallback gradient, the unfused autodiff, used only without a fused backward."""
     path = library_path(STEM, WHAT)
     library()  # fail here, not inside MindSpore, if the library cannot be loaded
+    compute_dtype_for(attrs.compute_dtype, "bfloat16")  # an explicit bfloat16 this build cannot compute: refused now
     contract, values = load_contract(), attrs.kernel_attrs()
     grads_used = attrs.with_softmax_lse, attrs.with_rotated_key
     grad_op = None

@@ -16,6 +16,10 @@
 //   - causal rows (bottom-right) see keys up to their position; a key a row cannot see is never
 //     read for it (a preallocated cache's unused rows may hold anything).
 // Keys are rotated as they are read unless attrs.key_rotated (the KV-cache case: nothing to do).
+// bfloat16 arithmetic (Problem::bf16) rounds where the general path does -- Q and K once after their
+// float32 rotation, V, and P before P V -- and multiplies the rounded values in float32 (exact
+// products, float32 sums): with one query row per head a K/V row meets too few rows for vdpbf16ps
+// to pay for converting a float32 or float16 row into pairs. A bfloat16 cache is read in place.
 // A paged cache (Problem::paged, RotaryPagedAttention) is read the same way, each key's row found
 // through its sequence's block table: no gather into a contiguous copy.
 #include <omp.h>
@@ -24,6 +28,7 @@
 #include <limits>
 #include <vector>
 
+#include "bf16.h"
 #include "rfa_cpu_kernel.h"
 #include "rows.h"
 #include "simd.h"
@@ -179,13 +184,18 @@ class DecodeWorker {
     const int64_t lq = p_.q_lens[t.seq], lk = p_.kv_lens[t.seq], mode = p_.attrs.rotary_mode;
     const int64_t per_group = G * lq, M = (t.g1 - t.g0) * per_group, q_off = lk - lq;
     const int64_t qseq = t.seq * p_.q.batch + p_.q_start[t.seq] * p_.q.row;
-    // Q rows: rotated at their positions, scaled into log2 units, zero-padded to Dp.
+    // Q rows: rotated at their positions, scaled into log2 units (bfloat16: rounded first), zero-padded to Dp.
+    const float qmul = p_.scale * kLog2e;
     for (int64_t r = 0; r < M; ++r) {
       const int64_t head = t.g0 * G + r / lq, i = r % lq, pos = q_off + i;
       float *dst = q_ + r * Dp;
       const float *x = RowAsFloat(p_.qkv_dtype, buf_.query, qseq + head * p_.q.head + i * p_.q.row, D, row_);
       Rotate(x, tables_.Row(buf_.cos, p_.cos_dtype, pos, ctmp_), tables_.Row(buf_.sin, p_.sin_dtype, pos, stmp_), rd,
-             D, mode, p_.scale * kLog2e, dst);
+             D, mode, p_.bf16 ? 1.0f : qmul, dst);
+      if (p_.bf16) {
+        bf16::RoundInPlace(dst, D);
+        for (int64_t d = 0; d < D; ++d) dst[d] *= qmul;
+      }
       for (int64_t d = D; d < Dp; ++d) dst[d] = 0.f;
       m_[r] = kNegInf;
       l_[r] = 0.f;
@@ -195,7 +205,8 @@ class DecodeWorker {
     const int64_t kvseq = t.seq * p_.kv.batch + p_.kv_start[t.seq] * p_.kv.row;
     // Rows read in place (in their own dtype) when they are a whole number of vectors and, for K,
     // already rotated and in kernel order; else converted (and rotated) into a float32 row first.
-    const bool in_place = D == Dp;
+    // bfloat16 arithmetic reads only bfloat16 rows in place (the others are rounded first).
+    const bool in_place = D == Dp && (!p_.bf16 || p_.qkv_dtype == DType::BF16);
     const bool k_in_place = in_place && p_.attrs.key_rotated && (mode == 0 || rd == 0);
     const DType kt = k_in_place ? p_.qkv_dtype : DType::F32, vt = in_place ? p_.qkv_dtype : DType::F32;
     for (int64_t j0 = t.lo; j0 < t.hi; j0 += kBlock) {
@@ -225,6 +236,7 @@ class DecodeWorker {
           const void *v = buf_.value;
           if (!in_place) {
             LoadRow(p_.qkv_dtype, buf_.value, off, D, vrow_);
+            if (p_.bf16) bf16::RoundInPlace(vrow_, D);
             v = vrow_;
             off = 0;
           }
@@ -279,6 +291,7 @@ class DecodeWorker {
     else
       Rotate(x, tables_.Row(buf_.cos, p_.cos_dtype, pos, ctmp_), tables_.Row(buf_.sin, p_.sin_dtype, pos, stmp_), rd,
              D, mode, 1.0f, krow_);
+    if (p_.bf16) bf16::RoundInPlace(krow_, D);
     return krow_;
   }
 
@@ -313,6 +326,7 @@ class DecodeWorker {
       sum += srow[j];
     }
     l_[r] += sum + simd::ReduceSum(vsum);
+    if (p_.bf16) bf16::RoundInPlace(srow, valid);  // P V takes P in bfloat16; the sum is of the float32 P
   }
 
   const Problem &p_;
