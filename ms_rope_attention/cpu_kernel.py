@@ -27,7 +27,8 @@ def library(isa: str | None = None) -> ctypes.CDLL:
     dlopen gets)."""
     return open_library(library_path(STEM, WHAT, isa), ABI,
                         texts=("RotaryFlashAttentionLastError", "RotaryFlashAttentionIsa"),
-                        counts=("RotaryFlashAttentionDecodeCalls", "RotaryFlashAttentionNativeBf16"))
+                        counts=("RotaryFlashAttentionDecodeCalls", "RotaryFlashAttentionNativeBf16",
+                                "RotaryFlashAttentionAmx"))
 
 
 def isa_library(isa: str) -> ctypes.CDLL:
@@ -54,6 +55,15 @@ def native_bfloat16(isa: str | None = None) -> bool:
     """Whether the loaded build (or ``isa``'s) computes bfloat16 products on this CPU: the avx512 build
     on a CPU with avx512_bf16 (the kernel's own answer)."""
     return bool(library(isa).RotaryFlashAttentionNativeBf16())
+
+
+def bfloat16_tiles(allow_amx: bool | None = None, isa: str | None = None) -> str | None:
+    """What the bfloat16 forward multiplies on: 'amx' (AMX-BF16 tiles), 'avx512_bf16' (vdpbf16ps), or
+    None (no bfloat16 arithmetic in this build on this CPU). ``allow_amx`` switches the tiles on or
+    off for this process first (tests and benchmarks measure both; default on)."""
+    lib = library(isa)
+    amx = lib.RotaryFlashAttentionAmx(ctypes.c_int64(-1 if allow_amx is None else int(allow_amx)))
+    return "amx" if amx else "avx512_bf16" if lib.RotaryFlashAttentionNativeBf16() else None
 
 
 def compute_dtype_for(requested: str, input_dtype: str, isa: str | None = None) -> str:

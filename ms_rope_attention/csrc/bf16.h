@@ -1,5 +1,6 @@
 // bfloat16 products with float32 accumulation (compute_dtype "bfloat16") for the attention kernels:
-// rounding float32 rows to bfloat16 and the register-blocked GEMM on bfloat16 pairs (vdpbf16ps).
+// rounding float32 rows to bfloat16, the register-blocked GEMM on bfloat16 pairs (vdpbf16ps), and the
+// same products on AMX tiles (tdpbf16ps) where the CPU has them.
 //
 // No build of its own: the routines are compiled inside the AVX-512 build with the avx512bf16 target
 // attribute and entered only when the CPU has the instructions (Native()); the other builds have no
@@ -11,11 +12,22 @@
 // split in pairs: for S = Q K^T (reduced over head_dim) Q rows are plain bfloat16 rows (consecutive
 // features pair up) and K^T is packed [D/2][keys][2]; for O += P V (reduced over keys) P rows are plain
 // bfloat16 rows and V is packed [keys/2][Dp][2]. A word of A is broadcast, a vector of 16 words of B
-// is loaded: 16 output columns per instruction.
+// is loaded: 16 output columns per instruction. The same layouts are AMX's: A tiles are 16 rows of 32
+// bfloat16 values, B tiles 16 pair rows of 16 words (Intel's "VNNI" layout), C tiles 16 x 16 float32.
+//
+// Why AMX too: on Sapphire Rapids vdpbf16ps runs at about half the float32 FMA rate (measured on this
+// project's Xeon: 84 against 166 GFLOP/s, benchmarks/harness.py arithmetic_peaks), so only the tiles
+// make bfloat16 faster there; on Zen 4 (no AMX) vdpbf16ps runs at twice the FMA rate.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#if defined(__AVX512F__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "simd.h"
 
@@ -109,8 +121,9 @@ struct MakeTable : MakeTable<N - 1, N, Is...> {};
 template <int... Is>
 struct MakeTable<0, Is...> { using type = KernelTable<Is...>; };
 
-// simd::Gemm's blocking and causal limits (n_limit in columns, k_limit in pairs, per block of
-// simd::kRows rows) on bfloat16 pairs: C[M x N] (+)= A[M x 2K] * B, N a multiple of 16.
+// simd::Gemm's blocking and causal limits (n_limit in columns, k_limit in terms, per block of
+// simd::kRows rows) on bfloat16 pairs: C[M x N] (+)= A[M x K] * B, N a multiple of 16, K and the
+// limits even (B has K / 2 pair rows).
 RFA_BF16_TARGET inline void Gemm(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t lda, const uint16_t *B,
                                  int64_t ldb, float *C, int64_t ldc, bool accumulate, const int64_t *n_limit = nullptr,
                                  const int64_t *k_limit = nullptr) {
@@ -119,7 +132,7 @@ RFA_BF16_TARGET inline void Gemm(int64_t M, int64_t N, int64_t K, const uint16_t
     const bool wide = N - n0 >= simd::kCols;
     for (int64_t m0 = 0; m0 < M; m0 += simd::kRows) {
       if (n_limit && n0 >= n_limit[m0 / simd::kRows]) continue;
-      const int64_t k = k_limit ? k_limit[m0 / simd::kRows] : K;
+      const int64_t k = (k_limit ? k_limit[m0 / simd::kRows] : K) / 2;
       if (k == 0 && accumulate) continue;
       const int64_t mr = M - m0 < simd::kRows ? M - m0 : simd::kRows;
       const MicroKernelFn fn = wide ? Table::wide[mr - 1] : Table::narrow[mr - 1];
@@ -129,6 +142,70 @@ RFA_BF16_TARGET inline void Gemm(int64_t M, int64_t N, int64_t K, const uint16_t
   }
 }
 #undef RFA_BF16_TARGET
+
+// Whether the CPU has AMX-BF16 tiles and the kernel (Linux) let this process use them: the tile data
+// state must be requested once per process (arch_prctl ARCH_REQ_XCOMP_PERM), else the first tile
+// instruction faults.
+inline bool AmxPermitted() {
+  static const bool permitted = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+#define RFA_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f")))
+
+// Every tile 16 rows of 64 bytes (palette 1), loaded on this thread before a task's tile products
+// (another library may have configured the tiles otherwise) and released after them. A constant:
+// GCC 12 dropped the stores of a configuration built on the stack before ldtilecfg read it.
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t bytes_per_row[16];
+  uint8_t rows[16];
+};
+inline constexpr TileConfig kTileConfig = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+RFA_AMX_TARGET inline void AmxConfigure() { _tile_loadconfig(&kTileConfig); }
+RFA_AMX_TARGET inline void AmxRelease() { _tile_release(); }
+
+// C[M x N] (+)= A[M x K] * B: M and N multiples of 16, K a multiple of 32 (bfloat16 elements; B has
+// K / 2 pair rows). Per block of 16 rows, n_limit (when given) is how many columns of C it needs (a
+// multiple of 16) and k_limit how many terms (a multiple of 32; a block with none is left as it is).
+// Tiles: C 0-1, A 4, B 6-7; one row block against two column blocks at a time.
+RFA_AMX_TARGET inline void AmxGemm(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t lda, const uint16_t *B,
+                                   int64_t ldb, float *C, int64_t ldc, bool accumulate,
+                                   const int64_t *n_limit = nullptr, const int64_t *k_limit = nullptr) {
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    const int64_t k = k_limit ? k_limit[m0 / 16] : K, n = n_limit ? n_limit[m0 / 16] : N;
+    if (k == 0 && accumulate) continue;
+    const uint16_t *a = A + m0 * lda;
+    float *c = C + m0 * ldc;
+    for (int64_t n0 = 0; n0 < n; n0 += 32) {
+      const bool two = n0 + 16 < n;
+      if (accumulate) {
+        _tile_loadd(0, c + n0, ldc * 4);
+        if (two) _tile_loadd(1, c + n0 + 16, ldc * 4);
+      } else {
+        _tile_zero(0);
+        _tile_zero(1);
+      }
+      for (int64_t k0 = 0; k0 < k; k0 += 32) {
+        _tile_loadd(4, a + k0, lda * 2);
+        _tile_loadd(6, B + k0 / 2 * ldb + 2 * n0, ldb * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two) {
+          _tile_loadd(7, B + k0 / 2 * ldb + 2 * (n0 + 16), ldb * 2);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+      }
+      _tile_stored(0, c + n0, ldc * 4);
+      if (two) _tile_stored(1, c + n0 + 16, ldc * 4);
+    }
+  }
+}
+#undef RFA_AMX_TARGET
 #else
 // Never called (see above): this build has no bfloat16 arithmetic.
 inline bool Native() { return false; }
@@ -138,7 +215,19 @@ inline void Gemm(int64_t, int64_t, int64_t, const uint16_t *, int64_t, const uin
                  bool, const int64_t * = nullptr, const int64_t * = nullptr) {
   std::abort();
 }
+inline bool AmxPermitted() { return false; }
+inline void AmxConfigure() { std::abort(); }
+inline void AmxRelease() { std::abort(); }
+inline void AmxGemm(int64_t, int64_t, int64_t, const uint16_t *, int64_t, const uint16_t *, int64_t, float *, int64_t,
+                    bool, const int64_t * = nullptr, const int64_t * = nullptr) {
+  std::abort();
+}
 #endif
+
+// Whether the bfloat16 forward may use AMX tiles where the CPU has them (default yes): the tests
+// and the benchmark switch it off to run the vdpbf16ps GEMM on the same machine.
+inline std::atomic<bool> amx_allowed{true};
+inline bool UseAmx() { return amx_allowed.load(std::memory_order_relaxed) && Native() && AmxPermitted(); }
 
 // The build and CPU, as ResolveCompute's refusal names them.
 inline const char *Build() {

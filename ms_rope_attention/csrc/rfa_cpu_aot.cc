@@ -53,6 +53,9 @@ extern "C" RFA_EXPORT const char *RotaryFlashAttentionIsa() { return rfa::cpu::I
 extern "C" RFA_EXPORT int64_t RotaryFlashAttentionDecodeCalls() { return rfa::cpu::DecodeCalls(); }
 // 1 where compute_dtype "bfloat16" runs (this build, this CPU), else 0: what cpu_kernel.py reports.
 extern "C" RFA_EXPORT int64_t RotaryFlashAttentionNativeBf16() { return rfa::cpu::NativeBf16() ? 1 : 0; }
+// Whether the bfloat16 forward runs its products on AMX tiles: `allow` 0 or 1 sets whether it may
+// (tests and benchmarks measure both on one machine), -1 keeps it; the answer is whether it will.
+extern "C" RFA_EXPORT int64_t RotaryFlashAttentionAmx(int64_t allow) { return rfa::cpu::UseAmx(allow) ? 1 : 0; }
 
 extern "C" RFA_EXPORT int RotaryFlashAttentionInit(int *, int64_t **, const char **, AotExtra *extra) {
   return rfa::InitAttrs(extra, rfa::Attrs());

@@ -62,6 +62,8 @@ const char *Isa();
 std::string ResolveCompute(Compute requested, Problem *p);
 // Whether this build and CPU compute bfloat16 dot products (what "auto" and "bfloat16" need).
 bool NativeBf16();
+// Whether the bfloat16 forward uses AMX tiles; allow 0/1 sets whether it may (default 1), -1 keeps it.
+bool UseAmx(int64_t allow);
 
 }  // namespace cpu
 }  // namespace rfa
