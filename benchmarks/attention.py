@@ -8,7 +8,8 @@ measured in the same run, the fused/unfused ratio, and the in-kernel RoPE cost (
 rotation switched off). The kernel-direct series (with and without rotation, and PyTorch's SDPA in
 the same process) take up to 10 rounds when they fit in about 30 s, and never fewer than --repeats.
 ``--compute-dtype`` sets the op's compute_dtype (several: the kernel-direct series of each run side by
-side in one process, ``fused_direct`` the first, ``fused_direct_<dtype>`` the others), and the
+side in one process, ``fused_direct`` the first, ``fused_direct_<dtype>`` the others; bfloat16 also as
+``..._vdpbf16ps`` with the AMX tiles switched off, where the CPU has them), and the
 GFLOP/s are also given as fractions of the float32 FMA / bfloat16 dot-product / AMX peaks measured
 in the same run (harness.arithmetic_peaks). Writes JSON and a plot.
 
@@ -73,6 +74,7 @@ def run_direct(length, heads, kv_heads, head_dim, dtype, repeats, compute_dtypes
     processes run at different moments of a noisy machine. A round costs no graph compile, so these
     series take more rounds than `repeats` when they are short (the RoPE cost is a ratio of two of
     them, a few percent wide). Returns {series name: times}."""
+    from ms_rope_attention import cpu_kernel
     from ms_rope_attention.testing import cpu_direct
     from ms_rope_attention.cpu_kernel import last_error
     from ms_rope_attention.rope import rope_tables
@@ -80,19 +82,24 @@ def run_direct(length, heads, kv_heads, head_dim, dtype, repeats, compute_dtypes
     q, k, v = _inputs(length, heads, kv_heads, head_dim)
     cos, sin = rope_tables(head_dim, length)
     keep = []
+    amx = cpu_kernel.bfloat16_tiles() == "amx"
 
-    def kernel(rotate, compute_dtype):
+    def kernel(rotate, compute_dtype, allow_amx=True):
         args, _, buffers = cpu_direct.prepare(q, k, v, cos, sin, head_num=heads, dtype=dtype, with_lse=False,
                                               with_rotated_key=False, compute_dtype=compute_dtype)
         keep.append(buffers)
 
         def call():
+            if amx:
+                cpu_kernel.bfloat16_tiles(allow_amx)  # a process-wide switch: set before every call
             if cpu_direct.launch(args, rotate=rotate) != 0:
                 raise RuntimeError(f"the kernel refused the call: {last_error()}")
         return call
 
     series = {"fused_direct": kernel(1, compute_dtypes[0]), "fused_direct_no_rope": kernel(0, compute_dtypes[0])}
     series.update({f"fused_direct_{c}": kernel(1, c) for c in compute_dtypes[1:]})
+    if amx and "bfloat16" in compute_dtypes:
+        series["fused_direct_bfloat16_vdpbf16ps"] = kernel(1, "bfloat16", allow_amx=False)
     try:
         import torch
         import torch.nn.functional as F
@@ -191,7 +198,8 @@ def main(argv=None):
 
     gemm = summarize(measure("gemm", (args.repeats,), limit), 2 * 4096 ** 3)
     peak = gemm.get("gflops")
-    print(f"float32 GEMM peak (numpy 4096^3, same run): {peak:.1f} GFLOP/s")
+    print(f"float32 GEMM peak (numpy 4096^3, same run): {peak:.1f} GFLOP/s (machine shared with other work: "
+          "timings are noisy; ratios come from series alternated in one process)")
     peaks = arithmetic_peaks()
     print("arithmetic peaks (same run, every core): " + ", ".join(
         f"{key} {peaks[f'{key}_gflops']:.1f} GFLOP/s" for key in ("float32_fma", "bfloat16_dot", "bfloat16_amx")

@@ -7,7 +7,9 @@ not a cartesian product: every layout, head dims 40/72/128, GQA 3 and 7, causal 
 interleaved rotary, S = 1, odd lengths and lengths not a multiple of the tile (shrunken tiles hit
 every tail), TND with empty and uneven sequences, float32 / float16 / bfloat16 inputs; the decode
 path and the paged cache; NaN/Inf as in float32; 'float32' bit for bit today's arithmetic; the
-refusals. One MindSpore check (GRAPH_MODE and PyNative) runs the op as a model does.
+refusals. One MindSpore check (GRAPH_MODE and PyNative) runs the op as a model does. The tiled
+path's products run on AMX tiles where the CPU has them, else on vdpbf16ps: both are swept here
+(the ``tiles`` fixture) where both run.
 """
 import re
 
@@ -28,6 +30,15 @@ from test_paged import paged_case
 ISAS = [isa for isa in usable_isas() if isa in built_libraries()]
 NATIVE = [isa for isa in ISAS if kd.cpu_library(isa).RotaryFlashAttentionNativeBf16()]
 needs_bf16 = pytest.mark.skipif(not NATIVE, reason="no kernel build computes bfloat16 on this CPU (avx512_bf16)")
+TILES = ["avx512_bf16"] + (["amx"] if NATIVE and kd.cpu_library(NATIVE[0]).RotaryFlashAttentionAmx(-1) else [])
+
+
+@pytest.fixture(params=TILES)
+def tiles(request):
+    """The tiled path's bfloat16 products on AMX tiles or on vdpbf16ps (then the default again)."""
+    assert cpu_kernel.bfloat16_tiles(request.param == "amx", isa=NATIVE[0]) == request.param
+    yield request.param
+    cpu_kernel.bfloat16_tiles(True, isa=NATIVE[0])
 # lse: float32 statistics of the unrounded P; a rotated element whose float32 and float64 rotations
 # round to neighbouring bfloat16 values moves one score by 2^-8 of one |q_d k_d| scale (< 1e-2 for
 # these unit-normal inputs); float32 sums stay far below.
@@ -71,14 +82,14 @@ def assert_close(out, lse, ref_out, ref_lse, v, dtype):
 @pytest.mark.parametrize("case,tiling", SWEEP, ids=[f"{c.layout}-d{c.head_dim}-g{c.heads // c.kv_heads}-{i}"
                                                     for i, (c, _) in enumerate(SWEEP)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_forward_matches_the_rounded_reference(case, tiling, dtype, rng):
+def test_forward_matches_the_rounded_reference(case, tiling, dtype, tiles, rng):
     assert_close(*run_bf16(case, rng, dtype, isa=NATIVE[0], stream_q_max=-1, **tiling), dtype)
 
 
 @needs_bf16
 @pytest.mark.parametrize("q_len,kv_len,path", [(1, 300, 0), (5, 40, 0), (16, 700, 0), (5, 40, -1), (16, 700, -1)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_path_rounds_where_the_tiled_path_does(q_len, kv_len, path, dtype, rng):
+def test_decode_path_rounds_where_the_tiled_path_does(q_len, kv_len, path, dtype, tiles, rng):
     """The decode path (q_len <= 16, rfa_cpu_decode.cc) and the tiled path on the same calls: both
     within the bound of the same reference, and the decode path really taken."""
     case = Case(layout="BSND", batch=2, heads=6, kv_heads=2, q_len=q_len, kv_len=kv_len, head_dim=72, mode=1,
@@ -125,7 +136,7 @@ def test_auto_is_bfloat16_for_bfloat16_inputs_only(rng):
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
-def test_nonfinite_reaches_exactly_its_rows(path, target, value):
+def test_nonfinite_reaches_exactly_its_rows(path, target, value, tiles):
     """test_kernel_nonfinite.py's matrix with bfloat16 arithmetic: the same rows NaN / Inf (NaN and
     Inf survive the rounding), the finite ones within the bfloat16 bound."""
     rng = np.random.default_rng(7)
