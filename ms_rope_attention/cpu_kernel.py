@@ -6,7 +6,6 @@ from __future__ import annotations
 import ctypes
 
 from .attrs import check_compute_dtype
-from .compute import resolve_compute_dtype
 from .cpu_runtime import Abi, cpu_flags, library_path, make_primitive, open_library, select_library
 from .cpu_runtime import built_libraries, usable_isas  # noqa: F401  (the benchmarks' old path, for one release)
 from .gradients import FusedKernel, fused_bprop, unfused_autodiff_bprop
@@ -68,9 +67,11 @@ def bfloat16_tiles(allow_amx: bool | None = None, isa: str | None = None) -> str
 
 def compute_dtype_for(requested: str, input_dtype: str, isa: str | None = None) -> str:
     """The arithmetic of Q K^T and P V ('float32' or 'bfloat16') the kernel runs for the setting
-    ``requested`` and inputs (or a KV cache) of ``input_dtype``: ``compute.resolve_compute_dtype``'s
-    rule with this build's own bfloat16 capability as the CPU's, as the kernel resolves it at launch.
-    An explicit 'bfloat16' it cannot compute is refused (ValueError), as the kernel refuses it."""
+    ``requested`` and inputs (or a KV cache) of ``input_dtype``, as the kernel resolves it at launch
+    (csrc/rfa_problem.h ResolveCompute; ``compute.resolve_compute_dtype``'s rule with this build's own
+    bfloat16 capability for the CPU's): 'auto' is bfloat16 for bfloat16 inputs where the build
+    computes it, float32 otherwise. An explicit 'bfloat16' it cannot compute is refused (ValueError),
+    as the kernel refuses it."""
     check_compute_dtype(requested)
     native = native_bfloat16(isa)
     if requested == "bfloat16" and not native:
@@ -78,7 +79,9 @@ def compute_dtype_for(requested: str, input_dtype: str, isa: str | None = None) 
         raise ValueError(f"compute_dtype: 'bfloat16' needs the avx512_bf16 instructions (vdpbf16ps) and the kernel's "
                          f"avx512 build; this is the {kernel_isa() if isa is None else isa} build{where}; "
                          "use 'auto' or 'float32'")
-    return resolve_compute_dtype(requested, input_dtype, {"avx512_bf16"} if native else set())
+    if requested == "auto":
+        return "bfloat16" if native and input_dtype == "bfloat16" else "float32"
+    return requested
 
 
 def unavailable() -> str | None:
