@@ -243,8 +243,10 @@ def format_row(row):
             continue
         if "min_ms" in res:
             pct = f" {res['pct_of_gemm_peak']:.0f}%pk" if "pct_of_gemm_peak" in res else ""
-            if res.get("fraction_of_bfloat16_dot_peak"):
-                pct += f" {100 * res['fraction_of_bfloat16_dot_peak']:.0f}% of bf16 dot peak"
+            peaks = [f"{100 * res[f'fraction_of_{key}_peak']:.0f}% {label}" for key, label in
+                     (("float32_fma", "fp32 FMA"), ("bfloat16_dot", "bf16 dot"), ("bfloat16_amx", "AMX"))
+                     if res.get(f"fraction_of_{key}_peak")]
+            pct += f"; {' / '.join(peaks)} peak" if peaks else ""
             parts.append(f"{name}: min {res['min_ms']:.1f} ms / med {res['median_ms']:.1f} ms "
                          f"({res['gflops']:.0f} GF/s{pct}, {res['peak_rss_mb']:.0f} MB)")
         else:

@@ -237,3 +237,21 @@ def test_through_mindspore(mode, rng):
     cos, sin = cell.cos.asnumpy(), cell.sin.asnumpy()
     want = kd.run(q, k, v, cos, sin, input_layout="BSND", head_num=heads, compute_dtype="bfloat16")[1]
     assert (out == want).all()
+
+
+@needs_bf16
+def test_backward_is_the_float32_gradient(rng):
+    """The backward computes float32 whatever compute_dtype says: from a bfloat16 forward's output and
+    lse it gives the float32 forward's gradients up to what the bfloat16 forward moved (its output and
+    lse, within the bound above), and the same bits for compute_dtype 'float32' and 'auto' on float32."""
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    heads, dim = 6, 72
+    q = ms.Tensor(rng.standard_normal((1, 37, heads, dim)).astype(np.float32))
+    k, v = (ms.Tensor(rng.standard_normal((1, 41, 2, dim)).astype(np.float32)) for _ in range(2))
+    grads = {}
+    for compute in ("auto", "float32", "bfloat16"):
+        cell = RotaryFlashAttention(heads, dim, input_layout="BSND", compute_dtype=compute, max_position_embeddings=64)
+        grads[compute] = [g.asnumpy() for g in ms.grad(lambda *x: cell(*x).sum(), grad_position=(0, 1, 2))(q, k, v)]
+    assert all((a == b).all() for a, b in zip(grads["auto"], grads["float32"]))
+    for g16, g32 in zip(grads["bfloat16"], grads["float32"]):
+        assert np.isfinite(g16).all() and np.abs(g16 - g32).max() <= 2.0 ** -5 * np.abs(g32).max()
