@@ -33,7 +33,7 @@ needs_bf16 = pytest.mark.skipif(not NATIVE, reason="no kernel build computes bfl
 # The MindSpore-level tests run the selected build (RFA_CPU_ISA may force one without bfloat16).
 needs_selected_bf16 = pytest.mark.skipif(not (NATIVE and cpu_kernel.native_bfloat16()),
                                          reason="the selected kernel build does not compute bfloat16")
-TILES = ["avx512_bf16"] + (["amx"] if NATIVE and kd.cpu_library(NATIVE[0]).RotaryFlashAttentionAmx(-1) else [])
+TILES = ["avx512_bf16"] + (["amx"] if NATIVE and cpu_kernel.bfloat16_tiles(isa=NATIVE[0]) == "amx" else [])
 
 
 @pytest.fixture(params=TILES)
