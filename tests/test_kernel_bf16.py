@@ -156,6 +156,24 @@ def test_nonfinite_reaches_exactly_its_rows(path, target, value, tiles):
 
 
 @needs_bf16
+@pytest.mark.parametrize("path", list(PATHS))
+def test_rows_that_never_meet_nan_are_bit_identical(path, tiles):
+    """As in float32: a NaN query element poisons its own row only; every other row (same AMX tile
+    and vdpbf16ps block included) has the bits of the clean call."""
+    rng = np.random.default_rng(11)
+    q, k, v, cos, sin = poisoned(rng, path, "query", 0.25)
+    run = dict(isa=NATIVE[0], head_num=HEADS, with_rotated_key=False, stream_q_max=PATHS[path][2],
+               compute_dtype="bfloat16")
+    _, clean, clean_lse, _ = kd.run(q, k, v, cos, sin, **run)
+    q[0, 1, q.shape[2] // 2, 3] = np.nan
+    _, out, lse, _ = kd.run(q, k, v, cos, sin, **run)
+    hit = np.zeros(out.shape[:-1], bool)
+    hit[0, 1, q.shape[2] // 2] = True
+    assert np.isnan(out[hit]).all() and np.isnan(lse[hit]).all()
+    assert (out[~hit] == clean[~hit]).all() and (lse[~hit] == clean_lse[~hit]).all()
+
+
+@needs_bf16
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("key_rotated", [True, False])
 def test_paged_cache_is_the_contiguous_decode_path(cache_dtype, key_rotated, rng):
