@@ -7,9 +7,14 @@ Reports min and median of repeats, GFLOP/s (2*B*H*S^2*D for causal), % of a floa
 measured in the same run, the fused/unfused ratio, and the in-kernel RoPE cost (same kernel with the
 rotation switched off). The kernel-direct series (with and without rotation, and PyTorch's SDPA in
 the same process) take up to 10 rounds when they fit in about 30 s, and never fewer than --repeats.
-Writes JSON and a plot.
+``--compute-dtype`` sets the op's compute_dtype (several: the kernel-direct series of each run side by
+side in one process, ``fused_direct`` the first, ``fused_direct_<dtype>`` the others; bfloat16 also as
+``..._vdpbf16ps`` with the AMX tiles switched off, where the CPU has them), and the
+GFLOP/s are also given as fractions of the float32 FMA / bfloat16 dot-product / AMX peaks measured
+in the same run (harness.arithmetic_peaks). Writes JSON and a plot.
 
     python benchmarks/attention.py --lengths 1024 2048 --repeats 3 --out benchmarks/results
+    python benchmarks/attention.py --lengths 2048 8192 --compute-dtype float32 bfloat16 --competitors fused_direct
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness import alternate, machine_info, memory_total_bytes, run_isolated, timed
+from harness import alternate, arithmetic_peaks, machine_info, memory_total_bytes, peak_fractions, run_isolated, timed
 
 
 def _inputs(length, heads, kv_heads, head_dim, seed=0):
@@ -33,7 +38,7 @@ def _inputs(length, heads, kv_heads, head_dim, seed=0):
     return q, k, v
 
 
-def run_mindspore(backend, length, heads, kv_heads, head_dim, dtype, repeats):
+def run_mindspore(backend, length, heads, kv_heads, head_dim, dtype, repeats, compute_dtypes):
     import ms_rope_attention  # noqa: F401  before MindSpore, as users run it (docs/threads.md)
     import mindspore as ms
     from mindspore import Tensor, nn
@@ -47,7 +52,8 @@ def run_mindspore(backend, length, heads, kv_heads, head_dim, dtype, repeats):
     class Net(nn.Cell):
         def __init__(self):
             super().__init__()
-            self.attn = mra.RotaryFlashAttention(heads, head_dim, max_position_embeddings=length, backend=backend)
+            self.attn = mra.RotaryFlashAttention(heads, head_dim, max_position_embeddings=length, backend=backend,
+                                                 compute_dtype=compute_dtypes[0] if backend == "fused" else "auto")
 
         def construct(self, q, k, v):
             return self.attn(q, k, v)
@@ -61,27 +67,39 @@ DIRECT_ROUNDS_MAX = 10        # rounds of the same-process series, at most ...
 DIRECT_ROUNDS_SECONDS = 30.0  # ... and as many as fit in about this long (at least `repeats`)
 
 
-def run_direct(length, heads, kv_heads, head_dim, dtype, repeats):
-    """The fused kernel without MindSpore, with and without the rotation, and PyTorch's SDPA when it is
-    installed, alternating in one process on prepared buffers: ratios taken side by side rather than
-    between processes run at different moments of a noisy machine. A round costs no graph compile, so
-    these series take more rounds than `repeats` when they are short (the RoPE cost is a ratio of
-    two of them, a few percent wide). Returns {series name: times}."""
+def run_direct(length, heads, kv_heads, head_dim, dtype, repeats, compute_dtypes):
+    """The fused kernel without MindSpore, with and without the rotation (the first of
+    ``compute_dtypes``), in each other compute dtype, and PyTorch's SDPA when it is installed,
+    alternating in one process on prepared buffers: ratios taken side by side rather than between
+    processes run at different moments of a noisy machine. A round costs no graph compile, so these
+    series take more rounds than `repeats` when they are short (the RoPE cost is a ratio of two of
+    them, a few percent wide). Returns {series name: times}."""
+    from ms_rope_attention import cpu_kernel
     from ms_rope_attention.testing import cpu_direct
     from ms_rope_attention.cpu_kernel import last_error
     from ms_rope_attention.rope import rope_tables
 
     q, k, v = _inputs(length, heads, kv_heads, head_dim)
     cos, sin = rope_tables(head_dim, length)
-    args, _, keep = cpu_direct.prepare(q, k, v, cos, sin, head_num=heads, dtype=dtype, with_lse=False,
-                                       with_rotated_key=False)
-    def kernel(rotate):
+    keep = []
+    amx = cpu_kernel.bfloat16_tiles() == "amx"
+
+    def kernel(rotate, compute_dtype, allow_amx=True):
+        args, _, buffers = cpu_direct.prepare(q, k, v, cos, sin, head_num=heads, dtype=dtype, with_lse=False,
+                                              with_rotated_key=False, compute_dtype=compute_dtype)
+        keep.append(buffers)
+
         def call():
+            if amx:
+                cpu_kernel.bfloat16_tiles(allow_amx)  # a process-wide switch: set before every call
             if cpu_direct.launch(args, rotate=rotate) != 0:
                 raise RuntimeError(f"the kernel refused the call: {last_error()}")
         return call
 
-    series = {"fused_direct": kernel(1), "fused_direct_no_rope": kernel(0)}
+    series = {"fused_direct": kernel(1, compute_dtypes[0]), "fused_direct_no_rope": kernel(0, compute_dtypes[0])}
+    series.update({f"fused_direct_{c}": kernel(1, c) for c in compute_dtypes[1:]})
+    if amx and "bfloat16" in compute_dtypes:
+        series["fused_direct_bfloat16_vdpbf16ps"] = kernel(1, "bfloat16", allow_amx=False)
     try:
         import torch
         import torch.nn.functional as F
@@ -131,16 +149,16 @@ def run_gemm_peak(repeats, n=4096):
 COMPETITORS = {
     "fused": lambda a: run_mindspore("fused", *a),
     "unfused": lambda a: run_mindspore("unfused", *a),
-    "fused_direct": lambda a: run_direct(*a),  # also fused_direct_no_rope, torch_sdpa_same_process
-    "torch_rope_sdpa": lambda a: run_torch(True, *a),
-    "torch_sdpa": lambda a: run_torch(False, *a),
-    "gemm": lambda a: run_gemm_peak(a[-1]),
+    "fused_direct": lambda a: run_direct(*a),  # also fused_direct_no_rope, _<compute dtype>, torch_sdpa_same_process
+    "torch_rope_sdpa": lambda a: run_torch(True, *a[:-1]),
+    "torch_sdpa": lambda a: run_torch(False, *a[:-1]),
+    "gemm": lambda a: run_gemm_peak(a[0]),
 }
 
 
 def competitor(name, args):
     """Child-process entry (see harness.run_isolated)."""
-    times = COMPETITORS[name](args)
+    times = COMPETITORS[name](tuple(args))
     if name == "fused_direct":
         return {"times": times.pop("fused_direct"), "same_process": times}
     return {"times": times}
@@ -169,6 +187,8 @@ def main(argv=None):
     parser.add_argument("--kv-heads", type=int, nargs="+", default=[32], help="several values sweep GQA on/off")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--compute-dtype", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16"],
+                        help="the fused op's compute_dtype; several: each as a kernel-direct series side by side")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--competitors", nargs="+", default=[n for n in COMPETITORS if n != "gemm"])
     parser.add_argument("--out", default="benchmarks/results")
@@ -178,11 +198,16 @@ def main(argv=None):
 
     gemm = summarize(measure("gemm", (args.repeats,), limit), 2 * 4096 ** 3)
     peak = gemm.get("gflops")
-    print(f"float32 GEMM peak (numpy 4096^3, same run): {peak:.1f} GFLOP/s")
+    print(f"float32 GEMM peak (numpy 4096^3, same run): {peak:.1f} GFLOP/s (machine shared with other work: "
+          "timings are noisy; ratios come from series alternated in one process)")
+    peaks = arithmetic_peaks()
+    print("arithmetic peaks (same run, every core): " + ", ".join(
+        f"{key} {peaks[f'{key}_gflops']:.1f} GFLOP/s" for key in ("float32_fma", "bfloat16_dot", "bfloat16_amx")
+        if peaks.get(f"{key}_gflops")))
     rows = []
     for dtype, kv_heads, length in itertools.product(args.dtypes, args.kv_heads, args.lengths):
         flops = 2 * args.heads * length * length * args.head_dim
-        run_args = (length, args.heads, kv_heads, args.head_dim, dtype, args.repeats)
+        run_args = (length, args.heads, kv_heads, args.head_dim, dtype, args.repeats, args.compute_dtype)
         row = {"length": length, "dtype": dtype, "kv_heads": kv_heads}
         for name in args.competitors:
             result = measure(name, run_args, limit)
@@ -193,9 +218,11 @@ def main(argv=None):
         for entry in row.values():
             if peak and isinstance(entry, dict) and "gflops" in entry:
                 entry["pct_of_gemm_peak"] = 100 * entry["gflops"] / peak
+                entry.update(peak_fractions(entry["gflops"], peaks))
         rows.append(row)
         print(format_row(row))
-    results = {"machine": machine_info(), "config": vars(args), "gemm_peak": gemm, "rows": rows}
+    results = {"machine": machine_info(), "config": vars(args), "gemm_peak": gemm, "arithmetic_peaks": peaks,
+               "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "attention.json").write_text(json.dumps(results, indent=2))
@@ -216,13 +243,20 @@ def format_row(row):
             continue
         if "min_ms" in res:
             pct = f" {res['pct_of_gemm_peak']:.0f}%pk" if "pct_of_gemm_peak" in res else ""
+            peaks = [f"{100 * res[f'fraction_of_{key}_peak']:.0f}% {label}" for key, label in
+                     (("float32_fma", "fp32 FMA"), ("bfloat16_dot", "bf16 dot"), ("bfloat16_amx", "AMX"))
+                     if res.get(f"fraction_of_{key}_peak")]
+            pct += f"; {' / '.join(peaks)} peak" if peaks else ""
             parts.append(f"{name}: min {res['min_ms']:.1f} ms / med {res['median_ms']:.1f} ms "
                          f"({res['gflops']:.0f} GF/s{pct}, {res['peak_rss_mb']:.0f} MB)")
         else:
             parts.append(f"{name}: {res.get('skipped') or res.get('error')}")
     speedups = (("fused vs unfused speedup", "fused", "unfused"),
                 ("fused vs torch SDPA (no RoPE) speedup", "fused", "torch_sdpa"),
-                ("fused kernel vs torch SDPA (no RoPE), same process", "fused_direct", "torch_sdpa_same_process"))
+                ("fused kernel vs torch SDPA (no RoPE), same process", "fused_direct", "torch_sdpa_same_process"),
+                *((f"fused kernel compute_dtype {name[len('fused_direct_'):]} vs the first, same process",
+                   name, "fused_direct") for name in row if name.startswith("fused_direct_")
+                  and name != "fused_direct_no_rope"))
     for label, a, b in speedups:
         r = _ratio(row, a, b)
         if r is not None:

@@ -78,6 +78,9 @@ def make_kernel(attrs, forwards) -> FusedKernel:
     (``gradients.AutodiffForwards``; default MindSpore's FlashAttention, no S x S matrix), announced
     once as a fallback (strict raises instead), or the fused backward kernel, announced once as not
     run on hardware (not a fallback: strict allows it). ``backward_name`` says which."""
+    if attrs.compute_dtype != "auto":
+        raise ValueError(f"compute_dtype: on Ascend the cube units compute Q·Kᵀ and P·V in the inputs' dtype with "
+                         f"float32 accumulation; only 'auto' is accepted there, got {attrs.compute_dtype!r}")
     values, grads_used = attrs.kernel_attrs(), (attrs.with_softmax_lse, attrs.with_rotated_key)
     strict = attrs.strict or attrs.backend == "fused"
 

@@ -24,6 +24,7 @@ class _Fields(NamedTuple):
     with_softmax_lse: bool = False
     with_rotated_key: bool = False
     key_rotated: bool = False
+    compute_dtype: str = "auto"
     # how the dispatch chooses the path
     backend: str = "auto"
     strict: bool = False
@@ -54,6 +55,19 @@ class OpAttrs(_Fields):
         values.update({name: values[name] or 0 for name in self.FROM_INPUTS}, with_softmax_lse=True)
         values["scale"] = float(values["scale"])
         return values
+
+
+def check_compute_dtype(value) -> str:
+    """``value`` if the attention ops offer it (the contract's ``compute_dtype`` values); float16 is
+    refused by name (x86 has no float16 dot product accumulating in float32), anything else by the
+    contract's list."""
+    if value == "float16":
+        raise ValueError("compute_dtype: 'float16' is not offered by the attention ops: x86 has no float16 dot "
+                         "product accumulating in float32; use 'auto', 'float32' or 'bfloat16'")
+    allowed = load_contract().attr("compute_dtype")["values"]
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"compute_dtype: expected one of {allowed}, got {value!r}")
+    return value
 
 
 def contract_attr_names() -> tuple:

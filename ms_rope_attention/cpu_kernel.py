@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import ctypes
 
-from .cpu_runtime import Abi, library_path, make_primitive, open_library, select_library
+from .attrs import check_compute_dtype
+from .cpu_runtime import Abi, cpu_flags, library_path, make_primitive, open_library, select_library
 from .cpu_runtime import built_libraries, usable_isas  # noqa: F401  (the benchmarks' old path, for one release)
 from .gradients import FusedKernel, fused_bprop, unfused_autodiff_bprop
 from .op_info import load_contract
@@ -16,7 +17,7 @@ FUSED_BACKWARD = True  # the library has the backward entry (tests switch it off
 # The version of the C layout the direct-call entries take (rfa::Attrs, mirrored by
 # testing.cpu_direct.Attrs) and of their arguments: csrc/rfa_problem.h's kAbiVersion. A library
 # reporting another version is refused when it is opened.
-ABI_VERSION = 2
+ABI_VERSION = 3
 ABI = Abi("RotaryFlashAttentionAbiVersion", ABI_VERSION)  # paged_kernel opens the same library: the same check
 
 
@@ -25,7 +26,8 @@ def library(isa: str | None = None) -> ctypes.CDLL:
     dlopen gets)."""
     return open_library(library_path(STEM, WHAT, isa), ABI,
                         texts=("RotaryFlashAttentionLastError", "RotaryFlashAttentionIsa"),
-                        counts=("RotaryFlashAttentionDecodeCalls",))
+                        counts=("RotaryFlashAttentionDecodeCalls", "RotaryFlashAttentionNativeBf16",
+                                "RotaryFlashAttentionAmx"))
 
 
 def isa_library(isa: str) -> ctypes.CDLL:
@@ -48,6 +50,40 @@ def kernel_isa() -> str:
     return library().RotaryFlashAttentionIsa().decode()
 
 
+def native_bfloat16(isa: str | None = None) -> bool:
+    """Whether the loaded build (or ``isa``'s) computes bfloat16 products on this CPU: the avx512 build
+    on a CPU with avx512_bf16 (the kernel's own answer)."""
+    return bool(library(isa).RotaryFlashAttentionNativeBf16())
+
+
+def bfloat16_tiles(allow_amx: bool | None = None, isa: str | None = None) -> str | None:
+    """What the bfloat16 forward multiplies on: 'amx' (AMX-BF16 tiles), 'avx512_bf16' (vdpbf16ps), or
+    None (no bfloat16 arithmetic in this build on this CPU). ``allow_amx`` switches the tiles on or
+    off for this process first (tests and benchmarks measure both; default on)."""
+    lib = library(isa)
+    amx = lib.RotaryFlashAttentionAmx(ctypes.c_int64(-1 if allow_amx is None else int(allow_amx)))
+    return "amx" if amx else "avx512_bf16" if lib.RotaryFlashAttentionNativeBf16() else None
+
+
+def compute_dtype_for(requested: str, input_dtype: str, isa: str | None = None) -> str:
+    """The arithmetic of Q K^T and P V ('float32' or 'bfloat16') the kernel runs for the setting
+    ``requested`` and inputs (or a KV cache) of ``input_dtype``, as the kernel resolves it at launch
+    (csrc/rfa_problem.h ResolveCompute; ``compute.resolve_compute_dtype``'s rule with this build's own
+    bfloat16 capability for the CPU's): 'auto' is bfloat16 for bfloat16 inputs where the build
+    computes it, float32 otherwise. An explicit 'bfloat16' it cannot compute is refused (ValueError),
+    as the kernel refuses it."""
+    check_compute_dtype(requested)
+    native = native_bfloat16(isa)
+    if requested == "bfloat16" and not native:
+        where = "" if "avx512_bf16" in cpu_flags() else " on a CPU without avx512_bf16"
+        raise ValueError(f"compute_dtype: 'bfloat16' needs the avx512_bf16 instructions (vdpbf16ps) and the kernel's "
+                         f"avx512 build; this is the {kernel_isa() if isa is None else isa} build{where}; "
+                         "use 'auto' or 'float32'")
+    if requested == "auto":
+        return "bfloat16" if native and input_dtype == "bfloat16" else "float32"
+    return requested
+
+
 def unavailable() -> str | None:
     """None when a kernel build for this CPU can be loaded, else why not (the dispatch's fallback reason)."""
     try:
@@ -64,6 +100,7 @@ def make_kernel(attrs, forwards) -> FusedKernel:
     announced fallback gradient, the unfused autodiff, used only without a fused backward."""
     path = library_path(STEM, WHAT)
     library()  # fail here, not inside MindSpore, if the library cannot be loaded
+    compute_dtype_for(attrs.compute_dtype, "bfloat16")  # an explicit bfloat16 this build cannot compute: refused now
     contract, values = load_contract(), attrs.kernel_attrs()
     grads_used = attrs.with_softmax_lse, attrs.with_rotated_key
     grad_op = None

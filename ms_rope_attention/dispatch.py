@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple
 import mindspore as ms
 
 from . import ascend_kernel, checks, cpu_kernel, paged_kernel
-from .attrs import OpAttrs
+from .attrs import OpAttrs, check_compute_dtype
 from .gradients import AutodiffForwards, FusedKernel, announce_fallback
 from .layouts import shard
 from .op_info import attr_values
@@ -63,11 +63,29 @@ def backend_for(attrs: OpAttrs, forwards: Callable[[OpAttrs], AutodiffForwards])
                        key_rotated=attrs.key_rotated, strict=attrs.strict)
     if attrs.backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {attrs.backend!r}")
+    check_compute_dtype(attrs.compute_dtype)
     kernel, reason = make_kernel(attrs, forwards)
     if reason is not None:
         announce_fallback(reason, attrs.strict or attrs.backend == "fused")
+    if kernel is None and attrs.compute_dtype == "bfloat16":
+        announce_fallback(UNFUSED_FLOAT32, attrs.strict)
     found = _backends[key] = Backend(kernel, f"fused:{device()}" if kernel is not None else "unfused", reason)
     return found
+
+
+# Why an explicit compute_dtype='bfloat16' is not what the unfused path runs.
+UNFUSED_FLOAT32 = ("compute_dtype='bfloat16': the unfused path computes float32 (MindSpore 2.10's CPU backend has no "
+                   "bfloat16 MatMul or Reshape)")
+
+
+def arithmetic(backend: Backend, attrs: OpAttrs, input_dtype: str) -> str:
+    """What Q K^T and P V of ``backend`` compute in for inputs of ``input_dtype`` ('float32',
+    'float16' or 'bfloat16'): the CPU kernel's resolution of ``attrs.compute_dtype``
+    (``cpu_kernel.compute_dtype_for``), the inputs' own dtype on Ascend (its cube units, float32
+    accumulation), float32 on the unfused path."""
+    if backend.name == "fused:CPU":
+        return cpu_kernel.compute_dtype_for(attrs.compute_dtype, input_dtype)
+    return input_dtype if backend.name == "fused:Ascend" else "float32"
 
 
 def make_kernel(attrs: OpAttrs, forwards: Callable[[OpAttrs], AutodiffForwards],

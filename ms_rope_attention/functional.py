@@ -188,13 +188,14 @@ def _offsets_constant(name, value):
 def rotary_flash_attention(query, key, value, cos, sin, head_num=None, *, input_layout="BNSD", rotary_mode=0,
                            rotary_dim=None, scale=None, causal=True, actual_seq_qlen=None, actual_seq_kvlen=None,
                            return_softmax_lse=False, return_rotated_key=False, key_rotated=False, backend="auto",
-                           strict=False):
+                           strict=False, compute_dtype="auto"):
     """RoPE(query), RoPE(key) and attention in one fused pass; returns the output in query's layout/dtype.
 
     See the semantics table in docs/semantics.md (generated from ``op_info``). With ``return_softmax_lse`` /
     ``return_rotated_key`` a tuple ``(out, lse?, rotated_key?)`` is returned. ``key_rotated=True``
     says key already carries RoPE (a KV cache of earlier ``rotated_key`` outputs): only query is
-    rotated. Works eagerly, inside ``construct`` under GRAPH_MODE and inside ``@ms.jit``; eagerly,
+    rotated. ``compute_dtype`` ('auto', 'float32', 'bfloat16') is the arithmetic of Q·Kᵀ and P·V
+    (the contract's rule). Works eagerly, inside ``construct`` under GRAPH_MODE and inside ``@ms.jit``; eagerly,
     the TND offsets' values are checked here, inside a graph by the kernel when it launches.
     """
     _check_return_flags(return_softmax_lse, return_rotated_key)
@@ -204,7 +205,8 @@ def rotary_flash_attention(query, key, value, cos, sin, head_num=None, *, input_
         actual_seq_kvlen = _offsets_constant("actual_seq_kvlen", actual_seq_kvlen)
     attrs = OpAttrs(head_num=head_num, input_layout=input_layout, rotary_mode=rotary_mode, rotary_dim=rotary_dim,
                     scale=scale, causal=causal, with_softmax_lse=return_softmax_lse,
-                    with_rotated_key=return_rotated_key, key_rotated=key_rotated, backend=backend, strict=strict)
+                    with_rotated_key=return_rotated_key, key_rotated=key_rotated, compute_dtype=compute_dtype,
+                    backend=backend, strict=strict)
     geometry = checked_geometry(query, key, value, cos, sin, actual_seq_qlen, actual_seq_kvlen, attrs)
     if input_layout == "TND":
         _check_offsets_when_eager(_eager_marker, actual_seq_qlen, actual_seq_kvlen, query.shape[0], key.shape[0],

@@ -28,20 +28,27 @@ def _check_shard_shapes(input_layout, parallel, query_shape, key_shape, head_num
 class RotaryFlashAttentionOp(nn.Cell):
     """The op with fixed attributes; ``construct(query, key, value, cos, sin, actual_seq_qlen=None,
     actual_seq_kvlen=None)`` returns ``(attention_out, softmax_lse, rotated_key)`` (disabled
-    outputs are empty). ``backend_name`` tells which backend runs."""
+    outputs are empty). ``backend_name`` tells which backend runs, ``arithmetic(dtype)`` in what
+    it computes for inputs of that dtype."""
 
     fused_site = True  # fuse() leaves it alone: it already runs the fused op
 
     def __init__(self, head_num=None, input_layout="BNSD", rotary_mode=0, rotary_dim=None, scale=None, causal=True,
-                 with_softmax_lse=False, with_rotated_key=False, backend="auto", strict=False, key_rotated=False):
+                 with_softmax_lse=False, with_rotated_key=False, backend="auto", strict=False, key_rotated=False,
+                 compute_dtype="auto"):
         super().__init__()
         self.attrs = OpAttrs(head_num=head_num, input_layout=input_layout, rotary_mode=rotary_mode,
                              rotary_dim=rotary_dim, scale=scale, causal=causal, with_softmax_lse=with_softmax_lse,
-                             with_rotated_key=with_rotated_key, key_rotated=key_rotated, backend=backend,
-                             strict=strict)
+                             with_rotated_key=with_rotated_key, key_rotated=key_rotated, compute_dtype=compute_dtype,
+                             backend=backend, strict=strict)
         chosen = backend_for(self.attrs)
         self.backend_name, self.fallback_reason = chosen.name, chosen.fallback_reason
         self.parallel, self.sharded = None, None
+
+    def arithmetic(self, input_dtype) -> str:
+        """What Q·Kᵀ and P·V compute in for inputs of ``input_dtype`` (a name or a mindspore dtype):
+        'float32' or 'bfloat16' (``dispatch.arithmetic``)."""
+        return dispatch.arithmetic(backend_for(self.attrs), self.attrs, checks.dtype_name(input_dtype))
 
     def semi_auto_shard(self, dp: int = 1, tp: int = 1) -> "RotaryFlashAttentionOp":
         """Splits the op by batch (``dp``) and heads (``tp``) on a (dp, tp) device matrix when it runs
@@ -73,6 +80,8 @@ class RotaryFlashAttention(nn.Cell):
     attention output in query's layout and dtype, or a tuple ``(out, lse?, rotated_key?)`` when
     ``return_softmax_lse`` / ``return_rotated_key`` are set. ``backend`` says which path runs.
     ``key_rotated=True`` is for decoding against a KV cache of rotated keys: only query is rotated.
+    ``compute_dtype`` ('auto', 'float32' or 'bfloat16': the contract's rule) is the arithmetic of
+    Q·Kᵀ and P·V; ``arithmetic(dtype)`` says what it resolves to for inputs of that dtype.
     """
 
     fused_site = True
@@ -81,7 +90,7 @@ class RotaryFlashAttention(nn.Cell):
                  max_position_embeddings: int = 4096, rotary_mode: int = 0, input_layout: str = "BNSD",
                  scale: float | None = None, causal: bool = True, return_softmax_lse: bool = False,
                  return_rotated_key: bool = False, key_rotated: bool = False, backend: str = "auto",
-                 strict: bool = False, cos_sin: tuple[Tensor, Tensor] | None = None):
+                 strict: bool = False, cos_sin: tuple[Tensor, Tensor] | None = None, compute_dtype: str = "auto"):
         super().__init__()
         if not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
             raise ValueError(f"head_dim: expected a positive even int, got {head_dim!r}")
@@ -100,12 +109,22 @@ class RotaryFlashAttention(nn.Cell):
         self.op = RotaryFlashAttentionOp(head_num=head_num, input_layout=input_layout, rotary_mode=rotary_mode,
                                          rotary_dim=rd, scale=scale, causal=causal,
                                          with_softmax_lse=return_softmax_lse, with_rotated_key=return_rotated_key,
-                                         backend=backend, strict=strict, key_rotated=key_rotated)
+                                         backend=backend, strict=strict, key_rotated=key_rotated,
+                                         compute_dtype=compute_dtype)
 
     @property
     def backend(self) -> str:
         """'fused:CPU', 'fused:Ascend' or 'unfused': the path this Cell runs."""
         return self.op.backend_name
+
+    @property
+    def compute_dtype(self) -> str:
+        """The compute_dtype setting: 'auto', 'float32' or 'bfloat16'."""
+        return self.op.attrs.compute_dtype
+
+    def arithmetic(self, input_dtype) -> str:
+        """What Q·Kᵀ and P·V compute in for inputs of ``input_dtype``: 'float32' or 'bfloat16'."""
+        return self.op.arithmetic(input_dtype)
 
     def construct(self, query, key, value, actual_seq_qlen=None, actual_seq_kvlen=None):
         out, lse, rotated_key = self.op(query, key, value, self.cos, self.sin, actual_seq_qlen, actual_seq_kvlen)

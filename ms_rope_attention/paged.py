@@ -20,6 +20,7 @@ from __future__ import annotations
 from mindspore import ops
 
 from . import dispatch
+from .attrs import check_compute_dtype
 from .paged_kernel import paged_calls, rotated_keys  # noqa: F401  (the engine's tests read the kernel's counts here)
 
 
@@ -45,14 +46,16 @@ def cache_write_op(**attrs):
 
 def rotary_paged_attention(query, key_cache, value_cache, cos, sin, block_tables, context_lens, q_seq_lens, *,
                            head_num=0, rotary_mode=0, rotary_dim=0, scale=0.0, key_rotated=True,
-                           return_softmax_lse=False):
+                           return_softmax_lse=False, compute_dtype="auto"):
     """Attention of ``query`` (tokens, N, D) -- ``q_seq_lens[b]`` tokens of sequence b, at positions
     ``context_lens[b] - q_seq_lens[b] + i`` -- over the paged cache, causal; the query rotated at its
     positions, the cached keys used as they are (``key_rotated=False``: rotated as they are read).
     ``block_tables`` (B, max_blocks), ``context_lens`` and ``q_seq_lens`` (B,) are int32. Returns
-    attention_out (tokens, N, D), and softmax_lse (tokens, N) with ``return_softmax_lse``."""
+    attention_out (tokens, N, D), and softmax_lse (tokens, N) with ``return_softmax_lse``.
+    ``compute_dtype``: the arithmetic of Q·Kᵀ and P·V, as ``rotary_flash_attention``'s."""
     op = paged_attention_op(head_num=head_num, rotary_mode=rotary_mode, rotary_dim=rotary_dim, scale=float(scale),
-                            key_rotated=key_rotated, with_softmax_lse=return_softmax_lse)
+                            key_rotated=key_rotated, with_softmax_lse=return_softmax_lse,
+                            compute_dtype=check_compute_dtype(compute_dtype))
     out, lse = op(query, key_cache, value_cache, cos, sin, block_tables, context_lens, q_seq_lens)
     return (out, lse) if return_softmax_lse else out
 

@@ -27,6 +27,7 @@ inline std::string ReadAttrs(mindspore::AotExtra *extra, Attrs *a) {
   if (extra->HasAttr("with_softmax_lse")) a->with_lse = extra->GetBool("with_softmax_lse");
   if (extra->HasAttr("with_rotated_key")) a->with_rotated_key = extra->GetBool("with_rotated_key");
   if (extra->HasAttr("key_rotated")) a->key_rotated = extra->GetBool("key_rotated");
+  if (extra->HasAttr("compute_dtype")) return ParseCompute(extra->GetStr("compute_dtype"), &a->compute);
   return "";
 }
 

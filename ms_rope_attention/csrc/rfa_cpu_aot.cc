@@ -8,7 +8,8 @@
 // Errors never crash: they return non-zero, print the message and keep it for
 // RotaryFlashAttentionLastError(), which the Python side reads to raise a clear exception.
 // RotaryFlashAttentionIsa and RotaryFlashAttentionDecodeCalls say which build runs and how many
-// calls took the decode path.
+// calls took the decode path; RotaryFlashAttentionNativeBf16 whether it computes bfloat16. The
+// backward computes float32 whatever compute_dtype says (the gradient of the float32 math).
 #include <cstdio>
 #include <exception>
 #include <mutex>
@@ -50,6 +51,11 @@ extern "C" RFA_EXPORT const char *RotaryFlashAttentionLastError() { return g_las
 extern "C" RFA_EXPORT int64_t RotaryFlashAttentionAbiVersion() { return rfa::kAbiVersion; }
 extern "C" RFA_EXPORT const char *RotaryFlashAttentionIsa() { return rfa::cpu::Isa(); }
 extern "C" RFA_EXPORT int64_t RotaryFlashAttentionDecodeCalls() { return rfa::cpu::DecodeCalls(); }
+// 1 where compute_dtype "bfloat16" runs (this build, this CPU), else 0: what cpu_kernel.py reports.
+extern "C" RFA_EXPORT int64_t RotaryFlashAttentionNativeBf16() { return rfa::cpu::NativeBf16() ? 1 : 0; }
+// Whether the bfloat16 forward runs its products on AMX tiles: `allow` 0 or 1 sets whether it may
+// (tests and benchmarks measure both on one machine), -1 keeps it; the answer is whether it will.
+extern "C" RFA_EXPORT int64_t RotaryFlashAttentionAmx(int64_t allow) { return rfa::cpu::UseAmx(allow) ? 1 : 0; }
 
 extern "C" RFA_EXPORT int RotaryFlashAttentionInit(int *, int64_t **, const char **, AotExtra *extra) {
   return rfa::InitAttrs(extra, rfa::Attrs());
@@ -78,7 +84,8 @@ extern "C" RFA_EXPORT int RotaryFlashAttentionRun(const rfa::Attrs *attrs, int *
                                    CheckKnob("stream_q_max", stream_q_max, kMaxTile)})
       if (!err.empty()) return Fail(err);
     rfa::Problem problem;
-    const std::string err = rfa::ValidateCall(*attrs, ndims, shapes, dtypes, params, &problem);
+    std::string err = rfa::ValidateCall(*attrs, ndims, shapes, dtypes, params, &problem);
+    if (err.empty()) err = rfa::cpu::ResolveCompute(attrs->compute, &problem);
     if (!err.empty()) return Fail(err);
     rfa::cpu::Buffers buf{params[0], params[1], params[2], params[3], params[4], params[rfa::kInputs],
                           attrs->with_lse ? static_cast<float *>(params[rfa::kInputs + 1]) : nullptr,

@@ -16,6 +16,11 @@
 //   - causal rows (bottom-right) see keys up to their position; a key a row cannot see is never
 //     read for it (a preallocated cache's unused rows may hold anything).
 // Keys are rotated as they are read unless attrs.key_rotated (the KV-cache case: nothing to do).
+// bfloat16 arithmetic (Problem::bf16) rounds where the general path does -- Q and K once after their
+// float32 rotation, V, and P before P V -- and multiplies the rounded values in float32 (exact
+// products, float32 sums): with one query row per head a K/V row meets too few rows for vdpbf16ps
+// to pay for converting a float32 or float16 row into pairs. Rows read in place are rounded in
+// registers as they are read (a bfloat16 cache needs nothing).
 // A paged cache (Problem::paged, RotaryPagedAttention) is read the same way, each key's row found
 // through its sequence's block table: no gather into a contiguous copy.
 #include <omp.h>
@@ -24,6 +29,7 @@
 #include <limits>
 #include <vector>
 
+#include "bf16.h"
 #include "rfa_cpu_kernel.h"
 #include "rows.h"
 #include "simd.h"
@@ -101,54 +107,74 @@ constexpr int kStream = T == DType::F32 && kLanes > 8 ? 8 : kLanes;
 template <DType T>
 using Stream = simd::Floats<kStream<T>>;
 
-// kStream<T> elements of dtype T at element `off` of `base`, as float32: a half row is converted in
-// registers as it is read (simd::HalfVector), never copied.
-template <DType T>
+// N floats rounded to bfloat16 values (round to nearest even, NaN kept: simd::BFloat16Bits), still
+// float32: a float32 or float16 row read in place under bfloat16 arithmetic, rounded in registers.
+template <int N>
+struct BitsOf {  // a member typedef keeps vector_size (see simd::FloatsOf)
+  typedef uint32_t type __attribute__((vector_size(N * 4)));
+};
+template <int N>
+inline simd::Floats<N> RoundedToBFloat16(simd::Floats<N> x) {
+  typename BitsOf<N>::type w;
+  std::memcpy(&w, &x, sizeof w);
+  w = simd::BFloat16Bits<typename BitsOf<N>::type>(w) << 16;
+  std::memcpy(&x, &w, sizeof x);
+  return x;
+}
+
+// kStream<T> elements of dtype T at element `off` of `base`, as float32 (rounded to bfloat16 values
+// when `Round`): a half row is converted in registers as it is read (simd::HalfVector), never copied.
+template <DType T, bool Round>
 inline Stream<T> LoadAs(const void *base, int64_t off) {
+  Stream<T> x;
   if constexpr (T == DType::F32) {
-    return simd::LoadFloats<kStream<T>>(static_cast<const float *>(base) + off);
+    x = simd::LoadFloats<kStream<T>>(static_cast<const float *>(base) + off);
   } else if constexpr (T == DType::F16) {
-    return simd::HalfVector(static_cast<const simd::Half *>(base) + off);
+    x = simd::HalfVector(static_cast<const simd::Half *>(base) + off);
   } else {
-    return simd::BFloat16Vector(static_cast<const uint16_t *>(base) + off);
+    x = simd::BFloat16Vector(static_cast<const uint16_t *>(base) + off);
   }
+  if constexpr (Round && T != DType::BF16) x = RoundedToBFloat16<kStream<T>>(x);
+  return x;
 }
 
 // q . x for a row x of n elements (n a multiple of kLanes) at `off`.
-template <DType T>
+template <DType T, bool Round>
 inline float DotAs(const float *q, const void *base, int64_t off, int64_t n) {
   constexpr int N = kStream<T>;
   Stream<T> acc0 = {}, acc1 = {};
   int64_t i = 0;
   for (; i + 2 * N <= n; i += 2 * N) {
-    acc0 += simd::LoadFloats<N>(q + i) * LoadAs<T>(base, off + i);
-    acc1 += simd::LoadFloats<N>(q + i + N) * LoadAs<T>(base, off + i + N);
+    acc0 += simd::LoadFloats<N>(q + i) * LoadAs<T, Round>(base, off + i);
+    acc1 += simd::LoadFloats<N>(q + i + N) * LoadAs<T, Round>(base, off + i + N);
   }
-  if (i < n) acc0 += simd::LoadFloats<N>(q + i) * LoadAs<T>(base, off + i);
+  if (i < n) acc0 += simd::LoadFloats<N>(q + i) * LoadAs<T, Round>(base, off + i);
   return simd::SumFloats<N>(acc0 + acc1);
 }
 
 // o += p * x for a row x of n elements (n a multiple of kLanes) at `off`.
-template <DType T>
+template <DType T, bool Round>
 inline void AxpyAs(float *o, float p, const void *base, int64_t off, int64_t n) {
   constexpr int N = kStream<T>;
   for (int64_t i = 0; i < n; i += N)
-    simd::StoreFloats<N>(o + i, simd::LoadFloats<N>(o + i) + p * LoadAs<T>(base, off + i));
+    simd::StoreFloats<N>(o + i, simd::LoadFloats<N>(o + i) + p * LoadAs<T, Round>(base, off + i));
 }
 
-inline float Dot(const float *q, DType t, const void *base, int64_t off, int64_t n) {
+// `round`: the row's values rounded to bfloat16 as they are read (bfloat16 arithmetic on a float32
+// or float16 row in place).
+inline float Dot(const float *q, DType t, bool round, const void *base, int64_t off, int64_t n) {
   switch (t) {
-    case DType::F16: return DotAs<DType::F16>(q, base, off, n);
-    case DType::BF16: return DotAs<DType::BF16>(q, base, off, n);
-    default: return DotAs<DType::F32>(q, base, off, n);
+    case DType::F16: return round ? DotAs<DType::F16, true>(q, base, off, n) : DotAs<DType::F16, false>(q, base, off, n);
+    case DType::BF16: return DotAs<DType::BF16, false>(q, base, off, n);
+    default: return round ? DotAs<DType::F32, true>(q, base, off, n) : DotAs<DType::F32, false>(q, base, off, n);
   }
 }
 
-inline void Axpy(float *o, float p, DType t, const void *base, int64_t off, int64_t n) {
+inline void Axpy(float *o, float p, DType t, bool round, const void *base, int64_t off, int64_t n) {
   switch (t) {
-    case DType::F16: return AxpyAs<DType::F16>(o, p, base, off, n);
-    case DType::BF16: return AxpyAs<DType::BF16>(o, p, base, off, n);
-    default: return AxpyAs<DType::F32>(o, p, base, off, n);
+    case DType::F16: return round ? AxpyAs<DType::F16, true>(o, p, base, off, n) : AxpyAs<DType::F16, false>(o, p, base, off, n);
+    case DType::BF16: return AxpyAs<DType::BF16, false>(o, p, base, off, n);
+    default: return round ? AxpyAs<DType::F32, true>(o, p, base, off, n) : AxpyAs<DType::F32, false>(o, p, base, off, n);
   }
 }
 
@@ -179,13 +205,18 @@ class DecodeWorker {
     const int64_t lq = p_.q_lens[t.seq], lk = p_.kv_lens[t.seq], mode = p_.attrs.rotary_mode;
     const int64_t per_group = G * lq, M = (t.g1 - t.g0) * per_group, q_off = lk - lq;
     const int64_t qseq = t.seq * p_.q.batch + p_.q_start[t.seq] * p_.q.row;
-    // Q rows: rotated at their positions, scaled into log2 units, zero-padded to Dp.
+    // Q rows: rotated at their positions, scaled into log2 units (bfloat16: rounded first), zero-padded to Dp.
+    const float qmul = p_.scale * kLog2e;
     for (int64_t r = 0; r < M; ++r) {
       const int64_t head = t.g0 * G + r / lq, i = r % lq, pos = q_off + i;
       float *dst = q_ + r * Dp;
       const float *x = RowAsFloat(p_.qkv_dtype, buf_.query, qseq + head * p_.q.head + i * p_.q.row, D, row_);
       Rotate(x, tables_.Row(buf_.cos, p_.cos_dtype, pos, ctmp_), tables_.Row(buf_.sin, p_.sin_dtype, pos, stmp_), rd,
-             D, mode, p_.scale * kLog2e, dst);
+             D, mode, p_.bf16 ? 1.0f : qmul, dst);
+      if (p_.bf16) {
+        bf16::RoundInPlace(dst, D);
+        for (int64_t d = 0; d < D; ++d) dst[d] *= qmul;
+      }
       for (int64_t d = D; d < Dp; ++d) dst[d] = 0.f;
       m_[r] = kNegInf;
       l_[r] = 0.f;
@@ -195,9 +226,12 @@ class DecodeWorker {
     const int64_t kvseq = t.seq * p_.kv.batch + p_.kv_start[t.seq] * p_.kv.row;
     // Rows read in place (in their own dtype) when they are a whole number of vectors and, for K,
     // already rotated and in kernel order; else converted (and rotated) into a float32 row first.
+    // bfloat16 arithmetic rounds a float32 or float16 row read in place as it reads it; a converted
+    // row is rounded once when converted.
     const bool in_place = D == Dp;
     const bool k_in_place = in_place && p_.attrs.key_rotated && (mode == 0 || rd == 0);
     const DType kt = k_in_place ? p_.qkv_dtype : DType::F32, vt = in_place ? p_.qkv_dtype : DType::F32;
+    const bool k_round = p_.bf16 && k_in_place, v_round = p_.bf16 && in_place;
     for (int64_t j0 = t.lo; j0 < t.hi; j0 += kBlock) {
       const int64_t n = std::min(kBlock, t.hi - j0);
       // Keys of this block each row sees: query i (position q_off + i) sees keys <= its position.
@@ -216,7 +250,7 @@ class DecodeWorker {
             off = 0;
           }
           for (int64_t r = (g - t.g0) * per_group, e = r + per_group; r < e; ++r)
-            if (j < valid_[r]) s_[r * kBlock + j] = Dot(q_ + r * Dp, kt, k, off, Dp);
+            if (j < valid_[r]) s_[r * kBlock + j] = Dot(q_ + r * Dp, kt, k_round, k, off, Dp);
         }
       for (int64_t r = 0; r < M; ++r) Softmax(r);
       for (int64_t j = 0; j < block_valid; ++j)
@@ -225,11 +259,12 @@ class DecodeWorker {
           const void *v = buf_.value;
           if (!in_place) {
             LoadRow(p_.qkv_dtype, buf_.value, off, D, vrow_);
+            if (p_.bf16) bf16::RoundInPlace(vrow_, D);
             v = vrow_;
             off = 0;
           }
           for (int64_t r = (g - t.g0) * per_group, e = r + per_group; r < e; ++r)
-            if (j < valid_[r]) Axpy(o_ + r * Dp, s_[r * kBlock + j], vt, v, off, Dp);
+            if (j < valid_[r]) Axpy(o_ + r * Dp, s_[r * kBlock + j], vt, v_round, v, off, Dp);
         }
     }
     std::memcpy(partials_->O(t.item, t.split), o_, M * Dp * sizeof(float));
@@ -279,6 +314,7 @@ class DecodeWorker {
     else
       Rotate(x, tables_.Row(buf_.cos, p_.cos_dtype, pos, ctmp_), tables_.Row(buf_.sin, p_.sin_dtype, pos, stmp_), rd,
              D, mode, 1.0f, krow_);
+    if (p_.bf16) bf16::RoundInPlace(krow_, D);
     return krow_;
   }
 
@@ -313,6 +349,7 @@ class DecodeWorker {
       sum += srow[j];
     }
     l_[r] += sum + simd::ReduceSum(vsum);
+    if (p_.bf16) bf16::RoundInPlace(srow, valid);  // P V takes P in bfloat16; the sum is of the float32 P
   }
 
   const Problem &p_;

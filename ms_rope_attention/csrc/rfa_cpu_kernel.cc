@@ -21,6 +21,15 @@
 // packing, so both modes share the rotate-half arithmetic; Q K^T is invariant under the common
 // permutation. A few query rows against a long KV range (decode) take rfa_cpu_decode.cc instead, and
 // a short problem of this path splits the KV range across threads and merges by log-sum-exp.
+//
+// bfloat16 arithmetic (Problem::bf16, bf16.h): the same flow on bfloat16 operands with float32
+// accumulation. Each K row is rotated in float32 as above, then rounded once to bfloat16 and packed as
+// pairs of features ([D/2][kv_block][2]); V rows are rounded into pairs of keys ([kv_block/2][Dp][2]);
+// Q rows are rotated in float32 and rounded once (unscaled: the scale multiplies the float32 scores in
+// the softmax). P is rounded to bfloat16 before P V, as PyTorch's CPU flash attention and FlashAttention
+// do; the running max, sum and O stay float32. The packed tiles are half the float32 ones. Where the
+// CPU has AMX-BF16 the two products run on tiles (blocks of 16 rows, head_dim padded to 32 with zeros),
+// else on vdpbf16ps (bf16.h).
 #include "rfa_cpu_kernel.h"
 
 #include <omp.h>
@@ -30,6 +39,7 @@
 #include <limits>
 #include <vector>
 
+#include "bf16.h"
 #include "rows.h"
 #include "simd.h"
 
@@ -63,7 +73,11 @@ struct Chunk {
 
 struct Plan {
   int64_t group_size, block_q, rows_max, kv_block, head_pad, nsplit;
-  int64_t tile_floats;               // one packed K^T tile (head_dim x kv_block) and V tile (kv_block x head_pad)
+  bool amx = false;       // bfloat16 on AMX tiles
+  int64_t row_block = 0;  // rows of a GEMM block: the micro-tile's, or 16 (a tile) with AMX
+  int64_t feat_pad = 0;   // bfloat16: head_dim padded to 32 (an AMX tile's reduction), zeros past it
+  int64_t tile_floats;               // one packed K^T tile (head_dim x kv_block) and V tile (kv_block x head_pad),
+                                     // in float32 slots (bfloat16: half as many, two values a slot)
   std::vector<Task> tasks;
   std::vector<PackItem> packs;
   std::vector<Chunk> chunks;
@@ -122,7 +136,11 @@ Plan MakePlan(const Problem &p, const Tiling &t, int threads, bool emit_keys) {
   // than that is a chunk of its own). A chunk's tasks run heaviest first (causal blocks near the end
   // of a sequence see the most keys) under dynamic scheduling, so it ends on light tasks.
   const int64_t units = p.batch * p.kv_heads;
-  plan.tile_floats = p.head_dim * plan.kv_block + plan.kv_block * plan.head_pad;
+  plan.amx = p.bf16 && bf16::UseAmx();
+  plan.row_block = plan.amx ? 16 : simd::kRows;
+  plan.feat_pad = RoundUp(p.head_dim, 32);
+  plan.tile_floats = p.bf16 ? (plan.feat_pad * plan.kv_block + plan.kv_block * plan.head_pad) / 2  // kv_block is even
+                            : p.head_dim * plan.kv_block + plan.kv_block * plan.head_pad;
   std::vector<int64_t> unit_cost(units, 0);
   for (const Task &task : plan.tasks) unit_cost[task.unit] += task.cost;
   std::vector<int64_t> order;
@@ -187,14 +205,25 @@ class Worker {
   // failures return false: nothing may throw inside the OpenMP region.
   bool Bind(Scratch *scratch) {
     const int64_t R = plan_.rows_max, D = p_.head_dim, Dp = plan_.head_pad, BK = plan_.kv_block, rd = p_.rotary_dim;
+    const int64_t Rt = RoundUp(R, plan_.row_block);  // AMX writes whole 16-row tiles of S and O
     ScratchRegions regions;
-    regions.Add(&q_, R * D).Add(&s_, R * BK).Add(&o_, R * Dp).Add(&m_, R).Add(&l_, R);
+    regions.Add(&q_, R * D).Add(&s_, Rt * BK).Add(&o_, Rt * Dp).Add(&m_, R).Add(&l_, R);
     regions.Add(&row_, Dp).Add(&orig_, Dp).Add(&tmp_, Dp).Add(&ctmp_, rd).Add(&stmp_, rd).Add(&stage_, kLanes * Dp);
+    // bfloat16 rows, two to a float slot: Q, P, the staged K rows and one V row, rounded.
+    float *q16 = nullptr, *p16 = nullptr, *stage16 = nullptr, *row16 = nullptr;
+    const int64_t halves = p_.bf16 ? 1 : 0;
+    regions.Add(&q16, halves * Rt * plan_.feat_pad / 2).Add(&p16, halves * Rt * BK / 2);
+    regions.Add(&stage16, halves * kLanes * plan_.feat_pad / 2).Add(&row16, halves * Dp / 2);
     if (!regions.Carve(scratch)) return false;
+    q16_ = reinterpret_cast<uint16_t *>(q16);
+    p16_ = reinterpret_cast<uint16_t *>(p16);
+    stage16_ = reinterpret_cast<uint16_t *>(stage16);
+    row16_ = reinterpret_cast<uint16_t *>(row16);
     try {
       valid_.resize(R);
-      kmin_.resize(R / kRows + 1);
-      nlim_.resize(R / kRows + 1);
+      kmin_.resize(Rt / plan_.row_block + 1);
+      nlim_.resize(Rt / plan_.row_block + 1);
+      klim_.resize(Rt / plan_.row_block + 1);
     } catch (const std::bad_alloc &) {
       return false;
     }
@@ -203,11 +232,12 @@ class Worker {
 
   void RunTask(const Task &t) {
     const int64_t G = plan_.group_size, D = p_.head_dim, Dp = plan_.head_pad, rd = p_.rotary_dim;
-    const int64_t M = G * t.nq, mode = p_.attrs.rotary_mode;
+    const int64_t M = G * t.nq, mode = p_.attrs.rotary_mode, F = plan_.feat_pad, RB = plan_.row_block;
     const int64_t lq = p_.q_lens[t.seq], lk = p_.kv_lens[t.seq];
     const int64_t q_off = lk - lq;  // bottom-right: query i sits at position lk - lq + i
-    const bool rotate = tiling_.rotate;
-    const float qmul = p_.scale * kLog2e;
+    const bool rotate = tiling_.rotate, bf16 = p_.bf16;
+    // float32 scales Q into log2 units; bfloat16 rounds Q unscaled and scales the float32 scores instead.
+    const float qmul = p_.scale * kLog2e, qscale = bf16 ? 1.0f : qmul, smul = bf16 ? qmul : 1.0f;
     const int64_t qseq = t.seq * p_.q.batch + p_.q_start[t.seq] * p_.q.row;
     // 2. Q tile: rotate once, scale into log2 units.
     for (int64_t gi = 0; gi < G; ++gi) {
@@ -218,11 +248,20 @@ class Worker {
         const float *x = RowAsFloat(p_.qkv_dtype, buf_.query, qseq + head * p_.q.head + (t.q0 + i) * p_.q.row, D, row_);
         if (rotate) {
           Rotate(x, tables_.Row(buf_.cos, p_.cos_dtype, pos, ctmp_), tables_.Row(buf_.sin, p_.sin_dtype, pos, stmp_), rd,
-                 D, mode, qmul, dst);
+                 D, mode, qscale, dst);
         } else {
-          for (int64_t d = 0; d < D; ++d) dst[d] = x[d] * qmul;
+          for (int64_t d = 0; d < D; ++d) dst[d] = x[d] * qscale;
+        }
+        if (bf16) {
+          uint16_t *q16 = q16_ + (gi * t.nq + i) * F;
+          bf16::Round(dst, q16, D);
+          std::memset(q16 + D, 0, (F - D) * sizeof(uint16_t));
         }
       }
+    }
+    if (plan_.amx) {  // the rows up to a whole tile: zero (their S and O rows are never read)
+      std::memset(q16_ + M * F, 0, (RoundUp(M, RB) - M) * F * sizeof(uint16_t));
+      bf16::AmxConfigure();
     }
     for (int64_t r = 0; r < M; ++r) { m_[r] = kNegInf; l_[r] = 0.f; }
     std::memset(o_, 0, M * Dp * sizeof(float));
@@ -233,24 +272,32 @@ class Worker {
       // key); the keys past this task's causal bound are masked like any other.
       const float *kt = packed_ + plan_.unit_offset[t.unit] + j0 / BK * plan_.tile_floats;
       const float *v = kt + p_.head_dim * BK;
+      const uint16_t *kt16 = reinterpret_cast<const uint16_t *>(kt), *v16 = kt16 + F * BK;
       // 3. Keys of the tile each row sees. On a causal diagonal tile the GEMMs cover, per micro-tile
       //    row block, only the columns (Q K^T) and keys (P V) that some row of the block sees.
       const bool diagonal = p_.attrs.causal && q_off + t.q0 - j0 + 1 < n;
       for (int64_t r = 0; r < M; ++r)
         valid_[r] = diagonal ? std::max<int64_t>(0, std::min(n, q_off + t.q0 + r % t.nq - j0 + 1)) : n;
       if (diagonal)
-        for (int64_t b = 0; b * kRows < M; ++b) {
-          const auto first = valid_.begin() + b * kRows, last = valid_.begin() + std::min(M, (b + 1) * kRows);
+        for (int64_t b = 0; b * RB < M; ++b) {
+          const auto first = valid_.begin() + b * RB, last = valid_.begin() + std::min(M, (b + 1) * RB);
           kmin_[b] = *std::min_element(first, last);
           nlim_[b] = RoundUp(*std::max_element(first, last), kLanes);
         }
       // 4. Scores, then online softmax per row.
-      simd::Gemm(M, np, D, q_, D, kt, BK, s_, np, false, diagonal ? nlim_.data() : nullptr);
+      if (plan_.amx)
+        bf16::AmxGemm(RoundUp(M, RB), np, F, q16_, F, kt16, 2 * BK, s_, np, false, diagonal ? nlim_.data() : nullptr);
+      else if (bf16)
+        bf16::Gemm(M, np, D, q16_, F, kt16, 2 * BK, s_, np, false, diagonal ? nlim_.data() : nullptr);
+      else
+        simd::Gemm(M, np, D, q_, D, kt, BK, s_, np, false, diagonal ? nlim_.data() : nullptr);
+      const simd::vf vmul = simd::Splat(smul);
       for (int64_t r = 0; r < M; ++r) {
         float *srow = s_ + r * np;
         const int64_t valid = valid_[r];
         if (valid == 0) {  // this row sees no key of the tile: contributes nothing to P V
           std::memset(srow, 0, np * sizeof(float));
+          if (bf16) std::memset(p16_ + r * BK, 0, np * sizeof(uint16_t));
           continue;
         }
         for (int64_t j = valid; j < np; ++j) srow[j] = kNegInf;
@@ -262,7 +309,7 @@ class Worker {
         // The row's reference max moves only when a tile's max passes it by more than kRescaleSlack:
         // below that, P = 2^(s - m) <= 2^kRescaleSlack cannot overflow, and the O row and the sum
         // need no rescaling (most tiles after the first few).
-        const float tile_max = simd::ReduceMax(vmax);
+        const float tile_max = simd::ReduceMax(vmax) * smul;
         if (tile_max > m_[r] + kRescaleSlack) {
           if (m_[r] != kNegInf) {  // the first tile has nothing to rescale (O and l are 0)
             const float alpha = std::exp2(m_[r] - tile_max);
@@ -276,11 +323,16 @@ class Worker {
         simd::vf vsum = {};
         const simd::vf vm = simd::Splat(m_[r]);
         for (int64_t j = 0; j < np; j += kLanes) {
-          const simd::vf e = simd::Exp2(simd::Load(srow + j) - vm);
+          const simd::vf e = simd::Exp2(simd::Load(srow + j) * vmul - vm);
           simd::Store(srow + j, e);
           vsum += e;
         }
         l_[r] += simd::ReduceSum(vsum);
+        if (bf16) bf16::Round(srow, p16_ + r * BK, np);  // the sum above is of the float32 P
+      }
+      if (bf16) {
+        PairsTimesV(M, n, diagonal, v16);
+        continue;
       }
       // P V. On a diagonal tile the GEMM takes, per row block, only the keys every row of the block sees;
       // each row adds the rest of its own keys itself. A key a row cannot see is never multiplied by
@@ -290,13 +342,14 @@ class Worker {
         for (int64_t r = 0; r < M; ++r) {
           float *orow = o_ + r * Dp;
           const float *srow = s_ + r * np;
-          for (int64_t j = kmin_[r / kRows]; j < valid_[r]; ++j) {
+          for (int64_t j = kmin_[r / RB]; j < valid_[r]; ++j) {
             const simd::vf p = simd::Splat(srow[j]);
             const float *vrow = v + j * Dp;
             for (int64_t d = 0; d < Dp; d += kLanes) simd::Store(orow + d, simd::Load(orow + d) + p * simd::Load(vrow + d));
           }
         }
     }
+    if (plan_.amx) bf16::AmxRelease();
     if (plan_.nsplit > 1) {
       std::memcpy(partials_->O(t.item, t.split), o_, M * Dp * sizeof(float));
       std::memcpy(partials_->M(t.item, t.split), m_, M * sizeof(float));
@@ -304,6 +357,22 @@ class Worker {
     } else {
       Finish(t, o_, m_, l_);
     }
+  }
+
+  // O += P V on bfloat16 pairs of keys: per row block, the keys every row of the block sees (all n
+  // off the causal diagonal) in whole pairs (whole 32-key tiles with AMX), then each row's own
+  // remaining keys one at a time (an odd count's last key, the diagonal's ragged edge): a key a row
+  // cannot see never meets its zero probability.
+  void PairsTimesV(int64_t M, int64_t n, bool diagonal, const uint16_t *v16) {
+    const int64_t Dp = plan_.head_pad, BK = plan_.kv_block, RB = plan_.row_block, step = plan_.amx ? 32 : 2;
+    for (int64_t b = 0; b * RB < M; ++b) klim_[b] = (diagonal ? kmin_[b] : n) / step * step;
+    if (plan_.amx)
+      bf16::AmxGemm(RoundUp(M, RB), Dp, n, p16_, BK, v16, 2 * Dp, o_, Dp, true, nullptr, klim_.data());
+    else
+      bf16::Gemm(M, Dp, n, p16_, BK, v16, 2 * Dp, o_, Dp, true, nullptr, klim_.data());
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t j = klim_[r / RB]; j < valid_[r]; ++j)
+        bf16::AddKey(o_ + r * Dp, bf16::ToFloat(p16_[r * BK + j]), v16, j, Dp);
   }
 
   // Merge the splits of one item by log-sum-exp, then write it.
@@ -323,6 +392,7 @@ class Worker {
     const int64_t D = p_.head_dim, Dp = plan_.head_pad, BK = plan_.kv_block, rd = p_.rotary_dim;
     const int64_t mode = p_.attrs.rotary_mode, j0 = item.j0, n = std::min(BK, p_.kv_lens[item.seq] - j0);
     float *kt = packed_ + item.offset, *v = kt + D * BK;
+    uint16_t *kt16 = reinterpret_cast<uint16_t *>(kt), *v16 = kt16 + plan_.feat_pad * BK;
     const int64_t kvhead = item.seq * p_.kv.batch + p_.kv_start[item.seq] * p_.kv.row + item.group * p_.kv.head;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t off = kvhead + (j0 + j) * p_.kv.row;
@@ -347,19 +417,48 @@ class Worker {
       }
       if (j % kLanes == kLanes - 1 || j == n - 1) {
         const int64_t first = j - j % kLanes, count = j - first + 1;
-        for (int64_t d = 0; d < D; ++d) {
-          simd::vf col = {};
-          for (int64_t jj = 0; jj < count; ++jj) col[jj] = stage_[jj * Dp + d];
-          simd::Store(kt + d * BK + first, col);
+        if (p_.bf16) {
+          PackKeyPairs(count, kt16 + 2 * first);
+        } else {
+          for (int64_t d = 0; d < D; ++d) {
+            simd::vf col = {};
+            for (int64_t jj = 0; jj < count; ++jj) col[jj] = stage_[jj * Dp + d];
+            simd::Store(kt + d * BK + first, col);
+          }
         }
       }
-      float *vrow = v + j * Dp;
+      float *vrow = p_.bf16 ? tmp_ : v + j * Dp;
       LoadRow(p_.qkv_dtype, buf_.value, off, D, vrow);
       for (int64_t d = D; d < Dp; ++d) vrow[d] = 0.f;
+      if (p_.bf16) {  // key j is the low (even j) or high half of its pair's words
+        bf16::Round(vrow, row16_, Dp);
+        uint16_t *pairs = v16 + (j / 2) * 2 * Dp + j % 2;
+        for (int64_t d = 0; d < Dp; ++d) pairs[2 * d] = row16_[d];
+      }
     }
   }
 
  private:
+  // The `count` staged K rows (float32, kernel order), rounded to bfloat16 and written as pairs of
+  // features: word (d/2, key) of the tile, one vector of kLanes keys per pair of features, the keys
+  // past `count` and the features past head_dim (up to feat_pad) zero.
+  void PackKeyPairs(int64_t count, uint16_t *kt16) {
+    const int64_t D = p_.head_dim, Dp = plan_.head_pad, BK = plan_.kv_block, F = plan_.feat_pad;
+    for (int64_t jj = 0; jj < count; ++jj) {
+      bf16::Round(stage_ + jj * Dp, stage16_ + jj * F, D);
+      std::memset(stage16_ + jj * F + D, 0, (F - D) * sizeof(uint16_t));
+    }
+    for (int64_t d2 = 0; d2 < F / 2; ++d2) {
+      simd::vu col = {};
+      for (int64_t jj = 0; jj < count; ++jj) {
+        uint32_t word;
+        std::memcpy(&word, stage16_ + jj * F + 2 * d2, 4);
+        col[jj] = word;
+      }
+      std::memcpy(kt16 + d2 * 2 * BK, &col, sizeof col);
+    }
+  }
+
   // 5. Normalise and write the output rows and their log-sum-exp.
   void Finish(const Task &t, const float *o, const float *m, const float *l) {
     const int64_t G = plan_.group_size, D = p_.head_dim, Dp = plan_.head_pad;
@@ -389,9 +488,11 @@ class Worker {
   float *q_ = nullptr, *s_ = nullptr, *o_ = nullptr, *m_ = nullptr, *l_ = nullptr;
   float *row_ = nullptr, *orig_ = nullptr, *tmp_ = nullptr, *ctmp_ = nullptr, *stmp_ = nullptr;
   float *stage_ = nullptr;  // kLanes K rows, before they are written transposed
+  uint16_t *q16_ = nullptr, *p16_ = nullptr, *stage16_ = nullptr, *row16_ = nullptr;  // bfloat16 arithmetic
   std::vector<int64_t> valid_;      // per row of the task: keys of the current tile it sees
   std::vector<int64_t> kmin_, nlim_;  // per micro-tile row block: keys every row of it sees, and
                                       // score columns to compute (up to the keys some row sees)
+  std::vector<int64_t> klim_;         // bfloat16: per row block, keys its P V GEMM takes
 };
 
 thread_local Scratch tls_scratch, tls_packed;
@@ -399,6 +500,17 @@ thread_local Scratch tls_scratch, tls_packed;
 }  // namespace
 
 const char *Isa() { return simd::kIsa; }
+
+bool NativeBf16() { return bf16::Native(); }
+
+bool UseAmx(int64_t allow) {
+  if (allow >= 0) bf16::amx_allowed.store(allow != 0);
+  return bf16::UseAmx();
+}
+
+std::string ResolveCompute(Compute requested, Problem *p) {
+  return rfa::ResolveCompute(requested, bf16::Native(), bf16::Build(), p);
+}
 
 namespace {
 std::atomic<int64_t> g_decode_calls{0};

@@ -57,5 +57,13 @@ struct GradTiling {
 void RunBackward(const Problem &p, const GradBuffers &buf, const GradTiling &tiling);
 const char *Isa();
 
+// Sets p->bf16 from the compute_dtype attribute for this build and CPU (rfa::ResolveCompute); "" or
+// the refusal of an explicit bfloat16 the kernel cannot compute. Every entry calls it before Run.
+std::string ResolveCompute(Compute requested, Problem *p);
+// Whether this build and CPU compute bfloat16 dot products (what "auto" and "bfloat16" need).
+bool NativeBf16();
+// Whether the bfloat16 forward uses AMX tiles; allow 0/1 sets whether it may (default 1), -1 keeps it.
+bool UseAmx(int64_t allow);
+
 }  // namespace cpu
 }  // namespace rfa

@@ -103,7 +103,8 @@ extern "C" RFA_EXPORT int RotaryPagedAttentionRun(const rfa::Attrs *attrs, int *
   try {
     if (!attrs) return Fail("attrs: null pointer");
     rfa::Problem problem;
-    const std::string err = rfa::ValidatePagedCall(*attrs, ndims, shapes, dtypes, params, &problem);
+    std::string err = rfa::ValidatePagedCall(*attrs, ndims, shapes, dtypes, params, &problem);
+    if (err.empty()) err = rfa::cpu::ResolveCompute(attrs->compute, &problem);
     if (!err.empty()) return Fail(err);
     rfa::cpu::Buffers buf{params[0], params[1], params[2], params[3], params[4], params[rfa::kPagedInputs],
                           problem.attrs.with_lse ? static_cast<float *>(params[rfa::kPagedInputs + 1]) : nullptr,

@@ -12,10 +12,13 @@ namespace rfa {
 
 enum class Layout { BNSD, BSND, BSH, TND };
 enum class DType { F32, F16, BF16 };
+// The arithmetic of Q K^T and P V (the compute_dtype attribute): Auto resolves per call (bfloat16 for
+// bfloat16 inputs where the kernel can, float32 otherwise); softmax statistics and O stay float32.
+enum class Compute { Auto, F32, BF16 };
 
 // Version of the C layout below (Attrs) and of the direct-call entries' arguments; bump it with any
 // change to either (ms_rope_attention/cpu_direct.py holds the same number).
-constexpr int64_t kAbiVersion = 2;
+constexpr int64_t kAbiVersion = 3;
 
 struct Attrs {
   int64_t head_num = 0;
@@ -27,6 +30,7 @@ struct Attrs {
   bool with_lse = false;
   bool with_rotated_key = false;
   bool key_rotated = false;  // key already carries RoPE (a rotated KV cache): rotate query only
+  Compute compute = Compute::Auto;
 };
 
 // One tensor's element strides: D is always contiguous. A constructor, not default member
@@ -55,6 +59,7 @@ struct Problem {
   Strides q, kv, lse;                 // lse strides are (batch, head, row) in elements
   std::vector<int64_t> q_start, q_lens, kv_start, kv_lens;  // per sequence, in rows
   PagedKv paged;
+  bool bf16 = false;  // the resolved arithmetic (ResolveCompute): bfloat16 products, float32 accumulation
 };
 
 inline bool ParseLayout(const std::string &s, Layout *out) {
@@ -72,6 +77,31 @@ inline bool ParseDType(const std::string &s, DType *out) {
   else if (s == "bfloat16") *out = DType::BF16;
   else return false;
   return true;
+}
+
+// The compute_dtype attribute's text. float16 is refused by name: x86 has no float16 dot product that
+// accumulates in float32 (AVX512-FP16's vfmadd*ph accumulate in float16), so "float16 arithmetic"
+// would be float32 arithmetic on rounded inputs at float32 speed.
+inline std::string ParseCompute(const std::string &s, Compute *out) {
+  if (s == "auto") *out = Compute::Auto;
+  else if (s == "float32") *out = Compute::F32;
+  else if (s == "bfloat16") *out = Compute::BF16;
+  else if (s == "float16")
+    return "compute_dtype: 'float16' is not offered by the attention ops: x86 has no float16 dot product "
+           "accumulating in float32; use 'auto', 'float32' or 'bfloat16'";
+  else return "compute_dtype: expected one of auto, float32, bfloat16, got '" + s + "'";
+  return "";
+}
+
+// The arithmetic a call runs (p->bf16) for its inputs' dtype: Auto is bfloat16 for bfloat16 inputs
+// where the kernel has bfloat16 dot products (`native_bf16`), float32 otherwise; an explicit
+// bfloat16 the kernel cannot compute is refused (`build`: what it runs, for the message).
+inline std::string ResolveCompute(Compute c, bool native_bf16, const std::string &build, Problem *p) {
+  if (c == Compute::BF16 && !native_bf16)
+    return "compute_dtype: 'bfloat16' needs the avx512_bf16 instructions (vdpbf16ps) and the kernel's avx512 build; "
+           "this is " + build + "; use 'auto' or 'float32'";
+  p->bf16 = c == Compute::BF16 || (c == Compute::Auto && native_bf16 && p->qkv_dtype == DType::BF16);
+  return "";
 }
 
 inline std::string ShapeText(int ndim, const int64_t *shape) {

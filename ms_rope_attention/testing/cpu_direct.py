@@ -14,12 +14,14 @@ from ..cpu_runtime import aot_call
 from ..op_info import output_shapes
 
 LAYOUT_CODES = {"BNSD": 0, "BSND": 1, "BSH": 2, "TND": 3}  # the C ABI's enum of the contract's layouts
+COMPUTE_CODES = {"auto": 0, "float32": 1, "bfloat16": 2}  # rfa::Compute
 
 
 class Attrs(ctypes.Structure):  # mirrors rfa::Attrs in csrc/rfa_problem.h (cpu_kernel.ABI_VERSION)
     _fields_ = [("head_num", ctypes.c_int64), ("layout", ctypes.c_int), ("rotary_mode", ctypes.c_int64),
                 ("rotary_dim", ctypes.c_int64), ("scale", ctypes.c_float), ("causal", ctypes.c_bool),
-                ("with_lse", ctypes.c_bool), ("with_rotated_key", ctypes.c_bool), ("key_rotated", ctypes.c_bool)]
+                ("with_lse", ctypes.c_bool), ("with_rotated_key", ctypes.c_bool), ("key_rotated", ctypes.c_bool),
+                ("compute", ctypes.c_int)]
 
 
 def to_bf16_bits(x):
@@ -60,11 +62,13 @@ def _forward_inputs(q, k, v, cos, sin, aq, ak, dtype, table_dtype):
 
 def prepare(q, k, v, cos, sin, aq=None, ak=None, *, head_num=None, input_layout="BNSD", rotary_mode=0,
             rotary_dim=None, scale=None, causal=True, dtype="float32", table_dtype="float32", with_lse=True,
-            with_rotated_key=True, key_rotated=False, out_shapes=None):
+            with_rotated_key=True, key_rotated=False, compute_dtype="float32", out_shapes=None):
     """(C arguments of one launch: attrs, ndims, shapes, dtypes, params; output arrays). The arrays
-    must outlive the call, so the caller keeps the returned tuple alive until it is done."""
+    must outlive the call, so the caller keeps the returned tuple alive until it is done.
+    ``compute_dtype`` defaults to 'float32' (the arithmetic the kernel tests check on every input
+    dtype), not the op's 'auto': a test or benchmark of bfloat16 arithmetic asks for it."""
     attrs = Attrs(head_num or 0, LAYOUT_CODES[input_layout], rotary_mode, rotary_dim or 0, scale or 0.0, causal,
-                  with_lse, with_rotated_key, key_rotated)
+                  with_lse, with_rotated_key, key_rotated, COMPUTE_CODES[compute_dtype])
     inputs, dtypes = _forward_inputs(q, k, v, cos, sin, aq, ak, dtype, table_dtype)
     shapes = out_shapes or output_shapes(q.shape, k.shape, {"input_layout": input_layout, "head_num": head_num or 0,
                                                            "with_softmax_lse": with_lse,
@@ -140,11 +144,12 @@ def _int32(x):
 
 def paged_arguments(q, key_cache, value_cache, cos, sin, block_tables, context_lens, q_seq_lens, *, dtype="float32",
                     cache_dtype=None, table_dtype="float32", head_num=0, rotary_mode=0, rotary_dim=0, scale=0.0,
-                    key_rotated=True, with_lse=True, out_shapes=None):
+                    key_rotated=True, with_lse=True, compute_dtype="float32", out_shapes=None):
     """``prepare`` for ``RotaryPagedAttentionRun``: (C arguments, outputs, what must outlive the
     call). The caches are encoded to ``cache_dtype`` (default: ``dtype``, as the op requires), the
     tables to ``table_dtype``."""
-    attrs = Attrs(head_num, LAYOUT_CODES["TND"], rotary_mode, rotary_dim, scale, True, with_lse, False, key_rotated)
+    attrs = Attrs(head_num, LAYOUT_CODES["TND"], rotary_mode, rotary_dim, scale, True, with_lse, False, key_rotated,
+                  COMPUTE_CODES[compute_dtype])
     cache_dtype = cache_dtype or dtype
     inputs = [encode(q, dtype), encode(key_cache, cache_dtype), encode(value_cache, cache_dtype),
               encode(cos, table_dtype), encode(sin, table_dtype), _int32(block_tables), _int32(context_lens),

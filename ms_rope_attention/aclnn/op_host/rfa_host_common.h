@@ -20,7 +20,8 @@ namespace host {
 
 // Attribute indices in OpDef (= op_info) order, the same in both ops; tests/test_op_info.py checks the order.
 enum AttrIndex {
-  kHeadNum, kInputLayout, kRotaryMode, kRotaryDim, kScale, kCausal, kWithSoftmaxLse, kWithRotatedKey, kKeyRotated
+  kHeadNum, kInputLayout, kRotaryMode, kRotaryDim, kScale, kCausal, kWithSoftmaxLse, kWithRotatedKey, kKeyRotated,
+  kComputeDtype
 };
 
 inline Attrs ReadAttrs(const gert::RuntimeAttrs *attrs, std::string *error) {
@@ -35,6 +36,13 @@ inline Attrs ReadAttrs(const gert::RuntimeAttrs *attrs, std::string *error) {
   a.with_lse = *attrs->GetAttrPointer<bool>(kWithSoftmaxLse);
   a.with_rotated_key = *attrs->GetAttrPointer<bool>(kWithRotatedKey);
   a.key_rotated = *attrs->GetAttrPointer<bool>(kKeyRotated);
+  // The cube units compute Q K^T and P V in the inputs' dtype with float32 accumulation: that is
+  // "auto" here, and the only value (ascend_kernel.py refuses the others before a graph is built).
+  const std::string compute = attrs->GetAttrPointer<char>(kComputeDtype);
+  std::string err = ParseCompute(compute, &a.compute);
+  if (err.empty() && a.compute != Compute::Auto)
+    err = "compute_dtype: on Ascend the cube units compute in the inputs' dtype; only 'auto' is accepted, got " + compute;
+  if (!err.empty() && error->empty()) *error = err;
   return a;
 }
 

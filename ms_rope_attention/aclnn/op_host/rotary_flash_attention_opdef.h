@@ -19,3 +19,4 @@ this->Attr("causal").AttrType(OPTIONAL).Bool(true);
 this->Attr("with_softmax_lse").AttrType(OPTIONAL).Bool(false);
 this->Attr("with_rotated_key").AttrType(OPTIONAL).Bool(false);
 this->Attr("key_rotated").AttrType(OPTIONAL).Bool(false);
+this->Attr("compute_dtype").AttrType(OPTIONAL).String("auto");
