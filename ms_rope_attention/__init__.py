@@ -12,6 +12,8 @@ Public API:
   and embedding primitives ``linear_op()`` / ``embedding_op()``, and RoPE's pieces (``apply_rope``,
   ``inverse_frequencies``, ``tables_from_inverse_frequencies``): what models build on, so that no
   user imports a module below this face (``ms_rope_attention.distributed`` has its own).
+- ``COMPUTE_DTYPES`` / ``resolve_compute_dtype`` / ``native_half_dtypes``: which arithmetic a model
+  of a checkpoint's dtype computes in on this CPU (``ms_rope_attention.compute``).
 """
 import os as _os
 
@@ -25,6 +27,7 @@ _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # the first decode step after a prefill (docs/threads.md). OpenBLAS reads this when linear.py loads it.
 _os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
+from .compute import COMPUTE_DTYPES, native_half_dtypes, resolve_compute_dtype
 from .embedding import embedding_op
 from .functional import RotaryFusionFallbackError, rotary_flash_attention
 from .fusion import FuseError, FuseReport, fuse, unfuse
@@ -36,5 +39,6 @@ from .rope import apply_rope, inverse_frequencies, rope_tables, shared_rope_tabl
 __all__ = ["rotary_flash_attention", "RotaryFlashAttention", "RotaryFlashAttentionOp", "RotaryFusionFallbackError",
            "rope_tables", "shared_rope_tables", "fuse", "unfuse", "FuseReport", "FuseError",
            "rotary_paged_attention", "rotary_cache_write", "linear_op", "embedding_op", "apply_rope",
-           "inverse_frequencies", "tables_from_inverse_frequencies"]
+           "inverse_frequencies", "tables_from_inverse_frequencies", "COMPUTE_DTYPES", "native_half_dtypes",
+           "resolve_compute_dtype"]
 __version__ = "0.1.0"

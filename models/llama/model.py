@@ -17,8 +17,8 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from ms_rope_attention import RotaryFlashAttention, apply_rope, linear_op, rotary_cache_write, rotary_paged_attention
-from ms_rope_attention.compute import HALF_DTYPES, check_compute_dtype, resolve_compute_dtype
+from ms_rope_attention import (COMPUTE_DTYPES, RotaryFlashAttention, apply_rope, linear_op, resolve_compute_dtype,
+                               rotary_cache_write, rotary_paged_attention)
 
 # Absolute imports: mindspore.rewrite (amp.auto_mixed_precision O1) regenerates this module's source
 # outside the package, where relative imports fail.
@@ -57,9 +57,10 @@ def model_compute_dtype(requested: str, weight_dtype: str, dtype: str) -> str:
     activations' dtypes: half arithmetic is what the CPU ops do with float32 activations; elsewhere
     (another device, amp's float16 activations) the model computes in its activations' dtype, and only
     "auto" or "float32" are accepted."""
-    check_compute_dtype(requested)
     if ms.get_context("device_target") == "CPU" and dtype == "float32":
         return resolve_compute_dtype(requested, weight_dtype)
+    if requested not in COMPUTE_DTYPES:
+        resolve_compute_dtype(requested, weight_dtype)  # refuses it by name
     if requested not in ("auto", "float32"):
         raise ValueError(f"compute_dtype: {requested!r} is the arithmetic of the CPU ops with float32 activations; "
                          f"this model runs on {ms.get_context('device_target')} with {dtype} activations: use 'auto'")
@@ -330,7 +331,7 @@ class LlamaForCausalLM(nn.Cell):
         # MindSpore's MatMul (projections="matmul", the benchmarks' A/B) computes in float32: "auto" takes that.
         compute = model_compute_dtype("float32" if projections == "matmul" and compute_dtype == "auto" else compute_dtype,
                                       weight_dtype, dtype)
-        if compute in HALF_DTYPES and weight_dtype != compute:
+        if compute != "float32" and weight_dtype != compute:
             weight_dtype = compute  # asked for explicitly: the weights are rounded to it once, at load
         if compute != "float32" and projections == "matmul":
             raise ValueError(f"compute_dtype: {compute!r} arithmetic runs in the CPU projection op; "

@@ -12,7 +12,7 @@ import argparse
 
 import mindspore as ms
 
-from ms_rope_attention.compute import COMPUTE_DTYPES
+from ms_rope_attention import COMPUTE_DTYPES
 
 from ..model import LlamaForCausalLM
 from .common import CACHE_MEMORY_FRACTION, GIB
