@@ -19,9 +19,12 @@ import os
 from .cpu_runtime import cpu_flags
 
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-HALF_DTYPES = ("bfloat16", "float16")
+HALF_DTYPES = ("bfloat16",)  # the half arithmetic the ops offer (the module's docstring says why not float16)
 # The CPU flags (as /proc/cpuinfo names them) that compute each half dtype natively, any one enough.
-NATIVE_FLAGS = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
+NATIVE_FLAGS = {"bfloat16": ("avx512_bf16", "amx_bf16")}
+FLOAT16_REFUSED = ("compute_dtype: 'float16' arithmetic is not offered: oneDNN 3.2's float16 matmul ran only 1.1x as "
+                   "fast as float32 on an AVX512-FP16 CPU (bfloat16 3.9x); use 'auto' or 'float32' (a float16 "
+                   "checkpoint computes in float32 on its own weights) or 'bfloat16'")
 
 
 def native_half_dtypes(flags: set[str] | None = None) -> tuple[str, ...]:
@@ -44,6 +47,8 @@ def resolve_compute_dtype(requested: str, weight_dtype: str, flags: set[str] | N
     """The dtype the ops compute in ('float32', 'bfloat16' or 'float16') for ``requested`` (one of
     ``COMPUTE_DTYPES``) and weights in ``weight_dtype`` ('float32', 'float16' or 'bfloat16')."""
     check_compute_dtype(requested)
+    if requested == "float16":
+        raise ValueError(FLOAT16_REFUSED)
     native = native_half_dtypes(flags)
     if requested == "auto":
         return weight_dtype if weight_dtype in native else "float32"

@@ -31,17 +31,23 @@ needs_bf16 = pytest.mark.skipif(not NATIVE_BF16, reason="this CPU has no bfloat1
 
 @pytest.mark.parametrize("flags, weights, want", [
     (ZEN4, "bfloat16", "bfloat16"), (ZEN4, "float16", "float32"), (ZEN4, "float32", "float32"),
-    (SAPPHIRE_RAPIDS, "bfloat16", "bfloat16"), (SAPPHIRE_RAPIDS, "float16", "float16"),
+    (SAPPHIRE_RAPIDS, "bfloat16", "bfloat16"), (SAPPHIRE_RAPIDS, "float16", "float32"),
     (AVX2, "bfloat16", "float32"), (AVX2, "float16", "float32"), (set(), "float32", "float32")])
 def test_auto_computes_a_half_checkpoint_in_its_dtype_where_the_cpu_has_instructions_for_it(flags, weights, want):
     assert resolve_compute_dtype("auto", weights, flags) == want
     assert resolve_compute_dtype("float32", weights, flags) == "float32"
 
 
-@pytest.mark.parametrize("flags, asked", [(AVX2, "bfloat16"), (ZEN4, "float16"), (set(), "bfloat16")])
-def test_a_half_dtype_the_cpu_cannot_compute_is_refused_by_name(flags, asked):
-    with pytest.raises(ValueError, match=f"compute_dtype: '{asked}' needs one of the CPU instructions"):
-        resolve_compute_dtype(asked, "bfloat16", flags)
+@pytest.mark.parametrize("flags", [AVX2, set(), {"avx512f", "avx512_fp16"}])
+def test_bfloat16_on_a_cpu_without_bfloat16_instructions_is_refused_by_name(flags):
+    with pytest.raises(ValueError, match="compute_dtype: 'bfloat16' needs one of the CPU instructions"):
+        resolve_compute_dtype("bfloat16", "bfloat16", flags)
+
+
+@pytest.mark.parametrize("flags", [ZEN4, SAPPHIRE_RAPIDS])
+def test_float16_arithmetic_is_refused_with_the_measurement_that_says_why(flags):
+    with pytest.raises(ValueError, match=r"compute_dtype: 'float16' arithmetic is not offered: .* 1.1x"):
+        resolve_compute_dtype("float16", "float16", flags)
 
 
 @pytest.mark.parametrize("value", ["bf16", "", None, "Float32", 16])
