@@ -1,6 +1,8 @@
 // y = x W^T on the CPU, as a MindSpore aot op: the projections of a transformer layer (Q/K/V/O,
 // gate/up/down, the LM head) with W in Hugging Face's (out_features, in_features) layout, in
-// float32 or in the checkpoint's own float16 / bfloat16 (x, y and the arithmetic float32).
+// float32 or in the checkpoint's own float16 / bfloat16 (x and y float32). The arithmetic is the
+// attribute compute_dtype: "float32" (W converted exactly) or "bfloat16" (x rounded once to
+// bfloat16, W bfloat16, float32 accumulation, through oneDNN: onednn_matmul.h).
 //
 // Why: at prefill lengths of a few hundred to a few thousand tokens, a Llama layer's time is these
 // GEMMs, and MindSpore 2.10's CPU MatMul ran them at ~115-140 GFLOP/s on a 2-core AVX2 machine where
@@ -10,9 +12,12 @@
 // instruction set, like the attention kernel, and chosen at run time by linear.py.
 //
 // Entries: RfaLinear (x (..., K) float32, weight (N, K) float32/float16/bfloat16) -> y (..., N)
-// float32; RfaLinearInferShape / RfaLinearInferType (C++ infer, so GRAPH_MODE with a dynamic
-// sequence length compiles once); RfaLinearLastError (the message of the last refused launch);
-// RfaLinearIsa (the instruction set of this build).
+// float32, its compute_dtype read once by RfaLinearInit; RfaLinearRun (the same with compute_dtype
+// given: direct calls without MindSpore); RfaLinearInferShape / RfaLinearInferType (C++ infer, so
+// GRAPH_MODE with a dynamic sequence length compiles once); RfaLinearLastError (the message of the
+// last refused launch); RfaLinearIsa (the instruction set of this build); RfaLinearOnednn /
+// RfaLinearOnednnProblem (the oneDNN bound at load, and what is wrong with it, if anything);
+// RfaLinearComputeProblem (whether a compute_dtype can run here).
 #include <algorithm>
 #include <climits>
 #include <cstring>
@@ -26,6 +31,7 @@
 
 #include "aot_abi.h"
 #include "last_error.h"
+#include "onednn_matmul.h"
 #include "rfa_problem.h"  // rfa::ShapeText
 #include "weight_rows.h"
 
@@ -46,10 +52,33 @@ struct Gemm {
 };
 
 enum class WeightType { kFloat32, kFloat16, kBFloat16 };
+enum class Compute { kFloat32, kBFloat16 };
 
-// Checks x (..., K) float32, weight (N, K) float32/float16/bfloat16 and y (..., N) float32, before
-// any memory is touched.
-std::string Validate(const int *ndims, int64_t *const *shapes, const char *const *dtypes, Gemm *g, WeightType *type) {
+// compute_dtype's text -> Compute; "" or the message naming the attribute.
+std::string ParseCompute(const char *text, Compute *compute) {
+  const std::string value = text ? text : "(null)";
+  if (value == "float32") *compute = Compute::kFloat32;
+  else if (value == "bfloat16") *compute = Compute::kBFloat16;
+  else if (value == "float16")
+    // Measured on an AVX512-FP16 Xeon: oneDNN 3.2's float16 matmul (brg:avx512_core_fp16) ran at
+    // ~125 GFLOP/s at M = 512, no faster than float32 SGEMM; it has no AMX-FP16 kernel.
+    return "compute_dtype: 'float16' is not offered by RfaLinear: oneDNN 3.2's float16 matmul is no faster than "
+           "float32 SGEMM on the CPUs it was measured on; use 'bfloat16' (a bfloat16 weight) or 'float32'";
+  else return "compute_dtype: expected 'float32' or 'bfloat16', got '" + value + "'";
+  if (*compute == Compute::kBFloat16 && !rfa::onednn::Built())
+    return "compute_dtype: 'bfloat16' needs oneDNN, which this build of the projection library does not have (built "
+           "without the onednn-cpu-gomp wheel, which exists for x86_64 Linux only); use 'float32'";
+  if (*compute == Compute::kBFloat16) {
+    const std::string problem = rfa::onednn::BoundLibraryProblem();
+    if (!problem.empty()) return "compute_dtype: 'bfloat16': " + problem;
+  }
+  return "";
+}
+
+// Checks x (..., K) float32, weight (N, K) float32/float16/bfloat16 (bfloat16 only, computing in
+// bfloat16) and y (..., N) float32, before any memory is touched.
+std::string Validate(const int *ndims, int64_t *const *shapes, const char *const *dtypes, Compute compute, Gemm *g,
+                     WeightType *type) {
   const char *names[3] = {"x", "weight", "y"};
   if (!ndims || !shapes || !dtypes) return "launch: null ndims, shapes or dtypes array";
   for (int i = 0; i < 3; ++i) {
@@ -59,6 +88,8 @@ std::string Validate(const int *ndims, int64_t *const *shapes, const char *const
       else if (dtype == "float16") *type = WeightType::kFloat16;
       else if (dtype == "bfloat16") *type = WeightType::kBFloat16;
       else return "weight: expected float32, float16 or bfloat16, got " + dtype;
+      if (compute == Compute::kBFloat16 && *type != WeightType::kBFloat16)
+        return "weight: expected bfloat16 with compute_dtype 'bfloat16' (round the weight once, at load), got " + dtype;
     } else if (dtype != "float32") {
       return std::string(names[i]) + ": expected float32, got " + dtype;
     }
@@ -149,10 +180,19 @@ void PanelGemm(const Gemm &g, const float *x, const W *w, float *y) {
 }
 
 template <typename W>
-void Multiply(const Gemm &g, const float *x, const W *w, float *y) {
+void Multiply(const Gemm &g, Compute compute, const float *x, const W *w, float *y) {
   if (g.k == 0) {  // an empty sum: BLAS may leave y untouched
     std::memset(y, 0, static_cast<size_t>(g.m * g.n) * sizeof(float));
     return;
+  }
+  if constexpr (std::is_same_v<W, rfa::weights::BFloat16>) {
+    static_assert(sizeof(W) == sizeof(uint16_t), "a bfloat16 weight is its 16 bits");
+    if (compute == Compute::kBFloat16) {
+      // Every M through oneDNN for now; the decode-sized rows (g.m <= kSmallRowsHalf) are where a
+      // bfloat16 streaming product (weight_rows.h) takes its own branch.
+      rfa::onednn::MultiplyBf16(g.m, g.n, g.k, x, reinterpret_cast<const uint16_t *>(w), y);
+      return;
+    }
   }
   constexpr bool kFloat = std::is_same_v<W, float>;
   if (g.m <= (kFloat ? kSmallRows : kSmallRowsHalf)) {
@@ -171,6 +211,28 @@ extern "C" RFA_EXPORT const char *RfaLinearLastError() { return g_last_error.Rea
 
 extern "C" RFA_EXPORT const char *RfaLinearIsa() { return rfa::simd::kIsa; }
 
+// The oneDNN this library is bound to ("" when built without it), and "" or what is wrong with it:
+// linear.py refuses the library at load on the latter. Kept per thread like the last error.
+extern "C" RFA_EXPORT const char *RfaLinearOnednn() {
+  thread_local std::string text;
+  text = rfa::onednn::BoundLibrary();
+  return text.c_str();
+}
+
+extern "C" RFA_EXPORT const char *RfaLinearOnednnProblem() {
+  thread_local std::string text;
+  text = rfa::onednn::BoundLibraryProblem();
+  return text.c_str();
+}
+
+// "" when this library computes in `compute_dtype`, else why not (linear_op refuses it up front).
+extern "C" RFA_EXPORT const char *RfaLinearComputeProblem(const char *compute_dtype) {
+  thread_local std::string text;
+  Compute compute;
+  text = ParseCompute(compute_dtype, &compute);
+  return text.c_str();
+}
+
 // y's shape: x.shape[:-1] + (out_features,); -1 stays -1 (dynamic dimensions).
 extern "C" RFA_EXPORT std::vector<int64_t> RfaLinearInferShape(int *ndims, int64_t **shapes, mindspore::AotExtra *) {
   std::vector<int64_t> out(shapes[0], shapes[0] + ndims[0]);
@@ -180,13 +242,31 @@ extern "C" RFA_EXPORT std::vector<int64_t> RfaLinearInferShape(int *ndims, int64
 
 extern "C" RFA_EXPORT TypeId RfaLinearInferType(std::vector<TypeId> inputs, mindspore::AotExtra *) { return inputs[0]; }
 
-extern "C" RFA_EXPORT int RfaLinear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
-                                    void *) {
+// What RfaLinearInit keeps for the launches of one kernel instance: the compute_dtype attribute.
+struct LinearAttrs : mindspore::AotKernelData {
+  std::string compute_dtype = "float32";
+};
+
+extern "C" RFA_EXPORT int RfaLinearInit(int *, int64_t **, const char **, mindspore::AotExtra *extra) {
+  auto *data = new LinearAttrs;
+  if (extra->HasAttr("compute_dtype")) data->compute_dtype = extra->GetStr("compute_dtype");
+  extra->SetKernelData(data);
+  return 0;
+}
+
+// Validates everything (compute_dtype, dtypes, shapes, data pointers), then multiplies. The
+// MindSpore entry below and ms_rope_attention.linear.multiply (no MindSpore) call it.
+extern "C" RFA_EXPORT int RfaLinearRun(const char *compute_dtype, int nparam, void **params, int *ndims,
+                                       int64_t **shapes, const char **dtypes) {
   try {
+    Compute compute = Compute::kFloat32;
+    std::string err = ParseCompute(compute_dtype, &compute);
+    if (!err.empty()) return Fail(err);
     if (nparam != 3) return Fail("expected 2 inputs (x, weight) and 1 output, got " + std::to_string(nparam) + " params");
+    if (!params) return Fail("launch: null params array");
     Gemm g;
     WeightType type = WeightType::kFloat32;
-    const std::string err = Validate(ndims, shapes, dtypes, &g, &type);
+    err = Validate(ndims, shapes, dtypes, compute, &g, &type);
     if (!err.empty()) return Fail(err);
     const char *names[3] = {"x", "weight", "y"};
     const bool has_elements[3] = {g.m > 0 && g.k > 0, g.n > 0 && g.k > 0, g.m > 0 && g.n > 0};
@@ -196,14 +276,29 @@ extern "C" RFA_EXPORT int RfaLinear(int nparam, void **params, int *ndims, int64
       const auto *x = static_cast<const float *>(params[0]);
       auto *y = static_cast<float *>(params[2]);
       if (type == WeightType::kFloat16)
-        Multiply(g, x, static_cast<const rfa::weights::Half *>(params[1]), y);
+        Multiply(g, compute, x, static_cast<const rfa::weights::Half *>(params[1]), y);
       else if (type == WeightType::kBFloat16)
-        Multiply(g, x, static_cast<const rfa::weights::BFloat16 *>(params[1]), y);
+        Multiply(g, compute, x, static_cast<const rfa::weights::BFloat16 *>(params[1]), y);
       else
-        Multiply(g, x, static_cast<const float *>(params[1]), y);
+        Multiply(g, compute, x, static_cast<const float *>(params[1]), y);
     }
     return 0;
+  } catch (const std::bad_alloc &) {
+    return Fail("out of memory for the bfloat16 copy of x");
   } catch (const std::exception &e) {
     return Fail(e.what());
   }
+}
+
+// MindSpore's launch: compute_dtype as RfaLinearInit read it. A null `extra` (a direct call
+// through the aot convention, as tests make it) takes the contract's default, float32.
+extern "C" RFA_EXPORT int RfaLinear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
+                                    void *extra) {
+  const char *compute_dtype = "float32";
+  if (extra) {
+    const auto *data = static_cast<const LinearAttrs *>(static_cast<mindspore::AotExtra *>(extra)->KernelData());
+    if (!data) return Fail("kernel attributes missing (RfaLinearInit did not run)");
+    compute_dtype = data->compute_dtype.c_str();
+  }
+  return RfaLinearRun(compute_dtype, nparam, params, ndims, shapes, dtypes);
 }

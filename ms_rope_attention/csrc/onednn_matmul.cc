@@ -1,0 +1,111 @@
+// See onednn_matmul.h. Compiled into every instruction-set build of the projection library: oneDNN
+// picks its own kernels for the running CPU (brg:avx512_core_amx, brg:avx512_core_bf16, ...).
+#include "onednn_matmul.h"
+
+#ifdef RFA_WITH_ONEDNN
+#include <cstring>
+#include <vector>
+
+#include <oneapi/dnnl/dnnl.hpp>
+#endif
+
+namespace rfa {
+namespace onednn {
+
+#ifndef RFA_WITH_ONEDNN
+
+bool Built() { return false; }
+std::string BoundLibrary() { return ""; }
+std::string BoundLibraryProblem() { return ""; }
+void MultiplyBf16(int64_t, int64_t, int64_t, const float *, const uint16_t *, float *) {}
+
+#else
+
+namespace {
+
+using dnnl::memory;
+
+// The version setup.py copied from the onednn-cpu-gomp wheel (its major.minor; any patch).
+constexpr int kMajor = 3, kMinor = 2;
+
+const char *RuntimeName(unsigned runtime) {
+  switch (runtime) {
+    case DNNL_RUNTIME_NONE: return "no";
+    case DNNL_RUNTIME_SEQ: return "sequential";
+    case DNNL_RUNTIME_OMP: return "OpenMP";
+    case DNNL_RUNTIME_TBB: return "TBB";
+    case DNNL_RUNTIME_THREADPOOL: return "threadpool";
+    default: return "unknown";
+  }
+}
+
+// float32 -> bfloat16 bits, round to nearest even; a NaN stays a (quiet) NaN of the same sign
+// (rounding its bits could carry into the exponent and give an infinity).
+inline uint16_t RoundToBf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+void RoundRows(int64_t count, const float *x, uint16_t *out) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < count; ++i) out[i] = RoundToBf16(x[i]);
+}
+
+const dnnl::engine &Engine() {
+  static const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+}  // namespace
+
+bool Built() { return true; }
+
+std::string BoundLibrary() {
+  const dnnl_version_t *v = dnnl_version();
+  return "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." + std::to_string(v->patch) + " (" +
+         RuntimeName(v->cpu_runtime) + " runtime)";
+}
+
+std::string BoundLibraryProblem() {
+  const dnnl_version_t *v = dnnl_version();
+  if (v->major == kMajor && v->minor == kMinor && v->cpu_runtime == DNNL_RUNTIME_OMP) return "";
+  return "the projection library is bound to " + BoundLibrary() + ", expected its private copy of oneDNN " +
+         std::to_string(kMajor) + "." + std::to_string(kMinor) +
+         " (OpenMP runtime, _onednn/libdnnl_rfa.so.3 beside it): another oneDNN (MindSpore's?) was loaded in its "
+         "place; reinstall the package";
+}
+
+void MultiplyBf16(int64_t m, int64_t n, int64_t k, const float *x, const uint16_t *w, float *y) {
+  // x rounded once; one buffer per launching thread (MindSpore may launch on several at once).
+  thread_local std::vector<uint16_t> x_bf16;
+  x_bf16.resize(static_cast<size_t>(m * k));
+  RoundRows(m * k, x, x_bf16.data());
+
+  // W (n, k) row-major is oneDNN's (k, n) weights in the `ba` layout: used as stored, no reorder
+  // and no second copy (weights reordered once into oneDNN's blocked layout ran 0.95-1.11x as
+  // fast at M = 512 on AMX, within this shared machine's noise: benchmarks/onednn_layout.cc).
+  // The scratchpad is this thread's, so concurrent launches of one cached primitive never share one.
+  const memory::desc src({m, k}, memory::data_type::bf16, memory::format_tag::ab);
+  const memory::desc weights({k, n}, memory::data_type::bf16, memory::format_tag::ba);
+  const memory::desc dst({m, n}, memory::data_type::f32, memory::format_tag::ab);
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  const dnnl::matmul::primitive_desc pd(Engine(), src, weights, dst, attr);
+  const dnnl::matmul matmul(pd);  // from oneDNN's primitive cache after the first call of a shape
+
+  thread_local std::vector<char> scratch;
+  scratch.resize(pd.scratchpad_desc().get_size());
+  dnnl::stream stream(Engine());
+  matmul.execute(stream, {{DNNL_ARG_SRC, memory(src, Engine(), x_bf16.data())},
+                          {DNNL_ARG_WEIGHTS, memory(weights, Engine(), const_cast<uint16_t *>(w))},
+                          {DNNL_ARG_DST, memory(dst, Engine(), y)},
+                          {DNNL_ARG_SCRATCHPAD, memory(pd.scratchpad_desc(), Engine(), scratch.data())}});
+  stream.wait();
+}
+
+#endif  // RFA_WITH_ONEDNN
+
+}  // namespace onednn
+}  // namespace rfa

@@ -1,0 +1,37 @@
+// The projections' bfloat16 product through oneDNN's matmul primitive: y (m, n) float32 =
+// bf16(x) (m, k) W^T, W (n, k) bfloat16 as the checkpoint stores it, float32 accumulation.
+//
+// Why oneDNN: it runs this product on the CPU's bfloat16 units (AMX tiles, or avx512_core_bf16's
+// dot products on Zen 4) at close to their peak, which no BLAS wheel on PyPI offers; the library's
+// own products stay for float32 arithmetic. The library is a private copy of the onednn-cpu-gomp
+// wheel's, renamed (libdnnl_rfa.so.3), because MindSpore maps its own oneDNN under the same SONAME
+// (setup.py says how it is built, linear.py checks what was bound). Built without it
+// (RFA_WITH_ONEDNN undefined: not x86_64, or no wheel at build time), Built() is false and the
+// caller refuses the bfloat16 arithmetic.
+#pragma once
+#include <cstdint>
+#include <string>
+
+namespace rfa {
+namespace onednn {
+
+// Whether this build of the projection library has oneDNN.
+bool Built();
+
+// The oneDNN library bound at load, as it reports itself: "oneDNN 3.2.0 (OpenMP runtime)"; "" when
+// not built with it.
+std::string BoundLibrary();
+
+// "" when the bound library is the one this build was made for (3.2.x, OpenMP runtime, i.e. the
+// private copy) or none was built in; otherwise what was found instead. A wrong binding computes
+// right answers slowly (MindSpore's copy: one thread), so it is refused, never run.
+std::string BoundLibraryProblem();
+
+// y = round_to_nearest_even_bf16(x) W^T for x (m, k) float32, w (n, k) bfloat16 bits, y (m, n)
+// float32, all row-major and dense; m, n, k >= 1. x is rounded once into a buffer of this thread;
+// the primitive comes from oneDNN's own cache (bounded, thread-safe) keyed by the shapes. Throws
+// dnnl::error (a std::exception) when oneDNN fails.
+void MultiplyBf16(int64_t m, int64_t n, int64_t k, const float *x, const uint16_t *w, float *y);
+
+}  // namespace onednn
+}  // namespace rfa
