@@ -149,7 +149,7 @@ WITH_ONEDNN = {"define_macros": [("RFA_WITH_ONEDNN", "1")], "include_dirs": [ONE
 extensions += [
     Extension(f"ms_rope_attention._rfa_cpu_linear_{isa}",
               sources=[f"{CSRC}/rfa_cpu_linear.cc", f"{CSRC}/rfa_cpu_embedding.cc", f"{CSRC}/onednn_matmul.cc"],
-              depends=[f"{CSRC}/{h}" for h in ("aot_abi.h", "last_error.h", "onednn_matmul.h", "rfa_problem.h", "simd.h",
+              depends=[f"{CSRC}/{h}" for h in ("aot_abi.h", "aot_attrs.h", "last_error.h", "onednn_matmul.h", "rfa_problem.h", "simd.h",
                                                "weight_rows.h")],
               define_macros=WITH_ONEDNN.get("define_macros", []),
               include_dirs=[scipy_openblas32.get_include_dir()] + WITH_ONEDNN.get("include_dirs", []),

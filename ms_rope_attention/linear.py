@@ -117,7 +117,6 @@ def _bprop():
     return bprop
 
 
-@functools.lru_cache(maxsize=None)
 def linear_op(compute_dtype: str = "float32") -> ops.Custom:
     """The aot primitive ``(x (..., K) float32, weight (N, K) float32/float16/bfloat16) -> (..., N)
     float32`` computing in ``compute_dtype`` ("float32", or "bfloat16" with a bfloat16 weight);
@@ -134,5 +133,11 @@ def linear_op(compute_dtype: str = "float32") -> ops.Custom:
     # gives bit-equal values and gradients here, but a 1x4096 by 4096x4096 product took the same
     # 8.7 ms eagerly either way on 2 busy cores, while the launch graph compiled 7 times for 3 shapes
     # with their gradients. Switching is a change to measure on its own (benchmarks/projections.py).
-    return make_primitive(load_contract(str(LINEAR_PATH)), values, library_path(STEM, WHAT), bprop=_bprop(),
-                          any_dtype=False, graph_launch=False)
+    return _primitive(values["compute_dtype"])
+
+
+@functools.lru_cache(maxsize=None)
+def _primitive(compute_dtype: str) -> ops.Custom:
+    """One primitive per compute_dtype, however the caller spelled the default."""
+    return make_primitive(load_contract(str(LINEAR_PATH)), {"compute_dtype": compute_dtype}, library_path(STEM, WHAT),
+                          bprop=_bprop(), any_dtype=False, graph_launch=False)

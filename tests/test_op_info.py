@@ -107,10 +107,12 @@ DTYPE_ROWS = {"linear": [("float32", weight, "float32") for weight in ("float32"
 
 @pytest.mark.parametrize("path", [LINEAR_PATH, EMBEDDING_PATH], ids=lambda path: path.stem)
 def test_the_projection_registrations_follow_their_contracts(path):
-    """linear's and embedding's CPU registrations list each dtype combination of the contract, in its order."""
+    """linear's and embedding's CPU registrations list each dtype combination of the contract, in its order,
+    and its attributes (linear's compute_dtype) with their defaults."""
     contract = load_contract(str(path))
     info = build_reg_info("CPU", {}, contract=contract)
-    assert info["op_name"] == contract.op_name and info["attr"] == []
+    assert info["op_name"] == contract.op_name
+    assert [(a["name"], a["value"]) for a in info["attr"]] == [(a["name"], a["default"]) for a in contract.attrs]
     assert [i["name"] for i in info["inputs"]] == [i["name"] for i in contract.inputs]
     assert [tuple(entry[0] for entry in row) for row in info["dtype_format"]] == DTYPE_ROWS[path.stem]
 

@@ -1,5 +1,6 @@
 // The one reader of an aot op's attributes (the contracts' names, op_info/*.yaml) into rfa::Attrs,
-// shared by the attention's entries (rfa_cpu_aot.cc) and the paged cache's (rfa_cpu_paged.cc).
+// shared by the attention's entries (rfa_cpu_aot.cc) and the paged cache's (rfa_cpu_paged.cc); and
+// of the projection's compute_dtype (rfa_cpu_linear.cc).
 //
 // Why one: the attributes are read by name, and two readers were two lists of names to keep equal
 // to the contracts. An attribute an op does not have keeps the caller's default: the paged ops have
@@ -28,6 +29,12 @@ inline std::string ReadAttrs(mindspore::AotExtra *extra, Attrs *a) {
   if (extra->HasAttr("with_rotated_key")) a->with_rotated_key = extra->GetBool("with_rotated_key");
   if (extra->HasAttr("key_rotated")) a->key_rotated = extra->GetBool("key_rotated");
   return "";
+}
+
+// RfaLinear's one attribute (rfa_cpu_linear.cc), read here with the others: its text, or `fallback`
+// when the op has none; the linear library parses and checks it at launch.
+inline std::string ReadComputeDtype(mindspore::AotExtra *extra, const std::string &fallback) {
+  return extra->HasAttr("compute_dtype") ? extra->GetStr("compute_dtype") : fallback;
 }
 
 // What an entry's Init keeps for its launches: the attributes, and an error found reading them

@@ -30,6 +30,7 @@
 #include <cblas.h>  // scipy-openblas32's: every symbol carries its scipy_ prefix
 
 #include "aot_abi.h"
+#include "aot_attrs.h"
 #include "last_error.h"
 #include "onednn_matmul.h"
 #include "rfa_problem.h"  // rfa::ShapeText
@@ -249,7 +250,7 @@ struct LinearAttrs : mindspore::AotKernelData {
 
 extern "C" RFA_EXPORT int RfaLinearInit(int *, int64_t **, const char **, mindspore::AotExtra *extra) {
   auto *data = new LinearAttrs;
-  if (extra->HasAttr("compute_dtype")) data->compute_dtype = extra->GetStr("compute_dtype");
+  data->compute_dtype = rfa::ReadComputeDtype(extra, data->compute_dtype);
   extra->SetKernelData(data);
   return 0;
 }
