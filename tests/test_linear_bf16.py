@@ -259,3 +259,29 @@ def test_onednn_runs_on_the_openmp_pool_of_the_process(omp_threads):
     assert threads == [omp_threads or str(len(os.sched_getaffinity(0)))], run.stdout[-2000:]
     assert re.search(r"exec,cpu,matmul,brg:avx512_core_(amx|bf16)", run.stdout) or "avx512_bf16" not in open(
         "/proc/cpuinfo").read(), run.stdout[-2000:]
+
+
+@needs_onednn
+@pytest.mark.parametrize("cap", ["AVX512_CORE", "AVX2"])
+def test_a_cpu_without_bfloat16_instructions_is_refused_by_name(cap):
+    """oneDNN capped below AVX512-BF16 (ONEDNN_MAX_CPU_ISA: what it finds on such a CPU) would emulate
+    the bfloat16 products: refused, naming compute_dtype and the instructions found, in the op and the
+    direct call alike; float32 arithmetic runs."""
+    code = """
+import numpy as np, ml_dtypes
+from ms_rope_attention import linear
+x, w = np.ones((2, 3), np.float32), np.ones((4, 3), ml_dtypes.bfloat16)
+for call in (lambda: linear.multiply(x, w, compute_dtype='bfloat16'), lambda: linear.linear_op('bfloat16')):
+    try:
+        call()
+        raise SystemExit('not refused')
+    except ValueError as e:
+        print(e)
+assert (linear.multiply(x, w) == 3).all()
+"""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), ONEDNN_MAX_CPU_ISA=cap)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    expected = (f"compute_dtype: 'bfloat16' needs bfloat16 instructions (AVX512-BF16 or AMX-BF16), which oneDNN does "
+                f"not find on this CPU (its best: {cap.lower()}")
+    assert run.stdout.count(expected) == 2, run.stdout

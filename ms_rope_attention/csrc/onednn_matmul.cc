@@ -17,6 +17,7 @@ namespace onednn {
 bool Built() { return false; }
 std::string BoundLibrary() { return ""; }
 std::string BoundLibraryProblem() { return ""; }
+std::string NativeBf16Problem() { return ""; }
 void MultiplyBf16(int64_t, int64_t, int64_t, const float *, const uint16_t *, float *) {}
 
 #else
@@ -35,6 +36,19 @@ const char *RuntimeName(unsigned runtime) {
     case DNNL_RUNTIME_OMP: return "OpenMP";
     case DNNL_RUNTIME_TBB: return "TBB";
     case DNNL_RUNTIME_THREADPOOL: return "threadpool";
+    default: return "unknown";
+  }
+}
+
+const char *IsaName(dnnl::cpu_isa isa) {
+  switch (isa) {
+    case dnnl::cpu_isa::sse41: return "sse41";
+    case dnnl::cpu_isa::avx: return "avx";
+    case dnnl::cpu_isa::avx2: return "avx2";
+    case dnnl::cpu_isa::avx2_vnni: return "avx2_vnni";
+    case dnnl::cpu_isa::avx2_vnni_2: return "avx2_vnni_2";
+    case dnnl::cpu_isa::avx512_core: return "avx512_core";
+    case dnnl::cpu_isa::avx512_core_vnni: return "avx512_core_vnni";
     default: return "unknown";
   }
 }
@@ -75,6 +89,15 @@ std::string BoundLibraryProblem() {
          std::to_string(kMajor) + "." + std::to_string(kMinor) +
          " (OpenMP runtime, _onednn/libdnnl_rfa.so.3 beside it): another oneDNN (MindSpore's?) was loaded in its "
          "place; reinstall the package";
+}
+
+std::string NativeBf16Problem() {
+  const dnnl::cpu_isa isa = dnnl::get_effective_cpu_isa();
+  for (dnnl::cpu_isa native : {dnnl::cpu_isa::avx512_core_bf16, dnnl::cpu_isa::avx512_core_fp16,
+                               dnnl::cpu_isa::avx512_core_amx, dnnl::cpu_isa::avx512_core_amx_fp16})
+    if (isa == native) return "";
+  return std::string("needs bfloat16 instructions (AVX512-BF16 or AMX-BF16), which oneDNN does not find on this CPU "
+                     "(its best: ") + IsaName(isa) + ", within ONEDNN_MAX_CPU_ISA if set); use 'float32'";
 }
 
 void MultiplyBf16(int64_t m, int64_t n, int64_t k, const float *x, const uint16_t *w, float *y) {

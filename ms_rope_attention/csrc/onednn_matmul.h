@@ -27,6 +27,11 @@ std::string BoundLibrary();
 // right answers slowly (MindSpore's copy: one thread), so it is refused, never run.
 std::string BoundLibraryProblem();
 
+// "" when oneDNN runs bfloat16 products on this CPU's own bfloat16 instructions (AVX512-BF16 or
+// AMX-BF16, within ONEDNN_MAX_CPU_ISA); otherwise what it found. Without them oneDNN would emulate
+// them, slower than the float32 arithmetic: refused, never run silently (as compute.py does).
+std::string NativeBf16Problem();
+
 // y = round_to_nearest_even_bf16(x) W^T for x (m, k) float32, w (n, k) bfloat16 bits, y (m, n)
 // float32, all row-major and dense; m, n, k >= 1. x is rounded once into a buffer of this thread;
 // the primitive comes from oneDNN's own cache (bounded, thread-safe) keyed by the shapes. Throws

@@ -70,8 +70,9 @@ std::string ParseCompute(const char *text, Compute *compute) {
     return "compute_dtype: 'bfloat16' needs oneDNN, which this build of the projection library does not have (built "
            "without the onednn-cpu-gomp wheel, which exists for x86_64 Linux only); use 'float32'";
   if (*compute == Compute::kBFloat16) {
-    const std::string problem = rfa::onednn::BoundLibraryProblem();
-    if (!problem.empty()) return "compute_dtype: 'bfloat16': " + problem;
+    const std::string bound = rfa::onednn::BoundLibraryProblem(), isa = rfa::onednn::NativeBf16Problem();
+    if (!bound.empty()) return "compute_dtype: 'bfloat16' cannot run: " + bound;
+    if (!isa.empty()) return "compute_dtype: 'bfloat16' " + isa;
   }
   return "";
 }
