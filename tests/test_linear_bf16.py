@@ -285,3 +285,97 @@ assert (linear.multiply(x, w) == 3).all()
     expected = (f"compute_dtype: 'bfloat16' needs bfloat16 instructions (AVX512-BF16 or AMX-BF16), which oneDNN does "
                 f"not find on this CPU (its best: {cap.lower()}")
     assert run.stdout.count(expected) == 2, run.stdout
+
+
+# W reordered once into oneDNN's blocked layout (linear.pack_weight): the same products as W as stored.
+@needs_onednn
+@pytest.mark.parametrize("m", [1, 17, 512])
+@pytest.mark.parametrize("n, k", [(40, 72), (11, 1), (1, 11), (4099, 33)])
+def test_packed_weight_gives_the_plain_weights_result(m, n, k, rng):
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = bf16(rng.standard_normal((n, k)))
+    packed = linear.pack_weight(w)
+    assert packed.dtype == np.uint8 and packed.shape == (linear.packed_bytes(n, k),)
+    y = linear.multiply(x, packed, compute_dtype="bfloat16", packed_out_features=n)
+    expected, tol = reference(x, w)
+    assert y.shape == (m, n) and np.all(np.abs(y - expected) <= tol)
+    assert np.array_equal(y, linear.multiply(x, w, compute_dtype="bfloat16"))
+
+
+@needs_onednn
+def test_pack_into_the_callers_buffer(rng):
+    w = bf16(rng.standard_normal((24, 40)))
+    out = np.zeros(linear.packed_bytes(24, 40), np.uint8)
+    assert linear.pack_weight(w, out) is out and np.array_equal(out, linear.pack_weight(w))
+
+
+@needs_onednn
+@pytest.mark.parametrize("case, message", [
+    ("another N in the same block", "weight: packed for (1, 11), used as (packed_out_features, in_features) = (5, 11)"),
+    ("no header", "weight: expected a buffer RfaLinearPack wrote (its header is missing)"),
+    ("another layout", "weight: packed in another layout than this CPU's oneDNN picks"),
+    ("wrong size", "weight: expected"),
+    ("float32 arithmetic", "weight: a packed (uint8) weight needs compute_dtype 'bfloat16'"),
+    ("no packed_out_features", "packed_out_features: expected the out_features the uint8 weight was packed for"),
+    ("plain weight with packed_out_features", "weight: expected the uint8 buffer RfaLinearPack wrote"),
+])
+def test_packed_weight_misuse_is_refused_by_name(case, message, rng):
+    x = rng.standard_normal((3, 11)).astype(np.float32)
+    w = bf16(rng.standard_normal((1, 11)))
+    packed, n, weight, compute = linear.pack_weight(w), 1, None, "bfloat16"
+    if case == "another N in the same block":
+        n = 5
+        assert linear.packed_bytes(5, 11) == packed.size  # the size alone cannot tell
+    elif case == "no header":
+        packed[:8] = 0
+    elif case == "another layout":
+        packed[24] ^= 1
+    elif case == "wrong size":
+        packed = packed[:-1].copy()
+    elif case == "float32 arithmetic":
+        compute = "float32"
+    elif case == "no packed_out_features":
+        n = 0
+    else:
+        weight = w
+    with pytest.raises(ValueError, match=re.escape(message)):
+        linear.multiply(x, packed if weight is None else weight, compute_dtype=compute, packed_out_features=n,
+                        out_shape=(3, max(n, 1)))
+
+
+@needs_onednn
+def test_pack_refuses_a_weight_that_is_not_bfloat16():
+    with pytest.raises(ValueError, match=re.escape("weight: expected bfloat16, got float32")):
+        linear.pack_weight(np.ones((4, 3), np.float32))
+    with pytest.raises(ValueError, match=re.escape("packed: expected shape")):
+        linear.pack_weight(np.ones((4, 3), BF16), np.zeros(7, np.uint8))
+    with pytest.raises(ValueError, match=re.escape("in_features: expected [1, 2^31), got 0")):
+        linear.packed_bytes(4, 0)
+
+
+def test_packed_out_features_needs_bfloat16_arithmetic():
+    with pytest.raises(ValueError, match="packed_out_features: expected 0, or the out_features of a weight packed"):
+        linear.linear_op("float32", packed_out_features=8)
+
+
+@needs_onednn
+def test_op_with_a_packed_weight_in_both_modes(mode, rng):
+    w = bf16(rng.standard_normal((24, 40)))
+
+    class Packed(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.weight = ms.Parameter(Tensor(linear.pack_weight(w)), name="weight", requires_grad=False)
+            self.op = linear.linear_op("bfloat16", packed_out_features=24)
+
+        def construct(self, x):
+            return self.op(x, self.weight)
+
+    net = Packed()
+    if mode == "graph":
+        net.set_inputs(Tensor(shape=[2, None, 40], dtype=ms.float32))
+    for length in (1, 17, 40):
+        x = rng.standard_normal((2, length, 40)).astype(np.float32)
+        y = net(Tensor(x)).asnumpy()
+        assert y.shape == (2, length, 24)
+        assert np.array_equal(y, linear.multiply(x, w, compute_dtype="bfloat16"))

@@ -100,7 +100,7 @@ def test_the_other_contracts_tables_are_generated(path):
         "docs/semantics.md's other tables are stale: paste `python -m ms_rope_attention.op_info --others`"
 
 
-DTYPE_ROWS = {"linear": [("float32", weight, "float32") for weight in ("float32", "float16", "bfloat16")],
+DTYPE_ROWS = {"linear": [("float32", weight, "float32") for weight in ("float32", "float16", "bfloat16", "uint8")],
               "embedding": [(ids, table, "float32") for ids in ("int32", "int64")
                             for table in ("float32", "float16", "bfloat16")]}
 

@@ -1,6 +1,6 @@
 // The one reader of an aot op's attributes (the contracts' names, op_info/*.yaml) into rfa::Attrs,
 // shared by the attention's entries (rfa_cpu_aot.cc) and the paged cache's (rfa_cpu_paged.cc); and
-// of the projection's compute_dtype (rfa_cpu_linear.cc).
+// of the projection's (rfa_cpu_linear.cc).
 //
 // Why one: the attributes are read by name, and two readers were two lists of names to keep equal
 // to the contracts. An attribute an op does not have keeps the caller's default: the paged ops have
@@ -31,10 +31,11 @@ inline std::string ReadAttrs(mindspore::AotExtra *extra, Attrs *a) {
   return "";
 }
 
-// RfaLinear's one attribute (rfa_cpu_linear.cc), read here with the others: its text, or `fallback`
-// when the op has none; the linear library parses and checks it at launch.
-inline std::string ReadComputeDtype(mindspore::AotExtra *extra, const std::string &fallback) {
-  return extra->HasAttr("compute_dtype") ? extra->GetStr("compute_dtype") : fallback;
+// RfaLinear's attributes (rfa_cpu_linear.cc), read here with the others over the caller's defaults;
+// the linear library checks them at launch.
+inline void ReadLinearAttrs(mindspore::AotExtra *extra, std::string *compute_dtype, int64_t *packed_out_features) {
+  if (extra->HasAttr("compute_dtype")) *compute_dtype = extra->GetStr("compute_dtype");
+  if (extra->HasAttr("packed_out_features")) *packed_out_features = extra->GetInt("packed_out_features");
 }
 
 // What an entry's Init keeps for its launches: the attributes, and an error found reading them

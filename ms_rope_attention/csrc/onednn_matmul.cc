@@ -19,6 +19,10 @@ std::string BoundLibrary() { return ""; }
 std::string BoundLibraryProblem() { return ""; }
 std::string NativeBf16Problem() { return ""; }
 void MultiplyBf16(int64_t, int64_t, int64_t, const float *, const uint16_t *, float *) {}
+int64_t PackedBytes(int64_t, int64_t) { return 0; }
+void Pack(int64_t, int64_t, const uint16_t *, void *) {}
+std::string PackedProblem(int64_t, int64_t, const void *) { return ""; }
+void MultiplyBf16Packed(int64_t, int64_t, int64_t, const float *, const void *, float *) {}
 
 #else
 
@@ -100,18 +104,57 @@ std::string NativeBf16Problem() {
                      "(its best: ") + IsaName(isa) + ", within ONEDNN_MAX_CPU_ISA if set); use 'float32'";
 }
 
-void MultiplyBf16(int64_t m, int64_t n, int64_t k, const float *x, const uint16_t *w, float *y) {
+namespace {
+
+const memory::desc PlainWeights(int64_t n, int64_t k) {
+  // W (n, k) row-major is oneDNN's (k, n) weights in the `ba` layout.
+  return memory::desc({k, n}, memory::data_type::bf16, memory::format_tag::ba);
+}
+
+// The blocked layout oneDNN's matmul picks for (k, n) bfloat16 weights (`any`). It did not change
+// with M (checked for M = 1..8192 and N/K from 1 to 32000 on AMX), so one packed copy serves every
+// call; a call whose M prefers another layout still runs, on the kernel that takes this one.
+memory::desc PackedWeights(int64_t n, int64_t k) {
+  constexpr int64_t kAnyM = 512;
+  const dnnl::matmul::primitive_desc pd(Engine(), memory::desc({kAnyM, k}, memory::data_type::bf16, memory::format_tag::ab),
+                                        memory::desc({k, n}, memory::data_type::bf16, memory::format_tag::any),
+                                        memory::desc({kAnyM, n}, memory::data_type::f32, memory::format_tag::ab));
+  return pd.weights_desc();
+}
+
+// A packed buffer starts with what it was packed for, so a buffer used with another shape (an N
+// within the same padding block has the same size), or packed on another CPU, is refused instead of
+// read as a wrong W.
+struct PackedHeader {
+  char magic[8];
+  int64_t n, k;
+  uint64_t layout;  // LayoutHash of the blocked layout
+  char reserved[32];
+};
+static_assert(sizeof(PackedHeader) == kPackedHeaderBytes, "the header is the payload's 64-byte offset");
+constexpr char kMagic[8] = {'R', 'F', 'A', 'P', 'A', 'C', 'K', '1'};
+
+uint64_t LayoutHash(const memory::desc &md) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the layout's numbers
+  auto mix = [&h](int64_t v) {
+    for (int i = 0; i < 8; ++i) h = (h ^ static_cast<uint64_t>((v >> (8 * i)) & 0xFF)) * 1099511628211ull;
+  };
+  for (auto v : md.get_dims()) mix(v);
+  for (auto v : md.get_strides()) mix(v);
+  for (auto v : md.get_inner_blks()) mix(v);
+  for (auto v : md.get_inner_idxs()) mix(v);
+  mix(static_cast<int64_t>(md.get_size()));
+  return h;
+}
+
+void Multiply(int64_t m, int64_t n, int64_t k, const float *x, const memory::desc &weights, const void *w, float *y) {
   // x rounded once; one buffer per launching thread (MindSpore may launch on several at once).
   thread_local std::vector<uint16_t> x_bf16;
   x_bf16.resize(static_cast<size_t>(m * k));
   RoundRows(m * k, x, x_bf16.data());
 
-  // W (n, k) row-major is oneDNN's (k, n) weights in the `ba` layout: used as stored, no reorder
-  // and no second copy (weights reordered once into oneDNN's blocked layout ran 0.95-1.11x as
-  // fast at M = 512 on AMX, within this shared machine's noise: benchmarks/onednn_layout.cc).
   // The scratchpad is this thread's, so concurrent launches of one cached primitive never share one.
   const memory::desc src({m, k}, memory::data_type::bf16, memory::format_tag::ab);
-  const memory::desc weights({k, n}, memory::data_type::bf16, memory::format_tag::ba);
   const memory::desc dst({m, n}, memory::data_type::f32, memory::format_tag::ab);
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
@@ -122,10 +165,53 @@ void MultiplyBf16(int64_t m, int64_t n, int64_t k, const float *x, const uint16_
   scratch.resize(pd.scratchpad_desc().get_size());
   dnnl::stream stream(Engine());
   matmul.execute(stream, {{DNNL_ARG_SRC, memory(src, Engine(), x_bf16.data())},
-                          {DNNL_ARG_WEIGHTS, memory(weights, Engine(), const_cast<uint16_t *>(w))},
+                          {DNNL_ARG_WEIGHTS, memory(weights, Engine(), const_cast<void *>(w))},
                           {DNNL_ARG_DST, memory(dst, Engine(), y)},
                           {DNNL_ARG_SCRATCHPAD, memory(pd.scratchpad_desc(), Engine(), scratch.data())}});
   stream.wait();
+}
+
+}  // namespace
+
+void MultiplyBf16(int64_t m, int64_t n, int64_t k, const float *x, const uint16_t *w, float *y) {
+  Multiply(m, n, k, x, PlainWeights(n, k), w, y);
+}
+
+int64_t PackedBytes(int64_t n, int64_t k) {
+  return kPackedHeaderBytes + static_cast<int64_t>(PackedWeights(n, k).get_size());
+}
+
+void Pack(int64_t n, int64_t k, const uint16_t *w, void *packed) {
+  const memory::desc blocked_md = PackedWeights(n, k);
+  PackedHeader header{};
+  std::memcpy(header.magic, kMagic, sizeof(kMagic));
+  header.n = n;
+  header.k = k;
+  header.layout = LayoutHash(blocked_md);
+  std::memcpy(packed, &header, sizeof(header));
+  memory plain(PlainWeights(n, k), Engine(), const_cast<uint16_t *>(w));
+  memory blocked(blocked_md, Engine(), static_cast<char *>(packed) + kPackedHeaderBytes);
+  dnnl::stream stream(Engine());
+  dnnl::reorder(plain, blocked).execute(stream, plain, blocked);
+  stream.wait();
+}
+
+std::string PackedProblem(int64_t n, int64_t k, const void *packed) {
+  PackedHeader header;
+  std::memcpy(&header, packed, sizeof(header));
+  if (std::memcmp(header.magic, kMagic, sizeof(kMagic)) != 0)
+    return "weight: expected a buffer RfaLinearPack wrote (its header is missing)";
+  if (header.n != n || header.k != k)
+    return "weight: packed for (" + std::to_string(header.n) + ", " + std::to_string(header.k) +
+           "), used as (packed_out_features, in_features) = (" + std::to_string(n) + ", " + std::to_string(k) + ")";
+  if (header.layout != LayoutHash(PackedWeights(n, k)))
+    return "weight: packed in another layout than this CPU's oneDNN picks (packed on another machine, or under "
+           "another ONEDNN_MAX_CPU_ISA?): pack it again in this process";
+  return "";
+}
+
+void MultiplyBf16Packed(int64_t m, int64_t n, int64_t k, const float *x, const void *packed, float *y) {
+  Multiply(m, n, k, x, PackedWeights(n, k), static_cast<const char *>(packed) + kPackedHeaderBytes, y);
 }
 
 #endif  // RFA_WITH_ONEDNN

@@ -11,9 +11,11 @@
 // kernels for the running CPU; the library's own products (weight_rows.h) are built once per
 // instruction set, like the attention kernel, and chosen at run time by linear.py.
 //
-// Entries: RfaLinear (x (..., K) float32, weight (N, K) float32/float16/bfloat16) -> y (..., N)
-// float32, its compute_dtype read once by RfaLinearInit; RfaLinearRun (the same with compute_dtype
-// given: direct calls without MindSpore); RfaLinearInferShape / RfaLinearInferType (C++ infer, so
+// Entries: RfaLinear (x (..., K) float32, weight (N, K) float32/float16/bfloat16, or the uint8
+// buffer RfaLinearPack wrote) -> y (..., N) float32, its compute_dtype and packed_out_features read
+// once by RfaLinearInit; RfaLinearRun (the same with the attributes given: direct calls without
+// MindSpore); RfaLinearPackedBytes / RfaLinearPack (a bfloat16 W reordered once, at load, into
+// oneDNN's blocked layout, in the caller's buffer); RfaLinearInferShape / RfaLinearInferType (C++ infer, so
 // GRAPH_MODE with a dynamic sequence length compiles once); RfaLinearLastError (the message of the
 // last refused launch); RfaLinearIsa (the instruction set of this build); RfaLinearOnednn /
 // RfaLinearOnednnProblem (the oneDNN bound at load, and what is wrong with it, if anything);
@@ -52,7 +54,8 @@ struct Gemm {
   int64_t m = 0, n = 0, k = 0;  // rows of x, out_features, in_features
 };
 
-enum class WeightType { kFloat32, kFloat16, kBFloat16 };
+// kPacked: a bfloat16 W reordered by RfaLinearPack into oneDNN's blocked layout (uint8 bytes).
+enum class WeightType { kFloat32, kFloat16, kBFloat16, kPacked };
 enum class Compute { kFloat32, kBFloat16 };
 
 // compute_dtype's text -> Compute; "" or the message naming the attribute.
@@ -78,9 +81,10 @@ std::string ParseCompute(const char *text, Compute *compute) {
 }
 
 // Checks x (..., K) float32, weight (N, K) float32/float16/bfloat16 (bfloat16 only, computing in
-// bfloat16) and y (..., N) float32, before any memory is touched.
-std::string Validate(const int *ndims, int64_t *const *shapes, const char *const *dtypes, Compute compute, Gemm *g,
-                     WeightType *type) {
+// bfloat16) or a packed uint8 buffer (packed_n = N >= 1; 0 for a plain weight) and y (..., N)
+// float32, before any memory is touched.
+std::string Validate(const int *ndims, int64_t *const *shapes, const char *const *dtypes, Compute compute,
+                     int64_t packed_n, Gemm *g, WeightType *type) {
   const char *names[3] = {"x", "weight", "y"};
   if (!ndims || !shapes || !dtypes) return "launch: null ndims, shapes or dtypes array";
   for (int i = 0; i < 3; ++i) {
@@ -89,9 +93,19 @@ std::string Validate(const int *ndims, int64_t *const *shapes, const char *const
       if (dtype == "float32") *type = WeightType::kFloat32;
       else if (dtype == "float16") *type = WeightType::kFloat16;
       else if (dtype == "bfloat16") *type = WeightType::kBFloat16;
-      else return "weight: expected float32, float16 or bfloat16, got " + dtype;
-      if (compute == Compute::kBFloat16 && *type != WeightType::kBFloat16)
+      else if (dtype == "uint8") *type = WeightType::kPacked;
+      else return "weight: expected float32, float16, bfloat16 or uint8 (packed), got " + dtype;
+      const bool packed = *type == WeightType::kPacked;
+      if (compute == Compute::kBFloat16 && *type != WeightType::kBFloat16 && !packed)
         return "weight: expected bfloat16 with compute_dtype 'bfloat16' (round the weight once, at load), got " + dtype;
+      if (packed && compute != Compute::kBFloat16)
+        return "weight: a packed (uint8) weight needs compute_dtype 'bfloat16'";
+      if (packed_n < 0 || (packed && packed_n == 0))
+        return "packed_out_features: expected the out_features the uint8 weight was packed for (>= 1), got " +
+               std::to_string(packed_n);
+      if (!packed && packed_n > 0)
+        return "weight: expected the uint8 buffer RfaLinearPack wrote, as packed_out_features is " +
+               std::to_string(packed_n) + ", got " + dtype;
     } else if (dtype != "float32") {
       return std::string(names[i]) + ": expected float32, got " + dtype;
     }
@@ -101,13 +115,25 @@ std::string Validate(const int *ndims, int64_t *const *shapes, const char *const
   const int nx = ndims[0];
   const int64_t *x = shapes[0], *w = shapes[1], *y = shapes[2];
   if (nx < 1) return "x: expected at least 1 dimension (..., in_features), got a scalar";
-  if (ndims[1] != 2) return "weight: expected 2 dimensions (out_features, in_features), got " + ShapeText(ndims[1], w);
-  g->n = w[0];
-  g->k = w[1];
-  if (g->n < 0 || g->k < 0) return "weight: expected a concrete shape, got " + ShapeText(2, w);
-  if (x[nx - 1] != g->k)
-    return "x: expected its last dimension to be the weight's in_features " + std::to_string(g->k) + ", got x " +
-           ShapeText(nx, x) + " and weight " + ShapeText(2, w);
+  if (*type == WeightType::kPacked) {
+    if (ndims[1] != 1) return "weight: expected the 1-D uint8 buffer RfaLinearPack wrote, got " + ShapeText(ndims[1], w);
+    g->n = packed_n;
+    g->k = x[nx - 1];
+    if (g->k < 1 || g->k > INT_MAX || g->n > INT_MAX)
+      return "x: expected in_features in [1, 2^31) with a packed weight, got " + ShapeText(nx, x);
+    const int64_t bytes = rfa::onednn::PackedBytes(g->n, g->k);
+    if (w[0] != bytes)
+      return "weight: expected " + std::to_string(bytes) + " bytes, packed for (" + std::to_string(g->n) + ", " +
+             std::to_string(g->k) + ") on this CPU, got " + ShapeText(1, w);
+  } else {
+    if (ndims[1] != 2) return "weight: expected 2 dimensions (out_features, in_features), got " + ShapeText(ndims[1], w);
+    g->n = w[0];
+    g->k = w[1];
+    if (g->n < 0 || g->k < 0) return "weight: expected a concrete shape, got " + ShapeText(2, w);
+    if (x[nx - 1] != g->k)
+      return "x: expected its last dimension to be the weight's in_features " + std::to_string(g->k) + ", got x " +
+             ShapeText(nx, x) + " and weight " + ShapeText(2, w);
+  }
   g->m = 1;
   for (int i = 0; i + 1 < nx; ++i) {
     if (x[i] < 0) return "x: expected a concrete shape, got " + ShapeText(nx, x);
@@ -120,7 +146,7 @@ std::string Validate(const int *ndims, int64_t *const *shapes, const char *const
   bool same = ndims[2] == nx && y[nx - 1] == g->n;
   for (int i = 0; same && i + 1 < nx; ++i) same = y[i] == x[i];
   if (!same) return "y: expected shape x.shape[:-1] + (out_features,), got y " + ShapeText(ndims[2], y) + " for x " +
-                    ShapeText(nx, x) + " and weight " + ShapeText(2, w);
+                    ShapeText(nx, x) + " and weight " + ShapeText(ndims[1], w);
   return "";
 }
 
@@ -236,9 +262,13 @@ extern "C" RFA_EXPORT const char *RfaLinearComputeProblem(const char *compute_dt
 }
 
 // y's shape: x.shape[:-1] + (out_features,); -1 stays -1 (dynamic dimensions).
-extern "C" RFA_EXPORT std::vector<int64_t> RfaLinearInferShape(int *ndims, int64_t **shapes, mindspore::AotExtra *) {
+extern "C" RFA_EXPORT std::vector<int64_t> RfaLinearInferShape(int *ndims, int64_t **shapes, mindspore::AotExtra *extra) {
   std::vector<int64_t> out(shapes[0], shapes[0] + ndims[0]);
+  std::string compute_dtype;
+  int64_t packed_out_features = 0;
+  if (extra) rfa::ReadLinearAttrs(extra, &compute_dtype, &packed_out_features);
   if (!out.empty() && ndims[1] == 2) out.back() = shapes[1][0];
+  if (!out.empty() && ndims[1] == 1 && packed_out_features > 0) out.back() = packed_out_features;  // a packed W
   return out;
 }
 
@@ -247,19 +277,62 @@ extern "C" RFA_EXPORT TypeId RfaLinearInferType(std::vector<TypeId> inputs, mind
 // What RfaLinearInit keeps for the launches of one kernel instance: the compute_dtype attribute.
 struct LinearAttrs : mindspore::AotKernelData {
   std::string compute_dtype = "float32";
+  int64_t packed_out_features = 0;  // 0: W as stored; N: a uint8 buffer RfaLinearPack wrote for (N, K)
 };
 
 extern "C" RFA_EXPORT int RfaLinearInit(int *, int64_t **, const char **, mindspore::AotExtra *extra) {
   auto *data = new LinearAttrs;
-  data->compute_dtype = rfa::ReadComputeDtype(extra, data->compute_dtype);
+  rfa::ReadLinearAttrs(extra, &data->compute_dtype, &data->packed_out_features);
   extra->SetKernelData(data);
   return 0;
 }
 
+// Bytes of a bfloat16 (out_features, in_features) W packed by RfaLinearPack on this CPU; -1 (the
+// reason in RfaLinearLastError) when this library cannot pack (no oneDNN, no bfloat16 instructions)
+// or a dimension is outside [1, 2^31).
+extern "C" RFA_EXPORT int64_t RfaLinearPackedBytes(int64_t out_features, int64_t in_features) {
+  try {
+    Compute compute;
+    const std::string err = ParseCompute("bfloat16", &compute);
+    if (!err.empty()) return Fail(err), -1;
+    if (out_features < 1 || out_features > INT_MAX)
+      return Fail("out_features: expected [1, 2^31), got " + std::to_string(out_features)), -1;
+    if (in_features < 1 || in_features > INT_MAX)
+      return Fail("in_features: expected [1, 2^31), got " + std::to_string(in_features)), -1;
+    return rfa::onednn::PackedBytes(out_features, in_features);
+  } catch (const std::exception &e) {
+    return Fail(e.what()), -1;
+  }
+}
+
+// Packs weight (N, K) bfloat16 into packed (RfaLinearPackedBytes(N, K),) uint8 (aot convention,
+// nparam 2): the caller's buffer, so the model keeps this copy in place of the checkpoint's.
+extern "C" RFA_EXPORT int RfaLinearPack(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes) {
+  try {
+    if (nparam != 2 || !params || !ndims || !shapes || !dtypes)
+      return Fail("pack: expected 2 params (weight, packed) with their ndims, shapes and dtypes");
+    const std::string wtype = dtypes[0] ? dtypes[0] : "none", ptype = dtypes[1] ? dtypes[1] : "none";
+    if (wtype != "bfloat16") return Fail("weight: expected bfloat16, got " + wtype);
+    if (ndims[0] != 2 || !shapes[0]) return Fail("weight: expected 2 dimensions (out_features, in_features)");
+    const int64_t n = shapes[0][0], k = shapes[0][1];
+    const int64_t bytes = RfaLinearPackedBytes(n, k);
+    if (bytes < 0) return 1;  // the reason is recorded
+    if (ptype != "uint8") return Fail("packed: expected uint8, got " + ptype);
+    if (ndims[1] != 1 || !shapes[1] || shapes[1][0] != bytes)
+      return Fail("packed: expected shape (" + std::to_string(bytes) + ",) for weight " + ShapeText(2, shapes[0]) +
+                  ", got " + (shapes[1] ? ShapeText(ndims[1], shapes[1]) : std::string("none")));
+    if (!params[0] || !params[1]) return Fail("pack: null data pointer");
+    rfa::onednn::Pack(n, k, static_cast<const uint16_t *>(params[0]), params[1]);
+    return 0;
+  } catch (const std::exception &e) {
+    return Fail(e.what());
+  }
+}
+
 // Validates everything (compute_dtype, dtypes, shapes, data pointers), then multiplies. The
 // MindSpore entry below and ms_rope_attention.linear.multiply (no MindSpore) call it.
-extern "C" RFA_EXPORT int RfaLinearRun(const char *compute_dtype, int nparam, void **params, int *ndims,
-                                       int64_t **shapes, const char **dtypes) {
+extern "C" RFA_EXPORT int RfaLinearRun(const char *compute_dtype, int64_t packed_out_features, int nparam,
+                                       void **params, int *ndims, int64_t **shapes, const char **dtypes) {
   try {
     Compute compute = Compute::kFloat32;
     std::string err = ParseCompute(compute_dtype, &compute);
@@ -268,16 +341,23 @@ extern "C" RFA_EXPORT int RfaLinearRun(const char *compute_dtype, int nparam, vo
     if (!params) return Fail("launch: null params array");
     Gemm g;
     WeightType type = WeightType::kFloat32;
-    err = Validate(ndims, shapes, dtypes, compute, &g, &type);
+    err = Validate(ndims, shapes, dtypes, compute, packed_out_features, &g, &type);
     if (!err.empty()) return Fail(err);
     const char *names[3] = {"x", "weight", "y"};
-    const bool has_elements[3] = {g.m > 0 && g.k > 0, g.n > 0 && g.k > 0, g.m > 0 && g.n > 0};
+    const bool has_elements[3] = {g.m > 0 && g.k > 0, (g.n > 0 && g.k > 0) || type == WeightType::kPacked,
+                                  g.m > 0 && g.n > 0};
     for (int i = 0; i < 3; ++i)
       if (has_elements[i] && !params[i]) return Fail(std::string(names[i]) + ": null data pointer");
+    if (type == WeightType::kPacked) {  // its header, read before anything is written
+      err = rfa::onednn::PackedProblem(g.n, g.k, params[1]);
+      if (!err.empty()) return Fail(err);
+    }
     if (g.m > 0 && g.n > 0) {
       const auto *x = static_cast<const float *>(params[0]);
       auto *y = static_cast<float *>(params[2]);
-      if (type == WeightType::kFloat16)
+      if (type == WeightType::kPacked)  // k >= 1 (Validate)
+        rfa::onednn::MultiplyBf16Packed(g.m, g.n, g.k, x, params[1], y);
+      else if (type == WeightType::kFloat16)
         Multiply(g, compute, x, static_cast<const rfa::weights::Half *>(params[1]), y);
       else if (type == WeightType::kBFloat16)
         Multiply(g, compute, x, static_cast<const rfa::weights::BFloat16 *>(params[1]), y);
@@ -296,11 +376,11 @@ extern "C" RFA_EXPORT int RfaLinearRun(const char *compute_dtype, int nparam, vo
 // through the aot convention, as tests make it) takes the contract's default, float32.
 extern "C" RFA_EXPORT int RfaLinear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
                                     void *extra) {
-  const char *compute_dtype = "float32";
+  const LinearAttrs defaults;
+  const LinearAttrs *data = &defaults;
   if (extra) {
-    const auto *data = static_cast<const LinearAttrs *>(static_cast<mindspore::AotExtra *>(extra)->KernelData());
+    data = static_cast<const LinearAttrs *>(static_cast<mindspore::AotExtra *>(extra)->KernelData());
     if (!data) return Fail("kernel attributes missing (RfaLinearInit did not run)");
-    compute_dtype = data->compute_dtype.c_str();
   }
-  return RfaLinearRun(compute_dtype, nparam, params, ndims, shapes, dtypes);
+  return RfaLinearRun(data->compute_dtype.c_str(), data->packed_out_features, nparam, params, ndims, shapes, dtypes);
 }
