@@ -1,7 +1,7 @@
 """The projections' GEMM, side by side in one process: MindSpore's CPU MatMul against this project's
 OpenBLAS op (``ms_rope_attention.linear``), the same op computing in bfloat16 on oneDNN
-(``compute_dtype="bfloat16"``, W rounded to bfloat16; where the CPU has bfloat16 instructions and the
-library has oneDNN), numpy's (OpenBLAS) and PyTorch's (MKL; and its bfloat16 linear) when installed, at
+(``compute_dtype="bfloat16"``, W rounded to bfloat16, as stored and packed once by ``linear.pack_weight``;
+where the CPU has bfloat16 instructions and the library has oneDNN), numpy's (OpenBLAS) and PyTorch's (MKL; and its bfloat16 linear) when installed, at
 a decoder layer's projection shapes (Llama2-7B by default); then the whole prefill of that model
 (2 layers) with each of the two MindSpore GEMMs (``projections="auto"`` vs ``"matmul"``, same
 weights). Series alternate round by round (``harness.alternate``), so a noisy machine slows them
@@ -57,7 +57,7 @@ def op_series(length: int, out_features: int, in_features: int) -> dict:
     import ml_dtypes
     from mindspore import Tensor, nn, ops
 
-    from ms_rope_attention.linear import linear_op
+    from ms_rope_attention.linear import linear_op, pack_weight
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((length, in_features), dtype=np.float32)
@@ -78,6 +78,9 @@ def op_series(length: int, out_features: int, in_features: int) -> dict:
     if bfloat16_compute() is None:
         bf16, wt16 = Projection(linear_op("bfloat16")), Tensor(w.astype(ml_dtypes.bfloat16))
         series["bfloat16 op (this project, oneDNN)"] = lambda: bf16(xt, wt16).asnumpy()
+        packed = Projection(linear_op("bfloat16", packed_out_features=out_features))
+        wpacked = Tensor(pack_weight(w.astype(ml_dtypes.bfloat16)))
+        series["bfloat16 op, packed W"] = lambda: packed(xt, wpacked).asnumpy()
     series["numpy"] = lambda: x @ w.T
     try:
         import torch

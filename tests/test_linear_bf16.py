@@ -312,7 +312,7 @@ def test_pack_into_the_callers_buffer(rng):
 @needs_onednn
 @pytest.mark.parametrize("case, message", [
     ("another N in the same block", "weight: packed for (1, 11), used as (packed_out_features, in_features) = (5, 11)"),
-    ("no header", "weight: expected a buffer RfaLinearPack wrote (its header is missing)"),
+    ("no trailer", "weight: expected a buffer RfaLinearPack wrote (its trailer is missing)"),
     ("another layout", "weight: packed in another layout than this CPU's oneDNN picks"),
     ("wrong size", "weight: expected"),
     ("float32 arithmetic", "weight: a packed (uint8) weight needs compute_dtype 'bfloat16'"),
@@ -326,10 +326,10 @@ def test_packed_weight_misuse_is_refused_by_name(case, message, rng):
     if case == "another N in the same block":
         n = 5
         assert linear.packed_bytes(5, 11) == packed.size  # the size alone cannot tell
-    elif case == "no header":
-        packed[:8] = 0
+    elif case == "no trailer":
+        packed[-64:-56] = 0
     elif case == "another layout":
-        packed[24] ^= 1
+        packed[-40] ^= 1
     elif case == "wrong size":
         packed = packed[:-1].copy()
     elif case == "float32 arithmetic":

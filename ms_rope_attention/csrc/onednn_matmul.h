@@ -41,8 +41,8 @@ void MultiplyBf16(int64_t m, int64_t n, int64_t k, const float *x, const uint16_
 // W reordered once into the blocked layout oneDNN's matmul picks for it on this CPU (a copy made at
 // load, in place of the checkpoint's: measured 5-15% faster at M = 512 and 2048 on AMX, ~1.5x at
 // M = 1..16; benchmarks/onednn_layout.cc). The layout belongs to this CPU and oneDNN build: packed
-// in the process that runs it, never stored. n, k >= 1. The buffer is a 64-byte header (what it was
-// packed for) then oneDNN's layout.
+// in the process that runs it, never stored. n, k >= 1. The buffer is oneDNN's layout then a 64-byte
+// trailer (what it was packed for); keep it 64-byte aligned (MindSpore's tensors are).
 constexpr int64_t kPackedHeaderBytes = 64;
 int64_t PackedBytes(int64_t n, int64_t k);
 void Pack(int64_t n, int64_t k, const uint16_t *w, void *packed);  // packed: PackedBytes(n, k) bytes

@@ -348,7 +348,7 @@ extern "C" RFA_EXPORT int RfaLinearRun(const char *compute_dtype, int64_t packed
                                   g.m > 0 && g.n > 0};
     for (int i = 0; i < 3; ++i)
       if (has_elements[i] && !params[i]) return Fail(std::string(names[i]) + ": null data pointer");
-    if (type == WeightType::kPacked) {  // its header, read before anything is written
+    if (type == WeightType::kPacked) {  // its trailer, read before anything is written
       err = rfa::onednn::PackedProblem(g.n, g.k, params[1]);
       if (!err.empty()) return Fail(err);
     }
