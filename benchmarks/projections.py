@@ -57,7 +57,7 @@ def op_series(length: int, out_features: int, in_features: int) -> dict:
     import ml_dtypes
     from mindspore import Tensor, nn, ops
 
-    from ms_rope_attention.linear import linear_op, pack_weight
+    from ms_rope_attention.linear import linear_op, pack_weight, packed_bytes
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((length, in_features), dtype=np.float32)
@@ -79,7 +79,8 @@ def op_series(length: int, out_features: int, in_features: int) -> dict:
         bf16, wt16 = Projection(linear_op("bfloat16")), Tensor(w.astype(ml_dtypes.bfloat16))
         series["bfloat16 op (this project, oneDNN)"] = lambda: bf16(xt, wt16).asnumpy()
         packed = Projection(linear_op("bfloat16", packed_out_features=out_features))
-        wpacked = Tensor(pack_weight(w.astype(ml_dtypes.bfloat16)))
+        wpacked = Tensor(np.zeros(packed_bytes(out_features, in_features), np.uint8))
+        pack_weight(w.astype(ml_dtypes.bfloat16), out=wpacked.asnumpy())  # in the tensor's memory: its alignment
         series["bfloat16 op, packed W"] = lambda: packed(xt, wpacked).asnumpy()
     series["numpy"] = lambda: x @ w.T
     try:

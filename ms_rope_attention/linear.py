@@ -122,16 +122,16 @@ def packed_bytes(out_features: int, in_features: int) -> int:
 
 def pack_weight(weight: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """``weight`` (out_features, in_features) bfloat16 reordered into oneDNN's blocked layout: ``out``
-    (uint8, shape ``(packed_bytes(*weight.shape),)``, C-contiguous, best 64-byte aligned: a payload
-    off that boundary ran 1.3-2x slower on AMX) or a new, aligned buffer. Use it in place of
+    (uint8, shape ``(packed_bytes(*weight.shape),)``, C-contiguous) or a new buffer. The layout starts
+    at the buffer's first 64-byte boundary (off it, AMX ran 1.3-2x slower): pack into the memory it
+    will run from, e.g. ``pack_weight(w, out=parameter.asnumpy())`` for a MindSpore Parameter of that
+    size (a CPU tensor's asnumpy() is a view); a copy moved to another alignment is right, only slower. Use it in place of
     the weight with ``linear_op("bfloat16", packed_out_features=out_features)``; drop the original."""
     weight = np.require(weight, requirements="C")
     if out is None:
         if weight.ndim != 2:
             raise ValueError(f"weight: expected 2 dimensions (out_features, in_features), got {weight.shape}")
-        size = packed_bytes(*weight.shape)
-        block = np.empty(size + 63, np.uint8)  # 64-byte aligned, as MindSpore's tensors are: AMX reads it
-        out = block[-block.ctypes.data % 64:][:size]
+        out = np.empty(packed_bytes(*weight.shape), np.uint8)
     elif not out.flags.c_contiguous or not out.flags.writeable:
         raise ValueError("out: expected a writable C-contiguous uint8 buffer")
     lib = library()

@@ -303,10 +303,22 @@ def test_packed_weight_gives_the_plain_weights_result(m, n, k, rng):
 
 
 @needs_onednn
-def test_pack_into_the_callers_buffer(rng):
+@pytest.mark.parametrize("shift", [0, 16, 48])
+def test_pack_into_the_callers_buffer_at_any_alignment_and_copy_it(shift, rng):
+    """The layout starts at the buffer's first 64-byte boundary, wherever the caller's buffer starts;
+    a copy at another alignment (MindSpore copying a numpy buffer) still gives the same products."""
+    x = rng.standard_normal((5, 40)).astype(np.float32)
     w = bf16(rng.standard_normal((24, 40)))
-    out = np.zeros(linear.packed_bytes(24, 40), np.uint8)
-    assert linear.pack_weight(w, out) is out and np.array_equal(out, linear.pack_weight(w))
+    size = linear.packed_bytes(24, 40)
+    block = np.zeros(size + 128, np.uint8)
+    start = (-block.ctypes.data % 64 + shift) % 64
+    out = block[start:start + size]
+    assert linear.pack_weight(w, out) is out
+    expected = linear.multiply(x, w, compute_dtype="bfloat16")
+    assert np.array_equal(linear.multiply(x, out, compute_dtype="bfloat16", packed_out_features=24), expected)
+    moved = block[start + 8:start + 8 + size]
+    moved[:] = out.copy()
+    assert np.array_equal(linear.multiply(x, moved, compute_dtype="bfloat16", packed_out_features=24), expected)
 
 
 @needs_onednn
@@ -329,7 +341,7 @@ def test_packed_weight_misuse_is_refused_by_name(case, message, rng):
     elif case == "no trailer":
         packed[-64:-56] = 0
     elif case == "another layout":
-        packed[-40] ^= 1
+        packed[-40] ^= 1  # the trailer's layout fingerprint
     elif case == "wrong size":
         packed = packed[:-1].copy()
     elif case == "float32 arithmetic":

@@ -124,15 +124,18 @@ memory::desc PackedWeights(int64_t n, int64_t k) {
   return pd.weights_desc();
 }
 
-// A packed buffer ends with what it was packed for, so a buffer used with another shape (an N
-// within the same padding block has the same size), or packed on another CPU, is refused instead of
-// read as a wrong W. At the end, not the start: the layout's data stays at the buffer's own
-// alignment (a payload 16 bytes off a 64-byte boundary ran 1.3-2x slower on AMX).
+// A packed buffer: up to 63 bytes of slack, oneDNN's layout from the first 64-byte boundary (a
+// payload 16 bytes off it ran 1.3-2x slower on AMX; large MindSpore and numpy buffers start 16 bytes
+// off), then at a fixed place a trailer of what it was packed for, so a buffer used with another
+// shape (an N within the same padding block has the same size), or packed on another CPU, is
+// refused instead of read as a wrong W. The payload's offset is the one chosen when packing: a
+// buffer copied to another alignment stays right, only slower.
 struct PackedHeader {
   char magic[8];
   int64_t n, k;
   uint64_t layout;  // LayoutHash of the blocked layout
-  char reserved[32];
+  int64_t offset;   // of the payload from the buffer's start
+  char reserved[24];
 };
 static_assert(sizeof(PackedHeader) == kPackedHeaderBytes, "the trailer's size");
 constexpr char kMagic[8] = {'R', 'F', 'A', 'P', 'A', 'C', 'K', '1'};
@@ -204,8 +207,17 @@ void MultiplyBf16(int64_t m, int64_t n, int64_t k, const float *x, const uint16_
 }
 
 int64_t PackedBytes(int64_t n, int64_t k) {
-  return kPackedHeaderBytes + static_cast<int64_t>(PackedWeights(n, k).get_size());
+  return kPackedSlackBytes + static_cast<int64_t>(PackedWeights(n, k).get_size()) + kPackedHeaderBytes;
 }
+
+namespace {
+
+// The trailer's place: after the slack and the payload, whatever the offset.
+const char *Trailer(const void *packed, const memory::desc &blocked) {
+  return static_cast<const char *>(packed) + kPackedSlackBytes + blocked.get_size();
+}
+
+}  // namespace
 
 void Pack(int64_t n, int64_t k, const uint16_t *w, void *packed) {
   const memory::desc blocked_md = PackedWeights(n, k);
@@ -214,9 +226,10 @@ void Pack(int64_t n, int64_t k, const uint16_t *w, void *packed) {
   header.n = n;
   header.k = k;
   header.layout = LayoutHash(blocked_md);
-  std::memcpy(static_cast<char *>(packed) + blocked_md.get_size(), &header, sizeof(header));
+  header.offset = static_cast<int64_t>((64 - reinterpret_cast<uintptr_t>(packed) % 64) % 64);
+  std::memcpy(const_cast<char *>(Trailer(packed, blocked_md)), &header, sizeof(header));
   memory plain(PlainWeights(n, k), Engine(), const_cast<uint16_t *>(w));
-  memory blocked(blocked_md, Engine(), packed);
+  memory blocked(blocked_md, Engine(), static_cast<char *>(packed) + header.offset);
   dnnl::stream stream(Engine());
   dnnl::reorder(plain, blocked).execute(stream, plain, blocked);
   stream.wait();
@@ -224,8 +237,8 @@ void Pack(int64_t n, int64_t k, const uint16_t *w, void *packed) {
 
 std::string PackedProblem(int64_t n, int64_t k, const void *packed) {
   PackedHeader header;
-  std::memcpy(&header, static_cast<const char *>(packed) + PackedWeights(n, k).get_size(), sizeof(header));
-  if (std::memcmp(header.magic, kMagic, sizeof(kMagic)) != 0)
+  std::memcpy(&header, Trailer(packed, PackedWeights(n, k)), sizeof(header));
+  if (std::memcmp(header.magic, kMagic, sizeof(kMagic)) != 0 || header.offset < 0 || header.offset >= 64)
     return "weight: expected a buffer RfaLinearPack wrote (its trailer is missing)";
   if (header.n != n || header.k != k)
     return "weight: packed for (" + std::to_string(header.n) + ", " + std::to_string(header.k) +
@@ -237,7 +250,10 @@ std::string PackedProblem(int64_t n, int64_t k, const void *packed) {
 }
 
 void MultiplyBf16Packed(int64_t m, int64_t n, int64_t k, const float *x, const void *packed, float *y) {
-  Multiply(m, n, k, x, PackedWeights(n, k), packed, y);
+  const memory::desc blocked = PackedWeights(n, k);
+  PackedHeader header;
+  std::memcpy(&header, Trailer(packed, blocked), sizeof(header));
+  Multiply(m, n, k, x, blocked, static_cast<const char *>(packed) + header.offset, y);
 }
 
 #endif  // RFA_WITH_ONEDNN

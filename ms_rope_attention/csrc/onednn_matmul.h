@@ -41,9 +41,10 @@ void MultiplyBf16(int64_t m, int64_t n, int64_t k, const float *x, const uint16_
 // W reordered once into the blocked layout oneDNN's matmul picks for it on this CPU (a copy made at
 // load, in place of the checkpoint's: measured 5-15% faster at M = 512 and 2048 on AMX, ~1.5x at
 // M = 1..16; benchmarks/onednn_layout.cc). The layout belongs to this CPU and oneDNN build: packed
-// in the process that runs it, never stored. n, k >= 1. The buffer is oneDNN's layout then a 64-byte
-// trailer (what it was packed for); keep it 64-byte aligned (MindSpore's tensors are).
-constexpr int64_t kPackedHeaderBytes = 64;
+// in the process that runs it, never stored. n, k >= 1. The buffer is up to 63 bytes of slack (so the
+// layout starts 64-byte aligned where it was packed: pack into the memory it will run from), oneDNN's
+// layout, a 64-byte trailer (what it was packed for).
+constexpr int64_t kPackedHeaderBytes = 64, kPackedSlackBytes = 64;
 int64_t PackedBytes(int64_t n, int64_t k);
 void Pack(int64_t n, int64_t k, const uint16_t *w, void *packed);  // packed: PackedBytes(n, k) bytes
 // "" when `packed` (PackedBytes(n, k) bytes) was packed for (n, k) in this CPU's layout; else why not.
