@@ -64,10 +64,11 @@ std::string ParseCompute(const char *text, Compute *compute) {
   if (value == "float32") *compute = Compute::kFloat32;
   else if (value == "bfloat16") *compute = Compute::kBFloat16;
   else if (value == "float16")
-    // Measured on an AVX512-FP16 Xeon: oneDNN 3.2's float16 matmul (brg:avx512_core_fp16) ran at
-    // ~125 GFLOP/s at M = 512, no faster than float32 SGEMM; it has no AMX-FP16 kernel.
-    return "compute_dtype: 'float16' is not offered by RfaLinear: oneDNN 3.2's float16 matmul is no faster than "
-           "float32 SGEMM on the CPUs it was measured on; use 'bfloat16' (a bfloat16 weight) or 'float32'";
+    // Measured on an AVX512-FP16 Xeon (2 cores, no AMX-FP16), 512 x 4096 x 4096: oneDNN 3.2's float16
+    // matmul (brg:avx512_core_fp16) 363 GFLOP/s, float32 SGEMM 332, bfloat16 (AMX) 1299: 1.1x over
+    // float32 is not worth float16's overflow of activations past 65504.
+    return "compute_dtype: 'float16' is not offered by RfaLinear: oneDNN 3.2's float16 matmul ran only 1.1x as fast as "
+           "float32 SGEMM where measured (bfloat16: 3.9x); use 'bfloat16' (a bfloat16 weight) or 'float32'";
   else return "compute_dtype: expected 'float32' or 'bfloat16', got '" + value + "'";
   if (*compute == Compute::kBFloat16 && !rfa::onednn::Built())
     return "compute_dtype: 'bfloat16' needs oneDNN, which this build of the projection library does not have (built "
