@@ -108,7 +108,7 @@ std::string NativeBf16Problem() {
 
 namespace {
 
-const memory::desc PlainWeights(int64_t n, int64_t k) {
+memory::desc PlainWeights(int64_t n, int64_t k) {
   // W (n, k) row-major is oneDNN's (k, n) weights in the `ba` layout.
   return memory::desc({k, n}, memory::data_type::bf16, memory::format_tag::ba);
 }
@@ -130,14 +130,14 @@ memory::desc PackedWeights(int64_t n, int64_t k) {
 // shape (an N within the same padding block has the same size), or packed on another CPU, is
 // refused instead of read as a wrong W. The payload's offset is the one chosen when packing: a
 // buffer copied to another alignment stays right, only slower.
-struct PackedHeader {
+struct PackedTrailer {
   char magic[8];
   int64_t n, k;
   uint64_t layout;  // LayoutHash of the blocked layout
   int64_t offset;   // of the payload from the buffer's start
   char reserved[24];
 };
-static_assert(sizeof(PackedHeader) == kPackedHeaderBytes, "the trailer's size");
+static_assert(sizeof(PackedTrailer) == kPackedTrailerBytes, "the trailer's size");
 constexpr char kMagic[8] = {'R', 'F', 'A', 'P', 'A', 'C', 'K', '1'};
 
 uint64_t LayoutHash(const memory::desc &md) {
@@ -207,7 +207,7 @@ void MultiplyBf16(int64_t m, int64_t n, int64_t k, const float *x, const uint16_
 }
 
 int64_t PackedBytes(int64_t n, int64_t k) {
-  return kPackedSlackBytes + static_cast<int64_t>(PackedWeights(n, k).get_size()) + kPackedHeaderBytes;
+  return kPackedSlackBytes + static_cast<int64_t>(PackedWeights(n, k).get_size()) + kPackedTrailerBytes;
 }
 
 namespace {
@@ -221,29 +221,29 @@ const char *Trailer(const void *packed, const memory::desc &blocked) {
 
 void Pack(int64_t n, int64_t k, const uint16_t *w, void *packed) {
   const memory::desc blocked_md = PackedWeights(n, k);
-  PackedHeader header{};
-  std::memcpy(header.magic, kMagic, sizeof(kMagic));
-  header.n = n;
-  header.k = k;
-  header.layout = LayoutHash(blocked_md);
-  header.offset = static_cast<int64_t>((64 - reinterpret_cast<uintptr_t>(packed) % 64) % 64);
-  std::memcpy(const_cast<char *>(Trailer(packed, blocked_md)), &header, sizeof(header));
+  PackedTrailer trailer{};
+  std::memcpy(trailer.magic, kMagic, sizeof(kMagic));
+  trailer.n = n;
+  trailer.k = k;
+  trailer.layout = LayoutHash(blocked_md);
+  trailer.offset = static_cast<int64_t>((64 - reinterpret_cast<uintptr_t>(packed) % 64) % 64);
+  std::memcpy(const_cast<char *>(Trailer(packed, blocked_md)), &trailer, sizeof(trailer));
   memory plain(PlainWeights(n, k), Engine(), const_cast<uint16_t *>(w));
-  memory blocked(blocked_md, Engine(), static_cast<char *>(packed) + header.offset);
+  memory blocked(blocked_md, Engine(), static_cast<char *>(packed) + trailer.offset);
   dnnl::stream stream(Engine());
   dnnl::reorder(plain, blocked).execute(stream, plain, blocked);
   stream.wait();
 }
 
 std::string PackedProblem(int64_t n, int64_t k, const void *packed) {
-  PackedHeader header;
-  std::memcpy(&header, Trailer(packed, PackedWeights(n, k)), sizeof(header));
-  if (std::memcmp(header.magic, kMagic, sizeof(kMagic)) != 0 || header.offset < 0 || header.offset >= 64)
+  PackedTrailer trailer;
+  std::memcpy(&trailer, Trailer(packed, PackedWeights(n, k)), sizeof(trailer));
+  if (std::memcmp(trailer.magic, kMagic, sizeof(kMagic)) != 0 || trailer.offset < 0 || trailer.offset >= 64)
     return "weight: expected a buffer RfaLinearPack wrote (its trailer is missing)";
-  if (header.n != n || header.k != k)
-    return "weight: packed for (" + std::to_string(header.n) + ", " + std::to_string(header.k) +
+  if (trailer.n != n || trailer.k != k)
+    return "weight: packed for (" + std::to_string(trailer.n) + ", " + std::to_string(trailer.k) +
            "), used as (packed_out_features, in_features) = (" + std::to_string(n) + ", " + std::to_string(k) + ")";
-  if (header.layout != LayoutHash(PackedWeights(n, k)))
+  if (trailer.layout != LayoutHash(PackedWeights(n, k)))
     return "weight: packed in another layout than this CPU's oneDNN picks (packed on another machine, or under "
            "another ONEDNN_MAX_CPU_ISA?): pack it again in this process";
   return "";
@@ -251,9 +251,9 @@ std::string PackedProblem(int64_t n, int64_t k, const void *packed) {
 
 void MultiplyBf16Packed(int64_t m, int64_t n, int64_t k, const float *x, const void *packed, float *y) {
   const memory::desc blocked = PackedWeights(n, k);
-  PackedHeader header;
-  std::memcpy(&header, Trailer(packed, blocked), sizeof(header));
-  Multiply(m, n, k, x, blocked, static_cast<const char *>(packed) + header.offset, y);
+  PackedTrailer trailer;
+  std::memcpy(&trailer, Trailer(packed, blocked), sizeof(trailer));
+  Multiply(m, n, k, x, blocked, static_cast<const char *>(packed) + trailer.offset, y);
 }
 
 #endif  // RFA_WITH_ONEDNN

@@ -44,7 +44,7 @@ void MultiplyBf16(int64_t m, int64_t n, int64_t k, const float *x, const uint16_
 // in the process that runs it, never stored. n, k >= 1. The buffer is up to 63 bytes of slack (so the
 // layout starts 64-byte aligned where it was packed: pack into the memory it will run from), oneDNN's
 // layout, a 64-byte trailer (what it was packed for).
-constexpr int64_t kPackedHeaderBytes = 64, kPackedSlackBytes = 64;
+constexpr int64_t kPackedTrailerBytes = 64, kPackedSlackBytes = 64;
 int64_t PackedBytes(int64_t n, int64_t k);
 void Pack(int64_t n, int64_t k, const uint16_t *w, void *packed);  // packed: PackedBytes(n, k) bytes
 // "" when `packed` (PackedBytes(n, k) bytes) was packed for (n, k) in this CPU's layout; else why not.
