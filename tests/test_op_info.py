@@ -100,17 +100,19 @@ def test_the_other_contracts_tables_are_generated(path):
         "docs/semantics.md's other tables are stale: paste `python -m ms_rope_attention.op_info --others`"
 
 
-DTYPE_ROWS = {"linear": [("float32", weight, "float32") for weight in ("float32", "float16", "bfloat16")],
+DTYPE_ROWS = {"linear": [("float32", weight, "float32") for weight in ("float32", "float16", "bfloat16", "uint8")],
               "embedding": [(ids, table, "float32") for ids in ("int32", "int64")
                             for table in ("float32", "float16", "bfloat16")]}
 
 
 @pytest.mark.parametrize("path", [LINEAR_PATH, EMBEDDING_PATH], ids=lambda path: path.stem)
 def test_the_projection_registrations_follow_their_contracts(path):
-    """linear's and embedding's CPU registrations list each dtype combination of the contract, in its order."""
+    """linear's and embedding's CPU registrations list each dtype combination of the contract, in its order,
+    and its attributes (linear's compute_dtype) with their defaults."""
     contract = load_contract(str(path))
     info = build_reg_info("CPU", {}, contract=contract)
-    assert info["op_name"] == contract.op_name and info["attr"] == []
+    assert info["op_name"] == contract.op_name
+    assert [(a["name"], a["value"]) for a in info["attr"]] == [(a["name"], a["default"]) for a in contract.attrs]
     assert [i["name"] for i in info["inputs"]] == [i["name"] for i in contract.inputs]
     assert [tuple(entry[0] for entry in row) for row in info["dtype_format"]] == DTYPE_ROWS[path.stem]
 

@@ -1,6 +1,8 @@
 // y = x W^T on the CPU, as a MindSpore aot op: the projections of a transformer layer (Q/K/V/O,
 // gate/up/down, the LM head) with W in Hugging Face's (out_features, in_features) layout, in
-// float32 or in the checkpoint's own float16 / bfloat16 (x, y and the arithmetic float32).
+// float32 or in the checkpoint's own float16 / bfloat16 (x and y float32). The arithmetic is the
+// attribute compute_dtype: "float32" (W converted exactly) or "bfloat16" (x rounded once to
+// bfloat16, W bfloat16, float32 accumulation, through oneDNN: onednn_matmul.h).
 //
 // Why: at prefill lengths of a few hundred to a few thousand tokens, a Llama layer's time is these
 // GEMMs, and MindSpore 2.10's CPU MatMul ran them at ~115-140 GFLOP/s on a 2-core AVX2 machine where
@@ -9,10 +11,15 @@
 // kernels for the running CPU; the library's own products (weight_rows.h) are built once per
 // instruction set, like the attention kernel, and chosen at run time by linear.py.
 //
-// Entries: RfaLinear (x (..., K) float32, weight (N, K) float32/float16/bfloat16) -> y (..., N)
-// float32; RfaLinearInferShape / RfaLinearInferType (C++ infer, so GRAPH_MODE with a dynamic
-// sequence length compiles once); RfaLinearLastError (the message of the last refused launch);
-// RfaLinearIsa (the instruction set of this build).
+// Entries: RfaLinear (x (..., K) float32, weight (N, K) float32/float16/bfloat16, or the uint8
+// buffer RfaLinearPack wrote) -> y (..., N) float32, its compute_dtype and packed_out_features read
+// once by RfaLinearInit; RfaLinearRun (the same with the attributes given: direct calls without
+// MindSpore); RfaLinearPackedBytes / RfaLinearPack (a bfloat16 W reordered once, at load, into
+// oneDNN's blocked layout, in the caller's buffer); RfaLinearInferShape / RfaLinearInferType (C++ infer, so
+// GRAPH_MODE with a dynamic sequence length compiles once); RfaLinearLastError (the message of the
+// last refused launch); RfaLinearIsa (the instruction set of this build); RfaLinearOnednn /
+// RfaLinearOnednnProblem (the oneDNN bound at load, and what is wrong with it, if anything);
+// RfaLinearComputeProblem (whether a compute_dtype can run here).
 #include <algorithm>
 #include <climits>
 #include <cstring>
@@ -25,7 +32,9 @@
 #include <cblas.h>  // scipy-openblas32's: every symbol carries its scipy_ prefix
 
 #include "aot_abi.h"
+#include "aot_attrs.h"
 #include "last_error.h"
+#include "onednn_matmul.h"
 #include "rfa_problem.h"  // rfa::ShapeText
 #include "weight_rows.h"
 
@@ -45,11 +54,38 @@ struct Gemm {
   int64_t m = 0, n = 0, k = 0;  // rows of x, out_features, in_features
 };
 
-enum class WeightType { kFloat32, kFloat16, kBFloat16 };
+// kPacked: a bfloat16 W reordered by RfaLinearPack into oneDNN's blocked layout (uint8 bytes).
+enum class WeightType { kFloat32, kFloat16, kBFloat16, kPacked };
+enum class Compute { kFloat32, kBFloat16 };
 
-// Checks x (..., K) float32, weight (N, K) float32/float16/bfloat16 and y (..., N) float32, before
-// any memory is touched.
-std::string Validate(const int *ndims, int64_t *const *shapes, const char *const *dtypes, Gemm *g, WeightType *type) {
+// compute_dtype's text -> Compute; "" or the message naming the attribute.
+std::string ParseCompute(const char *text, Compute *compute) {
+  const std::string value = text ? text : "(null)";
+  if (value == "float32") *compute = Compute::kFloat32;
+  else if (value == "bfloat16") *compute = Compute::kBFloat16;
+  else if (value == "float16")
+    // Measured on an AVX512-FP16 Xeon (2 cores, no AMX-FP16), 512 x 4096 x 4096: oneDNN 3.2's float16
+    // matmul (brg:avx512_core_fp16) 363 GFLOP/s, float32 SGEMM 332, bfloat16 (AMX) 1299: 1.1x over
+    // float32 is not worth float16's overflow of activations past 65504.
+    return "compute_dtype: 'float16' is not offered by RfaLinear: oneDNN 3.2's float16 matmul ran only 1.1x as fast as "
+           "float32 SGEMM where measured (bfloat16: 3.9x); use 'bfloat16' (a bfloat16 weight) or 'float32'";
+  else return "compute_dtype: expected 'float32' or 'bfloat16', got '" + value + "'";
+  if (*compute == Compute::kBFloat16 && !rfa::onednn::Built())
+    return "compute_dtype: 'bfloat16' needs oneDNN, which this build of the projection library does not have (built "
+           "without the onednn-cpu-gomp wheel, which exists for x86_64 Linux only); use 'float32'";
+  if (*compute == Compute::kBFloat16) {
+    const std::string bound = rfa::onednn::BoundLibraryProblem(), isa = rfa::onednn::NativeBf16Problem();
+    if (!bound.empty()) return "compute_dtype: 'bfloat16' cannot run: " + bound;
+    if (!isa.empty()) return "compute_dtype: 'bfloat16' " + isa;
+  }
+  return "";
+}
+
+// Checks x (..., K) float32, weight (N, K) float32/float16/bfloat16 (bfloat16 only, computing in
+// bfloat16) or a packed uint8 buffer (packed_n = N >= 1; 0 for a plain weight) and y (..., N)
+// float32, before any memory is touched.
+std::string Validate(const int *ndims, int64_t *const *shapes, const char *const *dtypes, Compute compute,
+                     int64_t packed_n, Gemm *g, WeightType *type) {
   const char *names[3] = {"x", "weight", "y"};
   if (!ndims || !shapes || !dtypes) return "launch: null ndims, shapes or dtypes array";
   for (int i = 0; i < 3; ++i) {
@@ -58,7 +94,19 @@ std::string Validate(const int *ndims, int64_t *const *shapes, const char *const
       if (dtype == "float32") *type = WeightType::kFloat32;
       else if (dtype == "float16") *type = WeightType::kFloat16;
       else if (dtype == "bfloat16") *type = WeightType::kBFloat16;
-      else return "weight: expected float32, float16 or bfloat16, got " + dtype;
+      else if (dtype == "uint8") *type = WeightType::kPacked;
+      else return "weight: expected float32, float16, bfloat16 or uint8 (packed), got " + dtype;
+      const bool packed = *type == WeightType::kPacked;
+      if (compute == Compute::kBFloat16 && *type != WeightType::kBFloat16 && !packed)
+        return "weight: expected bfloat16 with compute_dtype 'bfloat16' (round the weight once, at load), got " + dtype;
+      if (packed && compute != Compute::kBFloat16)
+        return "weight: a packed (uint8) weight needs compute_dtype 'bfloat16'";
+      if (packed_n < 0 || (packed && packed_n == 0))
+        return "packed_out_features: expected the out_features the uint8 weight was packed for (>= 1), got " +
+               std::to_string(packed_n);
+      if (!packed && packed_n > 0)
+        return "weight: expected the uint8 buffer RfaLinearPack wrote, as packed_out_features is " +
+               std::to_string(packed_n) + ", got " + dtype;
     } else if (dtype != "float32") {
       return std::string(names[i]) + ": expected float32, got " + dtype;
     }
@@ -68,13 +116,25 @@ std::string Validate(const int *ndims, int64_t *const *shapes, const char *const
   const int nx = ndims[0];
   const int64_t *x = shapes[0], *w = shapes[1], *y = shapes[2];
   if (nx < 1) return "x: expected at least 1 dimension (..., in_features), got a scalar";
-  if (ndims[1] != 2) return "weight: expected 2 dimensions (out_features, in_features), got " + ShapeText(ndims[1], w);
-  g->n = w[0];
-  g->k = w[1];
-  if (g->n < 0 || g->k < 0) return "weight: expected a concrete shape, got " + ShapeText(2, w);
-  if (x[nx - 1] != g->k)
-    return "x: expected its last dimension to be the weight's in_features " + std::to_string(g->k) + ", got x " +
-           ShapeText(nx, x) + " and weight " + ShapeText(2, w);
+  if (*type == WeightType::kPacked) {
+    if (ndims[1] != 1) return "weight: expected the 1-D uint8 buffer RfaLinearPack wrote, got " + ShapeText(ndims[1], w);
+    g->n = packed_n;
+    g->k = x[nx - 1];
+    if (g->k < 1 || g->k > INT_MAX || g->n > INT_MAX)
+      return "x: expected in_features in [1, 2^31) with a packed weight, got " + ShapeText(nx, x);
+    const int64_t bytes = rfa::onednn::PackedBytes(g->n, g->k);
+    if (w[0] != bytes)
+      return "weight: expected " + std::to_string(bytes) + " bytes, packed for (" + std::to_string(g->n) + ", " +
+             std::to_string(g->k) + ") on this CPU, got " + ShapeText(1, w);
+  } else {
+    if (ndims[1] != 2) return "weight: expected 2 dimensions (out_features, in_features), got " + ShapeText(ndims[1], w);
+    g->n = w[0];
+    g->k = w[1];
+    if (g->n < 0 || g->k < 0) return "weight: expected a concrete shape, got " + ShapeText(2, w);
+    if (x[nx - 1] != g->k)
+      return "x: expected its last dimension to be the weight's in_features " + std::to_string(g->k) + ", got x " +
+             ShapeText(nx, x) + " and weight " + ShapeText(2, w);
+  }
   g->m = 1;
   for (int i = 0; i + 1 < nx; ++i) {
     if (x[i] < 0) return "x: expected a concrete shape, got " + ShapeText(nx, x);
@@ -87,7 +147,7 @@ std::string Validate(const int *ndims, int64_t *const *shapes, const char *const
   bool same = ndims[2] == nx && y[nx - 1] == g->n;
   for (int i = 0; same && i + 1 < nx; ++i) same = y[i] == x[i];
   if (!same) return "y: expected shape x.shape[:-1] + (out_features,), got y " + ShapeText(ndims[2], y) + " for x " +
-                    ShapeText(nx, x) + " and weight " + ShapeText(2, w);
+                    ShapeText(nx, x) + " and weight " + ShapeText(ndims[1], w);
   return "";
 }
 
@@ -149,10 +209,19 @@ void PanelGemm(const Gemm &g, const float *x, const W *w, float *y) {
 }
 
 template <typename W>
-void Multiply(const Gemm &g, const float *x, const W *w, float *y) {
+void Multiply(const Gemm &g, Compute compute, const float *x, const W *w, float *y) {
   if (g.k == 0) {  // an empty sum: BLAS may leave y untouched
     std::memset(y, 0, static_cast<size_t>(g.m * g.n) * sizeof(float));
     return;
+  }
+  if constexpr (std::is_same_v<W, rfa::weights::BFloat16>) {
+    static_assert(sizeof(W) == sizeof(uint16_t), "a bfloat16 weight is its 16 bits");
+    if (compute == Compute::kBFloat16) {
+      // Every M through oneDNN for now; the decode-sized rows (g.m <= kSmallRowsHalf) are where a
+      // bfloat16 streaming product (weight_rows.h) takes its own branch.
+      rfa::onednn::MultiplyBf16(g.m, g.n, g.k, x, reinterpret_cast<const uint16_t *>(w), y);
+      return;
+    }
   }
   constexpr bool kFloat = std::is_same_v<W, float>;
   if (g.m <= (kFloat ? kSmallRows : kSmallRowsHalf)) {
@@ -171,39 +240,148 @@ extern "C" RFA_EXPORT const char *RfaLinearLastError() { return g_last_error.Rea
 
 extern "C" RFA_EXPORT const char *RfaLinearIsa() { return rfa::simd::kIsa; }
 
+// The oneDNN this library is bound to ("" when built without it), and "" or what is wrong with it:
+// linear.py refuses the library at load on the latter. Kept per thread like the last error.
+extern "C" RFA_EXPORT const char *RfaLinearOnednn() {
+  thread_local std::string text;
+  text = rfa::onednn::BoundLibrary();
+  return text.c_str();
+}
+
+extern "C" RFA_EXPORT const char *RfaLinearOnednnProblem() {
+  thread_local std::string text;
+  text = rfa::onednn::BoundLibraryProblem();
+  return text.c_str();
+}
+
+// "" when this library computes in `compute_dtype`, else why not (linear_op refuses it up front).
+extern "C" RFA_EXPORT const char *RfaLinearComputeProblem(const char *compute_dtype) {
+  thread_local std::string text;
+  Compute compute;
+  text = ParseCompute(compute_dtype, &compute);
+  return text.c_str();
+}
+
 // y's shape: x.shape[:-1] + (out_features,); -1 stays -1 (dynamic dimensions).
-extern "C" RFA_EXPORT std::vector<int64_t> RfaLinearInferShape(int *ndims, int64_t **shapes, mindspore::AotExtra *) {
+extern "C" RFA_EXPORT std::vector<int64_t> RfaLinearInferShape(int *ndims, int64_t **shapes, mindspore::AotExtra *extra) {
   std::vector<int64_t> out(shapes[0], shapes[0] + ndims[0]);
+  std::string compute_dtype;
+  int64_t packed_out_features = 0;
+  if (extra) rfa::ReadLinearAttrs(extra, &compute_dtype, &packed_out_features);
   if (!out.empty() && ndims[1] == 2) out.back() = shapes[1][0];
+  if (!out.empty() && ndims[1] == 1 && packed_out_features > 0) out.back() = packed_out_features;  // a packed W
   return out;
 }
 
 extern "C" RFA_EXPORT TypeId RfaLinearInferType(std::vector<TypeId> inputs, mindspore::AotExtra *) { return inputs[0]; }
 
-extern "C" RFA_EXPORT int RfaLinear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
-                                    void *) {
+// What RfaLinearInit keeps for the launches of one kernel instance: the compute_dtype attribute.
+struct LinearAttrs : mindspore::AotKernelData {
+  std::string compute_dtype = "float32";
+  int64_t packed_out_features = 0;  // 0: W as stored; N: a uint8 buffer RfaLinearPack wrote for (N, K)
+};
+
+extern "C" RFA_EXPORT int RfaLinearInit(int *, int64_t **, const char **, mindspore::AotExtra *extra) {
+  auto *data = new LinearAttrs;
+  rfa::ReadLinearAttrs(extra, &data->compute_dtype, &data->packed_out_features);
+  extra->SetKernelData(data);
+  return 0;
+}
+
+// Bytes of a bfloat16 (out_features, in_features) W packed by RfaLinearPack on this CPU; -1 (the
+// reason in RfaLinearLastError) when this library cannot pack (no oneDNN, no bfloat16 instructions)
+// or a dimension is outside [1, 2^31).
+extern "C" RFA_EXPORT int64_t RfaLinearPackedBytes(int64_t out_features, int64_t in_features) {
   try {
-    if (nparam != 3) return Fail("expected 2 inputs (x, weight) and 1 output, got " + std::to_string(nparam) + " params");
-    Gemm g;
-    WeightType type = WeightType::kFloat32;
-    const std::string err = Validate(ndims, shapes, dtypes, &g, &type);
-    if (!err.empty()) return Fail(err);
-    const char *names[3] = {"x", "weight", "y"};
-    const bool has_elements[3] = {g.m > 0 && g.k > 0, g.n > 0 && g.k > 0, g.m > 0 && g.n > 0};
-    for (int i = 0; i < 3; ++i)
-      if (has_elements[i] && !params[i]) return Fail(std::string(names[i]) + ": null data pointer");
-    if (g.m > 0 && g.n > 0) {
-      const auto *x = static_cast<const float *>(params[0]);
-      auto *y = static_cast<float *>(params[2]);
-      if (type == WeightType::kFloat16)
-        Multiply(g, x, static_cast<const rfa::weights::Half *>(params[1]), y);
-      else if (type == WeightType::kBFloat16)
-        Multiply(g, x, static_cast<const rfa::weights::BFloat16 *>(params[1]), y);
-      else
-        Multiply(g, x, static_cast<const float *>(params[1]), y);
-    }
+    Compute compute;
+    const std::string err = ParseCompute("bfloat16", &compute);
+    if (!err.empty()) return Fail(err), -1;
+    if (out_features < 1 || out_features > INT_MAX)
+      return Fail("out_features: expected [1, 2^31), got " + std::to_string(out_features)), -1;
+    if (in_features < 1 || in_features > INT_MAX)
+      return Fail("in_features: expected [1, 2^31), got " + std::to_string(in_features)), -1;
+    return rfa::onednn::PackedBytes(out_features, in_features);
+  } catch (const std::exception &e) {
+    return Fail(e.what()), -1;
+  }
+}
+
+// Packs weight (N, K) bfloat16 into packed (RfaLinearPackedBytes(N, K),) uint8 (aot convention,
+// nparam 2): the caller's buffer, so the model keeps this copy in place of the checkpoint's.
+extern "C" RFA_EXPORT int RfaLinearPack(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes) {
+  try {
+    if (nparam != 2 || !params || !ndims || !shapes || !dtypes)
+      return Fail("pack: expected 2 params (weight, packed) with their ndims, shapes and dtypes");
+    const std::string wtype = dtypes[0] ? dtypes[0] : "none", ptype = dtypes[1] ? dtypes[1] : "none";
+    if (wtype != "bfloat16") return Fail("weight: expected bfloat16, got " + wtype);
+    if (ndims[0] != 2 || !shapes[0]) return Fail("weight: expected 2 dimensions (out_features, in_features)");
+    const int64_t n = shapes[0][0], k = shapes[0][1];
+    const int64_t bytes = RfaLinearPackedBytes(n, k);
+    if (bytes < 0) return 1;  // the reason is recorded
+    if (ptype != "uint8") return Fail("packed: expected uint8, got " + ptype);
+    if (ndims[1] != 1 || !shapes[1] || shapes[1][0] != bytes)
+      return Fail("packed: expected shape (" + std::to_string(bytes) + ",) for weight " + ShapeText(2, shapes[0]) +
+                  ", got " + (shapes[1] ? ShapeText(ndims[1], shapes[1]) : std::string("none")));
+    if (!params[0] || !params[1]) return Fail("pack: null data pointer");
+    rfa::onednn::Pack(n, k, static_cast<const uint16_t *>(params[0]), params[1]);
     return 0;
   } catch (const std::exception &e) {
     return Fail(e.what());
   }
+}
+
+// Validates everything (compute_dtype, dtypes, shapes, data pointers), then multiplies. The
+// MindSpore entry below and ms_rope_attention.linear.multiply (no MindSpore) call it.
+extern "C" RFA_EXPORT int RfaLinearRun(const char *compute_dtype, int64_t packed_out_features, int nparam,
+                                       void **params, int *ndims, int64_t **shapes, const char **dtypes) {
+  try {
+    Compute compute = Compute::kFloat32;
+    std::string err = ParseCompute(compute_dtype, &compute);
+    if (!err.empty()) return Fail(err);
+    if (nparam != 3) return Fail("expected 2 inputs (x, weight) and 1 output, got " + std::to_string(nparam) + " params");
+    if (!params) return Fail("launch: null params array");
+    Gemm g;
+    WeightType type = WeightType::kFloat32;
+    err = Validate(ndims, shapes, dtypes, compute, packed_out_features, &g, &type);
+    if (!err.empty()) return Fail(err);
+    const char *names[3] = {"x", "weight", "y"};
+    const bool has_elements[3] = {g.m > 0 && g.k > 0, (g.n > 0 && g.k > 0) || type == WeightType::kPacked,
+                                  g.m > 0 && g.n > 0};
+    for (int i = 0; i < 3; ++i)
+      if (has_elements[i] && !params[i]) return Fail(std::string(names[i]) + ": null data pointer");
+    if (type == WeightType::kPacked) {  // its trailer, read before anything is written
+      err = rfa::onednn::PackedProblem(g.n, g.k, params[1]);
+      if (!err.empty()) return Fail(err);
+    }
+    if (g.m > 0 && g.n > 0) {
+      const auto *x = static_cast<const float *>(params[0]);
+      auto *y = static_cast<float *>(params[2]);
+      if (type == WeightType::kPacked)  // k >= 1 (Validate)
+        rfa::onednn::MultiplyBf16Packed(g.m, g.n, g.k, x, params[1], y);
+      else if (type == WeightType::kFloat16)
+        Multiply(g, compute, x, static_cast<const rfa::weights::Half *>(params[1]), y);
+      else if (type == WeightType::kBFloat16)
+        Multiply(g, compute, x, static_cast<const rfa::weights::BFloat16 *>(params[1]), y);
+      else
+        Multiply(g, compute, x, static_cast<const float *>(params[1]), y);
+    }
+    return 0;
+  } catch (const std::bad_alloc &) {
+    return Fail("out of memory for the bfloat16 copy of x");
+  } catch (const std::exception &e) {
+    return Fail(e.what());
+  }
+}
+
+// MindSpore's launch: compute_dtype as RfaLinearInit read it. A null `extra` (a direct call
+// through the aot convention, as tests make it) takes the contract's default, float32.
+extern "C" RFA_EXPORT int RfaLinear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
+                                    void *extra) {
+  const LinearAttrs defaults;
+  const LinearAttrs *data = &defaults;
+  if (extra) {
+    data = static_cast<const LinearAttrs *>(static_cast<mindspore::AotExtra *>(extra)->KernelData());
+    if (!data) return Fail("kernel attributes missing (RfaLinearInit did not run)");
+  }
+  return RfaLinearRun(data->compute_dtype.c_str(), data->packed_out_features, nparam, params, ndims, shapes, dtypes);
 }

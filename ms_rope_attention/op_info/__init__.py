@@ -104,7 +104,7 @@ def _ms_dtype_formats(contract: Contract) -> list[tuple]:
     """``dtype_combinations`` as MindSpore ``DataType`` rows."""
     from mindspore.ops import DataType
 
-    names = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32"}
+    names = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32", "uint8": "U8"}
     return [tuple(getattr(DataType, f"{names[d]}_Default") for d in row) for row in dtype_combinations(contract)]
 
 
