@@ -127,7 +127,7 @@ class BuildKernels(build_ext):
 
 extensions = [
     Extension(f"ms_rope_attention._rfa_cpu_{isa}", sources=SOURCES, depends=[f"{CSRC}/{h}" for h in
-              ("aot_abi.h", "aot_attrs.h", "last_error.h", "rfa_problem.h", "rfa_paged.h", "rfa_cpu_kernel.h", "rows.h",
+              ("aot_abi.h", "aot_attrs.h", "bf16.h", "last_error.h", "rfa_problem.h", "rfa_paged.h", "rfa_cpu_kernel.h", "rows.h",
                "simd.h")],
               extra_compile_args=COMMON + flags + SANITIZE, extra_link_args=["-fopenmp"] + SANITIZE[:1],
               language="c++")
