@@ -158,5 +158,111 @@ inline void ThreadRows(int64_t n, int threads, int t, int64_t *n0, int64_t *n1) 
   *n1 = t + 1 == threads ? n : std::min(n, *n0 + per);
 }
 
+// ---- bfloat16 x bfloat16 with float32 accumulation (vdpbf16ps) -------------------------------
+//
+// The decode-sized product of a bfloat16 W computed in bfloat16: x rounded once per call to
+// bfloat16 (FloatToBFloat16, the caller's), W's bits fed as they are to vdpbf16ps, which multiplies
+// 32 bfloat16 pairs of x and W (each product exact in float32) and adds them pairwise into 16
+// float32 sums. No instruction converts W, so W streams at the memory's read rate where the float32
+// form (BFloat16Vector: a widening load and a shift per 16 weights) is limited by those ops.
+// vdpbf16ps treats bfloat16 subnormals as zero and flushes subnormal results (its fixed DAZ / FTZ).
+//
+// Only in the AVX-512 x86-64 build, compiled for avx512bf16 by a target attribute: the caller runs
+// it only where HasBF16DotProduct() says the CPU has it. The other builds have no such product (no
+// portable fallback: there HasBF16DotProduct() is false and SmallRowsProductBF16 is not declared).
+
+using simd::FloatToBFloat16;  // float32 -> bfloat16 bits, round to nearest even (simd.h); NaN stays NaN
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__x86_64__)
+#define RFA_BF16_DOT_PRODUCT 1
+
+inline bool HasBF16DotProduct() { return __builtin_cpu_supports("avx512bf16"); }
+
+namespace bf16 {
+
+constexpr int kPerVector = 32;  // bfloat16 values in a zmm: one 64-byte line of a W row
+
+// y[i, r] = x[i] . W[r] for `G` rows of x at x (each k long) and `R` consecutive rows of W at w,
+// written at y + i * n + r. One pass over k: each step loads one line of each W row and one of each
+// x row, G x R vdpbf16ps into G x R accumulators; a masked load reads the last k % 32 values (the
+// masked lanes read as zero in x and W, and are never touched in memory). With kPrefetch, asks for
+// each W row's line kPrefetchBytes ahead (the pass that first reads this block of W from memory).
+template <int G, int R, bool kPrefetch>
+__attribute__((target("avx512bf16"))) inline void Tile(int64_t k, const uint16_t *x, const BFloat16 *w, float *y,
+                                                      int64_t n) {
+  const uint16_t *wr = &w->bits;
+  __m512 acc[G][R];
+#pragma GCC unroll 16
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) acc[g][r] = _mm512_setzero_ps();
+  auto step = [&](int64_t j, __mmask32 mask) __attribute__((always_inline, target("avx512bf16"))) {
+    __m512i wv[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_epi16(mask, wr + r * k + j);
+#pragma GCC unroll 16
+    for (int g = 0; g < G; ++g) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + g * k + j);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) acc[g][r] = _mm512_dpbf16_ps(acc[g][r], xv, (__m512bh)wv[r]);
+    }
+  };
+  const int64_t kv = k / kPerVector * kPerVector;
+  int64_t j = 0;
+  for (; j < kv; j += kPerVector) {
+    if constexpr (kPrefetch) {
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char *>(wr + r * k + j) + kPrefetchBytes, _MM_HINT_T0);
+    }
+    step(j, ~__mmask32(0));
+  }
+  if (j < k) step(j, static_cast<__mmask32>((uint64_t(1) << (k - j)) - 1));
+#pragma GCC unroll 16
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) y[g * n + r] = simd::ReduceSum((vf)acc[g][r]);
+}
+
+}  // namespace bf16
+
+// y[:, n0:n1] = x W[n0:n1]^T for x (m, k) in bfloat16 bits (x rounded by the caller) and W (n, k)
+// bfloat16, both row-major, y (m, n) float32. W's rows go in blocks of four, each read from memory
+// once: its first pass (four rows of x) prefetches and streams it, the passes for the other rows of
+// x find it in L2 (four rows of k = 11008 are 88 KB); x (at most 16 x 11008 x 2 bytes) stays in L2.
+__attribute__((target("avx512bf16"))) inline void SmallRowsProductBF16(int64_t m, int64_t n, int64_t k,
+                                                                      const uint16_t *x_bf16, const BFloat16 *w,
+                                                                      float *y, int64_t n0, int64_t n1) {
+  constexpr int kRowsOfW = 4, kRowsOfX = 4;
+  // The tile for g (1..kRowsOfX) rows of x and R rows of W, with or without the prefetch.
+  auto tile = [&](int64_t g, int64_t i, int64_t r, auto rows_of_w, auto prefetch) __attribute__((always_inline, target("avx512bf16"))) {
+    constexpr int R = decltype(rows_of_w)::value;
+    constexpr bool P = decltype(prefetch)::value;
+    const uint16_t *xi = x_bf16 + i * k;
+    const BFloat16 *wr = w + r * k;
+    float *yi = y + i * n + r;
+    switch (g) {
+      case 1: bf16::Tile<1, R, P>(k, xi, wr, yi, n); break;
+      case 2: bf16::Tile<2, R, P>(k, xi, wr, yi, n); break;
+      case 3: bf16::Tile<3, R, P>(k, xi, wr, yi, n); break;
+      default: bf16::Tile<4, R, P>(k, xi, wr, yi, n); break;
+    }
+  };
+  auto block = [&](int64_t r, auto rows_of_w) __attribute__((always_inline, target("avx512bf16"))) {
+    for (int64_t i = 0; i < m; i += kRowsOfX) {
+      const int64_t g = std::min<int64_t>(kRowsOfX, m - i);
+      if (i == 0)
+        tile(g, i, r, rows_of_w, std::true_type{});
+      else
+        tile(g, i, r, rows_of_w, std::false_type{});
+    }
+  };
+  int64_t r = n0;
+  for (; r + kRowsOfW <= n1; r += kRowsOfW) block(r, std::integral_constant<int, kRowsOfW>{});
+  for (; r < n1; ++r) block(r, std::integral_constant<int, 1>{});  // the last rows of the slice
+}
+#else
+inline bool HasBF16DotProduct() { return false; }
+#endif
+
 }  // namespace weights
 }  // namespace rfa
