@@ -71,13 +71,57 @@ inline void PrefetchRows(const W *w0, const W *w1, const W *w2, const W *w3, int
   __builtin_prefetch(w3 + j + kAhead);
 }
 
-// y[:, r:r+4] = x W[r:r+4]^T for the four consecutive rows of W at w0 (each k long): dotted with two
-// rows of x at a time, x staying in cache.
+// With many rows of x the products are limited by the work on W, not by reading it: W's rows
+// converted (float16, bfloat16) and loaded from cache once per pass. Where there are 32 vector
+// registers (AVX-512) a pass takes four rows of x (16 accumulators) instead of two: x (16, 4096) by
+// W (64, 4096), one thread, W in L2: float32 W 1.9x, float16 and bfloat16 W 1.25x faster.
+constexpr bool kQuadRowsOfX = kLanes == 16;
+
+// y[i, q] = x[i] . W[q] for the four rows of x at x and the four consecutive rows of W at w0, written at
+// y + i * n + q: what FourRows below computes for them as two pairs, bit for bit. (The sums' order is
+// the pairs' own; the last k % kLanes terms are written as in the pairs' code because GCC fuses (or
+// not) their multiply-adds by the form of that code: checked against the pairs for every weight type.)
+template <typename W>
+void QuadRowsOfX(int64_t n, int64_t k, const float *x, const W *w0, float *y) {
+  const int64_t kv = k / kLanes * kLanes;
+  const W *w[4] = {w0, w0 + k, w0 + 2 * k, w0 + 3 * k};
+  vf acc[4][4] = {};
+  for (int64_t j = 0; j < kv; j += kLanes) {
+    PrefetchRows(w[0], w[1], w[2], w[3], j);
+    vf r[4];
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) r[q] = LoadAsFloat(w[q] + j);
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) {
+      const vf u = simd::Load(x + g * k + j);
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) acc[g][q] += r[q] * u;
+    }
+  }
+  for (int g = 0; g < 4; g += 2) {
+    const float *xa = x + g * k, *xb = xa + k;
+    float s[8] = {simd::ReduceSum(acc[g][0]), simd::ReduceSum(acc[g][1]), simd::ReduceSum(acc[g][2]),
+                  simd::ReduceSum(acc[g][3]), simd::ReduceSum(acc[g + 1][0]), simd::ReduceSum(acc[g + 1][1]),
+                  simd::ReduceSum(acc[g + 1][2]), simd::ReduceSum(acc[g + 1][3])};
+    for (int64_t j = kv; j < k; ++j) {
+      const float c0 = AsFloat(w[0][j]), c1 = AsFloat(w[1][j]), c2 = AsFloat(w[2][j]), c3 = AsFloat(w[3][j]);
+      s[0] += c0 * xa[j]; s[1] += c1 * xa[j]; s[2] += c2 * xa[j]; s[3] += c3 * xa[j];
+      s[4] += c0 * xb[j]; s[5] += c1 * xb[j]; s[6] += c2 * xb[j]; s[7] += c3 * xb[j];
+    }
+    std::memcpy(y + g * n, s, 16);
+    std::memcpy(y + (g + 1) * n, s + 4, 16);
+  }
+}
+
+// y[:, r:r+4] = x W[r:r+4]^T for the four consecutive rows of W at w0 (each k long): dotted with four
+// rows of x at a time where QuadRowsOfX runs, then two, then one, x staying in cache.
 template <typename W>
 void FourRows(int64_t m, int64_t n, int64_t k, const float *x, const W *w0, float *y, int64_t r) {
   const int64_t kv = k / kLanes * kLanes;
   const W *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
   int64_t i = 0;
+  if constexpr (kQuadRowsOfX)
+    for (; i + 4 <= m; i += 4) QuadRowsOfX(n, k, x + i * k, w0, y + i * n + r);
   for (; i + 2 <= m; i += 2) {
     const float *xa = x + i * k, *xb = xa + k;
     vf a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
