@@ -121,7 +121,7 @@ def test_reports_the_cpu_has_bf16_dot_products(lib):
     assert lib.HasBF16DotProduct() == 1
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 16])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 7, 16])
 @pytest.mark.parametrize("k", [1, 31, 32, 33, 4097])
 def test_product_matches_float64_reference(lib, m, k):
     n = 23
