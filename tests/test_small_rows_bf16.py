@@ -208,3 +208,25 @@ def test_reference_rounding_agrees_with_ml_dtypes():
                              rng.integers(0, 2**32, 1 << 18, dtype=np.uint64).astype(np.uint32)]).view(np.float32)
     finite = values[~np.isnan(values)]
     np.testing.assert_array_equal(reference_bfloat16_bits(finite), finite.astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+def test_benchmark_program_runs_every_product(tmp_path):
+    """benchmarks/small_rows.cc (benchmarks/small_rows.py's program) builds on this header and times
+    all four products, vdpbf16ps included, at a tiny shape."""
+    import json
+    import os
+
+    out = tmp_path / "small_rows"
+    source = ROOT / "benchmarks" / "small_rows.cc"
+    done = subprocess.run(["g++", "-std=c++17", "-O1", "-fopenmp", "-Wall", "-Wextra", "-Werror", f"-I{CSRC}",
+                           *AVX512_FLAGS, str(source), "-o", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    run = subprocess.run([str(out), "13", "70", "2", "0", "1", "3"], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, OMP_NUM_THREADS="2"))
+    assert run.returncode == 0, run.stderr
+    points = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [p["m"] for p in points] == [1, 3]
+    for p in points:
+        assert set(p["products"]) == {"float32", "float16 (F16C to float32)", "bfloat16 (to float32)",
+                                      "bfloat16 (vdpbf16ps)"}
+        assert all(len(q["times_s"]) == 2 for q in p["products"].values())

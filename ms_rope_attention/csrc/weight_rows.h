@@ -290,7 +290,7 @@ __attribute__((target("avx512bf16"))) void TileRows(int64_t m, int64_t n, int64_
 // first pass (up to four rows of x) prefetches and streams it, the passes for the other rows of x find
 // it in L2 (four rows of k = 11008 are 88 KB); x (at most 16 x 11008 x 2 bytes) stays in L2. Each
 // tile keeps 16 accumulators: blocks of 8 rows of W for one or two rows of x, of 4 rows for more.
-// (Eight rows read W from memory 5-8% faster than four at M = 1 and 2, one thread, same process;
+// (Eight rows read W from memory 3-8% faster than four at M = 1 and 2, one thread, same process;
 // four rows for four rows of x reach vdpbf16ps's peak on this Xeon at M = 8 and 16.)
 __attribute__((target("avx512bf16"))) inline void SmallRowsProductBF16(int64_t m, int64_t n, int64_t k,
                                                                       const uint16_t *x_bf16, const BFloat16 *w,
