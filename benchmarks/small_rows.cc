@@ -8,7 +8,8 @@
 //
 // Products: float32 W (SmallRowsProduct<float>), float16 W converted in registers (<Half>), bfloat16
 // W converted in registers (<BFloat16>: float32 arithmetic), and where the CPU has avx512_bf16,
-// bfloat16 W by vdpbf16ps (FloatToBFloat16 of x, timed with it, then SmallRowsProductBF16).
+// bfloat16 W by vdpbf16ps (FloatToBFloat16 of x, timed with it, then SmallRowsProductBF16); and
+// beside them, in the same rotation, a read-only pass over as many bytes (ReadOnly).
 //
 // Every call reads its W from a different place of one pool of POOL_MIB MiB that the calls walk
 // through in turn, so W comes from memory as in a model's decode step (whose weights are many times
@@ -66,6 +67,23 @@ struct Product {
   void (*run)(int64_t m, int64_t n, int64_t k, const float *x, uint16_t *x_bf16, const void *w, float *y);
 };
 
+// The reference: W's bytes (as many as a half W's) summed as float32 vectors on the same threads,
+// in the same slices, from the same pool, taking its turn between the products: what reading W
+// costs on this machine at this moment, whatever the other processes on it are doing. (The pool's
+// words as float32 are normal numbers: no slow arithmetic.)
+void ReadOnly(int64_t, int64_t n, int64_t k, const float *, uint16_t *, const void *w, float *y) {
+  OnThreads(n, [&](int64_t n0, int64_t n1) {
+    const float *p = static_cast<const float *>(w) + n0 * k / 2, *end = static_cast<const float *>(w) + n1 * k / 2;
+    rfa::simd::vf a = {}, b = {}, c = {}, d = {};
+    constexpr int kL = rfa::simd::kLanes;
+    for (; p + 4 * kL <= end; p += 4 * kL) {
+      a += rfa::simd::Load(p); b += rfa::simd::Load(p + kL);
+      c += rfa::simd::Load(p + 2 * kL); d += rfa::simd::Load(p + 3 * kL);
+    }
+    y[n0] = rfa::simd::ReduceSum((a + b) + (c + d));  // kept: the sum is an output
+  });
+}
+
 template <typename W>
 void ConvertingProduct(int64_t m, int64_t n, int64_t k, const float *x, uint16_t *, const void *w, float *y) {
   OnThreads(n, [&](int64_t n0, int64_t n1) {
@@ -99,7 +117,8 @@ int main(int argc, char **argv) {
   auto random = [&] { return state = state * 1664525u + 1013904223u; };
   for (auto &word : pool.words) word = static_cast<uint16_t>(0x3f00u | (random() >> 25) | ((random() >> 31) << 15));
 
-  std::vector<Product> products = {{"float32", 4, ConvertingProduct<float>},
+  std::vector<Product> products = {{"read only (sum of the bytes)", 2, ReadOnly},
+                                   {"float32", 4, ConvertingProduct<float>},
                                    {"float16 (F16C to float32)", 2, ConvertingProduct<Half>},
                                    {"bfloat16 (to float32)", 2, ConvertingProduct<BFloat16>}};
 #ifdef RFA_BF16_DOT_PRODUCT
