@@ -207,8 +207,11 @@ inline void ThreadRows(int64_t n, int threads, int t, int64_t *n0, int64_t *n1) 
 // The decode-sized product of a bfloat16 W computed in bfloat16: x rounded once per call to
 // bfloat16 (FloatToBFloat16, the caller's), W's bits fed as they are to vdpbf16ps, which multiplies
 // 32 bfloat16 pairs of x and W (each product exact in float32) and adds them pairwise into 16
-// float32 sums. No instruction converts W, so W streams at the memory's read rate where the float32
-// form (BFloat16Vector: a widening load and a shift per 16 weights) is limited by those ops.
+// float32 sums. No instruction converts W: the float32 form's widening load and shift per 16
+// weights (BFloat16Vector) held it to 42% of the read bandwidth on Zen 4 (issue 54). With many rows
+// of x the product is bound by vdpbf16ps itself: on this project's Xeon (AMX, 2 cores under KVM) it
+// peaks at 114 GFLOP/s a core against 188 for float32 FMA, so from M = 8 it runs at the float32
+// form's speed there; Zen 4 has twice its float32 rate in it.
 // vdpbf16ps treats bfloat16 subnormals as zero and flushes subnormal results (its fixed DAZ / FTZ).
 //
 // Only in the AVX-512 x86-64 build, compiled for avx512bf16 by a target attribute: the caller runs
