@@ -1,7 +1,8 @@
 // weights::SmallRowsProduct (the projection library's decode-sized product, csrc/weight_rows.h) with
 // W in float32, float16 and bfloat16 against a float64 product of the same weights, over shapes whose
 // K and N are off the vector width and the block of four rows; and weights::RowToFloat for all 65536
-// bfloat16 bit patterns against the definition (the bits in the high half of a float32). Built once
+// bfloat16 bit patterns against the definition (the bits in the high half of a float32); each row of x
+// alone gives the batch's bits. Built once
 // per instruction set, and for aarch64 under qemu, by tests/test_cross_builds.py. Exit status 0 when
 // every case agrees.
 #include <cmath>
@@ -55,6 +56,17 @@ int CheckProduct(int64_t m, int64_t n, int64_t k) {
         std::printf("m %lld n %lld k %lld: y[%lld, %lld] = %g, expected %g\n", (long long)m, (long long)n,
                     (long long)k, (long long)i, (long long)r, y[i * n + r], want);
     }
+  // Each row of x alone gives the same bits as in the batch (every sum in the same order, whatever
+  // rows of x share a pass over W), on an x of full mantissas, whose sums round.
+  for (int64_t i = 0; i < m * k; ++i) x[i] = (x[i] + Value(static_cast<uint32_t>(5 * i + 2)) / 97.0f) / 3.0f;
+  rfa::weights::SmallRowsProduct(m, n, k, x.data(), w.data(), y.data(), 0, n);
+  std::vector<float> row(n);
+  for (int64_t i = 0; i < m; ++i) {
+    rfa::weights::SmallRowsProduct(1, n, k, x.data() + i * k, w.data(), row.data(), 0, n);
+    if (std::memcmp(row.data(), y.data() + i * n, n * sizeof(float)) != 0 && failed++ < 5)
+      std::printf("m %lld n %lld k %lld: row %lld alone differs from the batch's\n", (long long)m, (long long)n,
+                  (long long)k, (long long)i);
+  }
   return failed != 0;
 }
 
