@@ -102,6 +102,8 @@ def test_the_bfloat16_model_is_at_least_as_close_to_float64_as_transformers_bflo
     ms.set_context(mode=ms.GRAPH_MODE)
     ours = load_checkpoint(path, progress=False, logits="last")
     assert ours.compute_dtype == "bfloat16"  # auto, on a CPU with bfloat16 instructions
+    projections = [cell for _, cell in ours.cells_and_names() if hasattr(cell, "packed")]
+    assert projections and all(cell.packed for cell in projections)  # each weight reordered once, in place
     full = load_checkpoint(path, progress=False, logits="last", compute_dtype="float32")
     state64 = {k: v.astype(np.float64) for k, v in state.items()}
     errors, top1 = {"ours": [], "hf": [], "float32": []}, {"hf": 0, "float32": 0}

@@ -360,6 +360,15 @@ class LlamaForCausalLM(nn.Cell):
                 if isinstance(cell, Linear):
                     cell.use_blas = False
 
+    def pack_weights(self) -> None:
+        """Every projection computing in bfloat16 takes its weight reordered once into oneDNN's layout
+        for this CPU, in place of the weight (``Linear.pack``): for inference, after the weights are
+        loaded and before the first call (``weights.load_checkpoint`` does it). The packed model's
+        projection weights are no longer a checkpoint's tensors (its embedding and norms are)."""
+        for _, cell in self.cells_and_names():
+            if isinstance(cell, Linear):
+                cell.pack()
+
     @property
     def backend(self) -> str:
         """The attention path every layer runs: 'fused:CPU' or 'unfused'."""
