@@ -158,6 +158,7 @@ std::string Validate(const int *ndims, int64_t *const *shapes, const char *const
 // this ran no faster than SGEMM (40 ms), which keeps the larger float32 products. A half W has no
 // SGEMM to go to without a float32 copy, and halves the bytes to read: it streams up to M = 16.
 constexpr int64_t kSmallRows = 8, kSmallRowsHalf = 16;
+constexpr int64_t kFewRowsBF16 = 4;  // bfloat16 arithmetic: see Multiply
 
 // Prefill-sized products with a half W: panels of W's rows converted to float32 on the OpenMP
 // threads and multiplied by SGEMM, which packs them as it would a float32 W. (Converting on the
@@ -181,6 +182,24 @@ void SmallRows(const Gemm &g, const float *x, const W *w, float *y) {
     if (n0 < n1) rfa::weights::SmallRowsProduct(g.m, g.n, g.k, x, w, y, n0, n1);
   }
 }
+
+#ifdef RFA_BF16_DOT_PRODUCT
+// The bfloat16 form of SmallRows: x rounded to bfloat16 once (a thread's buffer, kept between calls),
+// then W's rows split across threads as there.
+void SmallRowsBF16(const Gemm &g, const float *x, const rfa::weights::BFloat16 *w, float *y) {
+  thread_local std::vector<uint16_t> rounded;
+  rounded.resize(static_cast<size_t>(g.m * g.k));
+  rfa::weights::FloatToBFloat16(x, rounded.data(), g.m * g.k);
+  const uint16_t *const x_bf16 = rounded.data();  // this thread's: inside the loop `rounded` is each worker's
+  const int threads = omp_get_max_threads();
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+  for (int t = 0; t < threads; ++t) {
+    int64_t n0, n1;
+    rfa::weights::ThreadRows(g.n, threads, t, &n0, &n1);
+    if (n0 < n1) rfa::weights::SmallRowsProductBF16(g.m, g.n, g.k, x_bf16, w, y, n0, n1);
+  }
+}
+#endif
 
 // y (rows, n) = x (rows, k) P^T for a float32 panel P of `cols` rows, written at column `col` of y.
 void Sgemm(const Gemm &g, const float *x, const float *panel, int64_t cols, float *y) {
@@ -217,8 +236,17 @@ void Multiply(const Gemm &g, Compute compute, const float *x, const W *w, float 
   if constexpr (std::is_same_v<W, rfa::weights::BFloat16>) {
     static_assert(sizeof(W) == sizeof(uint16_t), "a bfloat16 weight is its 16 bits");
     if (compute == Compute::kBFloat16) {
-      // Every M through oneDNN for now; the decode-sized rows (g.m <= kSmallRowsHalf) are where a
-      // bfloat16 streaming product (weight_rows.h) takes its own branch.
+#ifdef RFA_BF16_DOT_PRODUCT
+      // A few rows of a weight as stored: x rounded once, W streamed into vdpbf16ps with no
+      // conversion (weight_rows.h). Measured on the AMX Xeon, W (11008, 4096) from memory, same
+      // process: M = 1 and 4 as fast as oneDNN on the packed W or faster (3.4 / 3.8 ms against 7.2 /
+      // 4.1 ms, min), M = 16 4x slower (17.7 against 4.3: AMX). A weight packed for oneDNN (the
+      // model's) takes MultiplyBf16Packed at every M.
+      if (g.m <= kFewRowsBF16 && rfa::weights::HasBF16DotProduct()) {
+        SmallRowsBF16(g, x, w, y);
+        return;
+      }
+#endif
       rfa::onednn::MultiplyBf16(g.m, g.n, g.k, x, reinterpret_cast<const uint16_t *>(w), y);
       return;
     }
