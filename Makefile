@@ -10,6 +10,8 @@ MINDFORMERS_VENV := .venv-mindformers
 MINDFORMERS := $(MINDFORMERS_VENV)/.installed
 MINDNLP_VENV := .venv-mindnlp
 MINDNLP := $(MINDNLP_VENV)/.installed
+LLAMA_CPP_VENV := .venv-llamacpp
+LLAMA_CPP := $(LLAMA_CPP_VENV)/.installed
 KERNEL_SOURCES := $(wildcard ms_rope_attention/csrc/*) $(wildcard ms_rope_attention/aclnn/*/*.h) $(wildcard ms_rope_attention/aclnn/*/*/*.h) \
 	$(wildcard ms_rope_attention/aclnn/*/*.cpp) $(wildcard ms_rope_attention/aclnn/*/*.cc)
 # An extra's requirements as pyproject.toml lists them (its one place), for installing them alone.
@@ -104,6 +106,21 @@ $(MINDNLP): benchmarks/peers/mindnlp.txt pyproject.toml setup.py $(KERNEL_SOURCE
 	$(MINDNLP_VENV)/bin/python -m pip install --quiet -e ".[test]"
 	touch $(MINDNLP)
 
+# llama.cpp (llama-cpp-python) for the half-weights benchmark's llama.cpp peers, built from the source
+# distribution for this CPU (GGML_NATIVE: -march=native, so AVX512_BF16 where the CPU has it), niced so that the
+# machine stays usable; see benchmarks/peers/llama_cpp.txt. 10.0 minutes on the 2 shared cores of the Intel
+# machine (405 s of compiler time: about 4 minutes on 2 idle cores).
+LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=ON
+.PHONY: llama-cpp
+llama-cpp: $(LLAMA_CPP)
+
+$(LLAMA_CPP): benchmarks/peers/llama_cpp.txt
+	test -x $(LLAMA_CPP_VENV)/bin/python || $(PYTHON) -m venv $(LLAMA_CPP_VENV)
+	$(LLAMA_CPP_VENV)/bin/python -m pip install --quiet --upgrade pip
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) nice -n 19 \
+		$(LLAMA_CPP_VENV)/bin/python -m pip install --quiet --no-binary llama-cpp-python -r benchmarks/peers/llama_cpp.txt
+	touch $(LLAMA_CPP)
+
 # The oldest Python pyproject.toml's requires-python admits, in a virtual environment of its own with this
 # project installed editable as a user would (its kernels built for that interpreter): tests/test_oldest_python.py
 # imports the package there and trains a step and a resume through the CLI, so the declaration is tested.
@@ -122,5 +139,5 @@ $(PY310): pyproject.toml setup.py $(KERNEL_SOURCES)
 	touch $(PY310)
 
 clean:
-	rm -rf build dist $(VENV) $(MINDFORMERS_VENV) $(MINDNLP_VENV) ms_rope_attention/_rfa_*.so *.egg-info
+	rm -rf build dist $(VENV) $(MINDFORMERS_VENV) $(MINDNLP_VENV) $(LLAMA_CPP_VENV) ms_rope_attention/_rfa_*.so *.egg-info
 	rm -rf $(PY310_VENV)

@@ -18,6 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # name -> (its environment, the make target that builds it); the oldest declared Python is one too
 THIRDPARTY_VENVS = {"mindformers": (os.path.join(ROOT, ".venv-mindformers"), "make thirdparty"),
                     "mindnlp": (os.path.join(ROOT, ".venv-mindnlp"), "make thirdparty"),
+                    "llama.cpp": (os.path.join(ROOT, ".venv-llamacpp"), "make llama-cpp"),
                     "python3.10": (os.path.join(ROOT, ".venv-py310"), "make oldest-python")}
 
 
