@@ -62,14 +62,17 @@ sanitize: $(STAMP)
 # (about a quarter of an hour on 2 cores); bench-full runs S = 512..16384 in 3 rounds (hours). Both
 # print a progress line and the table, and write benchmarks/results/results.json and ttft.png; then
 # the decode benchmark against transformers' caches (benchmarks/results/decode.json, decode.png);
-# bench-full also replays the serving trace (benchmarks/serving.py: paged against contiguous caches).
+# bench-full also replays the serving trace (benchmarks/serving.py: paged against contiguous caches) and runs
+# llama.cpp beside the half-weight systems (make bench leaves it out: its build alone, 10 minutes on this
+# machine's 2 shared cores, does not fit bench's 20-minute budget, which its own runs already fill).
 # The kernel-level benchmark is benchmarks/attention.py (docs/benchmarks.md lists the others).
 bench: $(STAMP) $(PEERS) $(MINDFORMERS)
 	$(PY) benchmarks/ttft.py
 	$(PY) benchmarks/decode.py --contexts 512 2048 --batches 1
-	$(PY) benchmarks/half_weights.py --contexts 512 --rounds 1
+	$(PY) benchmarks/half_weights.py --contexts 512 --rounds 1 \
+		--systems fused-float32 fused-half hf-static-float16 hf-static-bfloat16
 
-bench-full: $(STAMP) $(PEERS) $(MINDFORMERS)
+bench-full: $(STAMP) $(PEERS) $(MINDFORMERS) $(LLAMA_CPP)
 	$(PY) benchmarks/ttft.py --lengths 512 1024 2048 4096 8192 16384 --rounds 3
 	$(PY) benchmarks/decode.py
 	$(PY) benchmarks/half_weights.py --contexts 512 2048 --rounds 2
@@ -86,8 +89,9 @@ $(PEERS): $(STAMP) pyproject.toml
 
 # The third-party libraries fuse() works on, each in its own virtual environment with this project
 # installed into it as their users would (editable: the checkout is what runs). tests/test_fuse_thirdparty.py
-# runs tests/thirdparty/ in them; .ci/run installs them first (make thirdparty).
-thirdparty: $(MINDFORMERS) $(MINDNLP)
+# runs tests/thirdparty/ in them; .ci/run installs them first (make thirdparty), and with them llama.cpp's
+# environment, which tests/test_benchmarks.py runs the llama.cpp peer in.
+thirdparty: $(MINDFORMERS) $(MINDNLP) $(LLAMA_CPP)
 
 $(MINDFORMERS): benchmarks/peers/mindformers.txt pyproject.toml setup.py $(KERNEL_SOURCES)
 	test -x $(MINDFORMERS_VENV)/bin/python || $(PYTHON) -m venv $(MINDFORMERS_VENV)

@@ -190,11 +190,12 @@ def generation_point(model: str, deeper_model: str, context: int, new_tokens: in
                      threads: int | None = None, repeats: int = 3, flash_attn: bool = True) -> dict:
     """llama.cpp on the GGUF ``model`` (and ``deeper_model``, one layer more): after a warm-up on the
     prompt cut to peers.WARM_UP_TOKENS, ``repeats`` prefills of the ``context``-token prompt on each
-    model alternating (per full layer: their difference), then a greedy generation of ``new_tokens``
-    on ``model``: TTFT (prefill and first token's choice) and each decode step. ``threads`` (default:
-    the CPUs of this process) for prefill and decode; the prompt in one llama_decode call (n_batch =
-    its length, llama.cpp's default micro-batch of 512); ``flash_attn`` on is llama.cpp's own default
-    ("auto") on a CPU."""
+    model alternating (per full layer: the difference of their min, of their median, and of each pair
+    of neighbouring calls), then a greedy generation of ``new_tokens`` on ``model``: TTFT (prefill and
+    the first token's choice) and each decode step. ``threads`` (default: the CPUs of this process)
+    for prefill and decode; the prompt in one llama_decode call (n_batch = its length, llama.cpp's
+    default micro-batch of 512); ``flash_attn`` on is what llama.cpp's own default ("auto") picks on
+    a CPU."""
     import gguf
     import llama_cpp
 
@@ -247,6 +248,7 @@ def generation_point(model: str, deeper_model: str, context: int, new_tokens: in
 
     full_layer = {f"{name}_s": stat(prefill_s[deeper]) - stat(prefill_s[layers])
                   for name, stat in (("min", min), ("median", statistics.median))}
+    full_layer["pairs_s"] = [d - s for d, s in zip(prefill_s[deeper], prefill_s[layers])]  # neighbouring calls
     file_type = gguf.LlamaFileType(int(lm.metadata["general.file_type"])).name
     return {"backend_ran": f"llama.cpp (llama-cpp-python {llama_cpp.__version__}), {file_type}, {threads} threads, "
                            f"flash attention {'on' if flash_attn else 'off'}",
@@ -261,8 +263,9 @@ def generation_point(model: str, deeper_model: str, context: int, new_tokens: in
                        f"micro-batch 512) and the argmax of the last token's logits, after a warm-up on "
                        f"{WARM_UP_TOKENS} tokens; decode: one llama_decode of one token and its argmax per step. "
                        f"Per full layer: {repeats} prefills each of the {layers}- and {deeper}-layer files "
-                       f"(the checkpoint's layers repeated), alternating; the difference of their min and of their "
-                       f"median (llama.cpp prunes the last layer to the tokens whose logits it returns).")}
+                       f"(the checkpoint's layers repeated), alternating; the difference of their min, of their "
+                       f"median and of each pair (llama.cpp prunes the last layer to the tokens whose logits it "
+                       f"returns).")}
 
 
 def _version(distribution: str) -> str:

@@ -519,7 +519,7 @@ def test_llama_cpp_peer_computes_the_checkpoint(tmp_path):
         assert point["layers"] == 2 and sorted(point["prefill_s"]) == ["2", "3"]
         assert len(point["step_ms"]) == new_tokens - 1 and len(point["tokens"]) == new_tokens
         assert point["file_type"] == {"bf16": "MOSTLY_BF16", "f16": "MOSTLY_F16"}[tensor_type]
-        assert point["threads"] >= 1 and set(point["per_full_layer_s"]) == {"min_s", "median_s"}
+        assert point["threads"] >= 1 and set(point["per_full_layer_s"]) == {"min_s", "median_s", "pairs_s"}
         if "avx512_bf16" in harness.cpu_flags():
             assert "AVX512_BF16 = 1" in point["system_info"], point["system_info"]
 
