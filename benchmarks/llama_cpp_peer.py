@@ -106,7 +106,8 @@ def write_gguf(checkpoint: str, path: str, tensor_type: str, layers: int | None 
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     qtype = {"bf16": gguf.GGMLQuantizationType.BF16, "f16": gguf.GGMLQuantizationType.F16}[tensor_type]
 
-    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+    # Tensors spooled to a temporary file as they are converted: a deep model is never whole in memory.
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA], use_temp_file=True)
     writer.add_name(f"{checkpoint.name} ({layers} layers, {tensor_type})")
     writer.add_file_type({"bf16": gguf.LlamaFileType.MOSTLY_BF16, "f16": gguf.LlamaFileType.MOSTLY_F16}[tensor_type])
     writer.add_context_length(config["max_position_embeddings"])
