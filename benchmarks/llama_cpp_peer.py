@@ -7,8 +7,8 @@ Per full layer: llama.cpp computes the last layer's attention output and MLP onl
 whose logits it returns (one here), so its prefill of an L-layer model is the embedding and LM head,
 L - 1 full layers and one pruned layer. ``write_gguf`` also writes the checkpoint with one layer
 more (its layers repeated: the same shapes, the same work), ``generation_point`` times the two
-models' prefills alternating, and a full layer is the difference of their times (min - min,
-median - median).
+models' prefills alternating, and a full layer is the difference of their times (min - min;
+median - median and each pair of neighbouring calls in the JSON).
 
 Runs in llama.cpp's own virtual environment (``make llama-cpp``: .venv-llamacpp, built from the
 source distribution for this CPU; benchmarks/peers/llama_cpp.txt), under ``harness.run_isolated``:
