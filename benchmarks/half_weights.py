@@ -169,9 +169,11 @@ def summarize(runs: list[dict], layers: int) -> list[dict]:
                      "step_min_ms": min(steps), "step_median_ms": statistics.median(steps),
                      "tokens_per_s": 1e3 / min(steps), "peak_rss_gb": max(r["peak_rss_mb"] for r in ok) / 1024,
                      "backend_ran": ok[0]["backend_ran"], "tokens": ok[0]["tokens"]})
-        if "per_full_layer_s" in ok[0]:  # llama.cpp: measured (its own JSON says how)
-            rows[-1].update({"per_full_layer_s": min(r["per_full_layer_s"]["min_s"] for r in ok),
-                             **{key: ok[0][key] for key in ("system_info", "threads", "versions", "method")}})
+        if "per_full_layer_s" in ok[0]:  # llama.cpp: the deeper file's fastest prefill minus the model's, over its runs
+            depth = ok[0]["layers"]
+            fastest = {n: min(t for r in ok for t in r["prefill_s"][str(n)]) for n in (depth, depth + 1)}
+            rows[-1].update({"per_full_layer_s": fastest[depth + 1] - fastest[depth],
+                             **{field: ok[0][field] for field in ("system_info", "threads", "versions", "method")}})
         else:
             rows[-1]["per_full_layer_s"] = rows[-1]["ttft_min_s"] / layers
     return rows
@@ -227,8 +229,8 @@ def table(results: dict) -> str:
         lines.append(f"| {r['system']} | {r['context']} | {r['ttft_min_s']:.2f} / {r['ttft_median_s']:.2f} | "
                      f"{r['per_full_layer_s']:.3f} | {r['tokens_per_s']:.1f} | {r['step_median_ms']:.1f} | "
                      f"{r['peak_rss_gb']:.1f} |")
-    lines.append("Per full layer: llama.cpp's prefill one layer deeper minus its prefill (min of each); the others' "
-                 "TTFT / layers (the embedding and LM head included).")
+    lines.append("Per full layer: llama.cpp's prefill one layer deeper minus its prefill (min of each over its "
+                 "processes); the others' TTFT / layers (the embedding and LM head included).")
     llama = [r for r in results["summary"] if r["status"] == "ok" and "system_info" in r]
     if llama:
         lines.append(f"llama.cpp: {llama[0]['threads']} threads, system info: {llama[0]['system_info'].strip()}")
