@@ -9,7 +9,8 @@ runs and every weight dtype; M = 1, 8, 16 rows (decode steps: the fraction of th
 product reaches, bytes(W) / time / bandwidth) and M = 512 (a prefill: GFLOP/s, ratio to float32).
 Calls alternate round by round; min and median.
 
-Generation: each (context, round, system) point in a fresh process (``peers.generation_point``): TTFT, decode
+Generation: each (context, round, system) point in a fresh process (``peers.generation_point``; llama.cpp's
+``llama_cpp_peer.generation_point`` under its environment's interpreter): TTFT, decode
 tokens/s per sequence (median step), peak RSS, and the time of one full decoder layer of the prefill
 (llama.cpp: its prefill one layer deeper minus its prefill, as llama.cpp prunes the last layer to the
 token whose logits it returns; the others: TTFT / layers, the embedding and LM head included). Greedy
@@ -19,6 +20,7 @@ differ; reported, not required).
 
     python benchmarks/half_weights.py                     # contexts 512 2048, 2 layers
     python benchmarks/half_weights.py --layers 32 --contexts 512 --rounds 1 --systems fused-half
+    python benchmarks/half_weights.py --contexts 512 2048 --no-gemm --systems fused-half llama.cpp-bf16 llama.cpp-f16
 """
 from __future__ import annotations
 
