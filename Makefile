@@ -10,6 +10,8 @@ MINDFORMERS_VENV := .venv-mindformers
 MINDFORMERS := $(MINDFORMERS_VENV)/.installed
 MINDNLP_VENV := .venv-mindnlp
 MINDNLP := $(MINDNLP_VENV)/.installed
+LLAMA_CPP_VENV := .venv-llamacpp
+LLAMA_CPP := $(LLAMA_CPP_VENV)/.installed
 KERNEL_SOURCES := $(wildcard ms_rope_attention/csrc/*) $(wildcard ms_rope_attention/aclnn/*/*.h) $(wildcard ms_rope_attention/aclnn/*/*/*.h) \
 	$(wildcard ms_rope_attention/aclnn/*/*.cpp) $(wildcard ms_rope_attention/aclnn/*/*.cc)
 # An extra's requirements as pyproject.toml lists them (its one place), for installing them alone.
@@ -69,14 +71,17 @@ sanitize: $(STAMP) $(BUILD_REQUIRES)
 # (about a quarter of an hour on 2 cores); bench-full runs S = 512..16384 in 3 rounds (hours). Both
 # print a progress line and the table, and write benchmarks/results/results.json and ttft.png; then
 # the decode benchmark against transformers' caches (benchmarks/results/decode.json, decode.png);
-# bench-full also replays the serving trace (benchmarks/serving.py: paged against contiguous caches).
+# bench-full also replays the serving trace (benchmarks/serving.py: paged against contiguous caches) and runs
+# llama.cpp beside the half-weight systems (make bench leaves it out: its build alone, 10 minutes on this
+# machine's 2 shared cores, does not fit bench's 20-minute budget, which its own runs already fill).
 # The kernel-level benchmark is benchmarks/attention.py (docs/benchmarks.md lists the others).
 bench: $(STAMP) $(PEERS) $(MINDFORMERS)
 	$(PY) benchmarks/ttft.py
 	$(PY) benchmarks/decode.py --contexts 512 2048 --batches 1
-	$(PY) benchmarks/half_weights.py --contexts 512 --rounds 1
+	$(PY) benchmarks/half_weights.py --contexts 512 --rounds 1 \
+		--systems fused-float32 fused-half hf-static-float16 hf-static-bfloat16
 
-bench-full: $(STAMP) $(PEERS) $(MINDFORMERS)
+bench-full: $(STAMP) $(PEERS) $(MINDFORMERS) $(LLAMA_CPP)
 	$(PY) benchmarks/ttft.py --lengths 512 1024 2048 4096 8192 16384 --rounds 3
 	$(PY) benchmarks/decode.py
 	$(PY) benchmarks/half_weights.py --contexts 512 2048 --rounds 2
@@ -93,8 +98,10 @@ $(PEERS): $(STAMP) pyproject.toml
 
 # The third-party libraries fuse() works on, each in its own virtual environment with this project
 # installed into it as their users would (editable: the checkout is what runs). tests/test_fuse_thirdparty.py
-# runs tests/thirdparty/ in them; .ci/run installs them first (make thirdparty).
-thirdparty: $(MINDFORMERS) $(MINDNLP) $(PEERS)
+# runs tests/thirdparty/ in them; .ci/run installs them first (make thirdparty), and with them llama.cpp's
+# environment, which tests/test_benchmarks.py runs the llama.cpp peer in, and the peers extra in .venv
+# (transformers and PyTorch: tests/test_compute_dtype.py compares the bfloat16 model with them).
+thirdparty: $(MINDFORMERS) $(MINDNLP) $(LLAMA_CPP) $(PEERS)
 
 $(MINDFORMERS): benchmarks/peers/mindformers.txt pyproject.toml setup.py $(KERNEL_SOURCES)
 	test -x $(MINDFORMERS_VENV)/bin/python || $(PYTHON) -m venv $(MINDFORMERS_VENV)
@@ -112,6 +119,21 @@ $(MINDNLP): benchmarks/peers/mindnlp.txt pyproject.toml setup.py $(KERNEL_SOURCE
 	$(MINDNLP_VENV)/bin/python -m pip install --quiet --no-deps "mindnlp==0.5.1" "peft==0.17.1" "accelerate==1.11.0"
 	$(MINDNLP_VENV)/bin/python -m pip install --quiet -e ".[test]"
 	touch $(MINDNLP)
+
+# llama.cpp (llama-cpp-python) for the half-weights benchmark's llama.cpp peers, built from the source
+# distribution for this CPU (GGML_NATIVE: -march=native, so AVX512_BF16 where the CPU has it), niced so that the
+# machine stays usable; see benchmarks/peers/llama_cpp.txt. 10.0 minutes on the 2 shared cores of the Intel
+# machine (405 s of compiler time: about 4 minutes on 2 idle cores).
+LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=ON
+.PHONY: llama-cpp
+llama-cpp: $(LLAMA_CPP)
+
+$(LLAMA_CPP): benchmarks/peers/llama_cpp.txt
+	test -x $(LLAMA_CPP_VENV)/bin/python || $(PYTHON) -m venv $(LLAMA_CPP_VENV)
+	$(LLAMA_CPP_VENV)/bin/python -m pip install --quiet --upgrade pip
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) nice -n 19 \
+		$(LLAMA_CPP_VENV)/bin/python -m pip install --quiet --no-binary llama-cpp-python -r benchmarks/peers/llama_cpp.txt
+	touch $(LLAMA_CPP)
 
 # The oldest Python pyproject.toml's requires-python admits, in a virtual environment of its own with this
 # project installed editable as a user would (its kernels built for that interpreter): tests/test_oldest_python.py
@@ -131,5 +153,5 @@ $(PY310): pyproject.toml setup.py $(KERNEL_SOURCES)
 	touch $(PY310)
 
 clean:
-	rm -rf build dist $(VENV) $(MINDFORMERS_VENV) $(MINDNLP_VENV) ms_rope_attention/_rfa_*.so *.egg-info
+	rm -rf build dist $(VENV) $(MINDFORMERS_VENV) $(MINDNLP_VENV) $(LLAMA_CPP_VENV) ms_rope_attention/_rfa_*.so *.egg-info
 	rm -rf $(PY310_VENV)

@@ -1,30 +1,38 @@
 """Half weights (a checkpoint's own float16 / bfloat16, float32 arithmetic) against float32 weights,
 in one run: the projection GEMM against this machine's read bandwidth, then Llama2-7B-dimension
 generation (``--layers`` layers) with this project's generator on float32 and on float16 weights of the
-same float16 checkpoint, against Hugging Face transformers on the same half weights.
+same float16 checkpoint, against Hugging Face transformers on the same half weights and llama.cpp on
+them written as bf16 and f16 GGUF files (``llama_cpp_peer``, in its own environment: ``make llama-cpp``).
 
 GEMM: W (11008, 4096), the gate/up projection, by every build of the projection library this CPU
 runs and every weight dtype; M = 1, 8, 16 rows (decode steps: the fraction of the read bandwidth the
 product reaches, bytes(W) / time / bandwidth) and M = 512 (a prefill: GFLOP/s, ratio to float32).
 Calls alternate round by round; min and median.
 
-Generation: each (context, round, system) point in a fresh process (``peers.generation_point``): TTFT, decode
-tokens/s per sequence (median step), peak RSS. Greedy tokens of this project's two systems must agree
-(the same arithmetic on the same values). transformers runs in the half dtype it is given (its own
-arithmetic in that dtype, so its tokens may differ; reported, not required).
+Generation: each (context, round, system) point in a fresh process (``peers.generation_point``; llama.cpp's
+``llama_cpp_peer.generation_point`` under its environment's interpreter): TTFT, decode
+tokens/s per sequence (median step), peak RSS, and the time of one full decoder layer of the prefill
+(llama.cpp: its prefill one layer deeper minus its prefill, as llama.cpp prunes the last layer to the
+token whose logits it returns; the others: TTFT / layers, the embedding and LM head included). Greedy
+tokens of this project's two systems must agree (the same arithmetic on the same values). transformers
+and llama.cpp run in the half dtype they are given (their own arithmetic in it, so their tokens may
+differ; reported, not required).
 
     python benchmarks/half_weights.py                     # contexts 512 2048, 2 layers
     python benchmarks/half_weights.py --layers 32 --contexts 512 --rounds 1 --systems fused-half
+    python benchmarks/half_weights.py --contexts 512 2048 --no-gemm --systems fused-half llama.cpp-bf16 llama.cpp-f16
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
 
 import numpy as np
 
+import llama_cpp_peer
 from harness import (arithmetic_peaks, machine_info, memory_total_bytes, peak_fractions, read_bandwidth,
                      run_isolated, save, turned)
 
@@ -34,6 +42,7 @@ SYSTEMS = {  # name -> (peers.generation_point system, extra kwargs)
     "hf-static-float16": ("hf-static", {"dtype": "float16"}),
     "hf-static-bfloat16": ("hf-static", {"dtype": "bfloat16"}),
 }
+LLAMA_CPP_SYSTEMS = {"llama.cpp-bf16": "bf16", "llama.cpp-f16": "f16"}  # name -> GGUF tensor type
 GEMM_ROWS = (1, 8, 16, 512)
 
 
@@ -144,7 +153,9 @@ def paired_point(checkpoint: str, context: int, new_tokens: int, seed: int, pref
             "prefill_ratio_median": statistics.median(prefill_pairs), "prefill_ratio_pairs": prefill_pairs}
 
 
-def summarize(runs: list[dict]) -> list[dict]:
+def summarize(runs: list[dict], layers: int) -> list[dict]:
+    """One row per (system, context): TTFT min / median over its processes, the median decode step's
+    min / median, peak RSS, the time of one full layer (see the module docstring)."""
     rows = []
     for key in sorted({(r["system"], r["context"]) for r in runs}, key=lambda k: (k[1], k[0])):
         ok = [r for r in runs if (r["system"], r["context"]) == key and r.get("status") == "ok"]
@@ -160,11 +171,18 @@ def summarize(runs: list[dict]) -> list[dict]:
                      "step_min_ms": min(steps), "step_median_ms": statistics.median(steps),
                      "tokens_per_s": 1e3 / min(steps), "peak_rss_gb": max(r["peak_rss_mb"] for r in ok) / 1024,
                      "backend_ran": ok[0]["backend_ran"], "tokens": ok[0]["tokens"]})
+        if "per_full_layer_s" in ok[0]:  # llama.cpp: the deeper file's fastest prefill minus the model's, over its runs
+            depth = ok[0]["layers"]
+            fastest = {n: min(t for r in ok for t in r["prefill_s"][str(n)]) for n in (depth, depth + 1)}
+            rows[-1].update({"per_full_layer_s": fastest[depth + 1] - fastest[depth],
+                             **{field: ok[0][field] for field in ("system_info", "threads", "versions", "method")}})
+        else:
+            rows[-1]["per_full_layer_s"] = rows[-1]["ttft_min_s"] / layers
     return rows
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Per context: half-weight decode and TTFT against float32 weights and each transformers run."""
+    """Per context: half-weight decode, TTFT and full layer against float32 weights and each peer."""
     out = []
     for context in sorted({r["context"] for r in rows}):
         at = {r["system"]: r for r in rows if r["context"] == context and r["status"] == "ok"}
@@ -175,7 +193,8 @@ def ratios(rows: list[dict]) -> list[dict]:
             if other != "fused-half":
                 out.append({"context": context, "against": other,
                             "decode_speedup": half["tokens_per_s"] / r["tokens_per_s"],
-                            "ttft_ratio": half["ttft_min_s"] / r["ttft_min_s"]})
+                            "ttft_ratio": half["ttft_min_s"] / r["ttft_min_s"],
+                            "full_layer_ratio": half["per_full_layer_s"] / r["per_full_layer_s"]})
     return out
 
 
@@ -203,17 +222,24 @@ def table(results: dict) -> str:
     s = results["settings"]
     lines += ["", f"Llama2 {s['model']} dims, {s['layers']} layers, float16 checkpoint ({results['checkpoint_gb']:.1f} GB), "
               f"{s['new_tokens']} new tokens, {s['rounds']} round(s)",
-              "| system | context | TTFT min / median s | decode tokens/s | step median ms | peak RSS GB |",
-              "|---|---|---|---|---|---|"]
+              "| system | context | TTFT min / median s | per full layer s | decode tokens/s | step median ms | "
+              "peak RSS GB |", "|---|---|---|---|---|---|---|"]
     for r in results["summary"]:
         if r["status"] != "ok":
-            lines.append(f"| {r['system']} | {r['context']} | {r['status']}: {r.get('error')} | | | |")
+            lines.append(f"| {r['system']} | {r['context']} | {r['status']}: {r.get('error')} | | | | |")
             continue
         lines.append(f"| {r['system']} | {r['context']} | {r['ttft_min_s']:.2f} / {r['ttft_median_s']:.2f} | "
-                     f"{r['tokens_per_s']:.1f} | {r['step_median_ms']:.1f} | {r['peak_rss_gb']:.1f} |")
-    lines += ["", "| context | fused-half against | decode speedup | TTFT ratio |", "|---|---|---|---|"]
-    lines += [f"| {r['context']} | {r['against']} | x{r['decode_speedup']:.2f} | {r['ttft_ratio']:.2f} |"
-              for r in results["ratios"]]
+                     f"{r['per_full_layer_s']:.3f} | {r['tokens_per_s']:.1f} | {r['step_median_ms']:.1f} | "
+                     f"{r['peak_rss_gb']:.1f} |")
+    lines.append("Per full layer: llama.cpp's prefill one layer deeper minus its prefill (min of each over its "
+                 "processes); the others' TTFT / layers (the embedding and LM head included).")
+    llama = [r for r in results["summary"] if r["status"] == "ok" and "system_info" in r]
+    if llama:
+        lines.append(f"llama.cpp: {llama[0]['threads']} threads, system info: {llama[0]['system_info'].strip()}")
+    lines += ["", "| context | fused-half against | decode speedup | TTFT ratio | full layer ratio |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {r['context']} | {r['against']} | x{r['decode_speedup']:.2f} | {r['ttft_ratio']:.2f} | "
+              f"{r['full_layer_ratio']:.2f} |" for r in results["ratios"]]
     if results["paired"]:
         lines += ["", "Paired, one process per context (float32 and half weights alternating call by call):",
                   "| context | float32 / half step, median of pairs (min..max) | half / float32 prefill, median of pairs "
@@ -244,6 +270,27 @@ def plot(results: dict, path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def write_gguf_files(args, checkpoint: str, directory: str, memory_limit: int) -> dict:
+    """For each GGUF tensor type the chosen llama.cpp systems need, its pair of files in ``directory``
+    (``llama_cpp_peer.write_gguf_pair``), or the record every point of it gets instead: skipped where
+    llama.cpp's environment is not installed."""
+    types = sorted({LLAMA_CPP_SYSTEMS[s] for s in args.systems if s in LLAMA_CPP_SYSTEMS})
+    if types and not os.path.exists(args.llama_cpp_python):
+        missing = {"status": "skipped", "error": f"not installed: no llama.cpp interpreter at {args.llama_cpp_python} "
+                                                 "(make llama-cpp installs it)"}
+        return {t: missing for t in types}
+    files = {}
+    for tensor_type in types:
+        written = run_isolated("llama_cpp_peer", "write_gguf_pair",
+                               {"checkpoint": checkpoint, "directory": directory, "tensor_type": tensor_type},
+                               python=args.llama_cpp_python, memory_limit_bytes=memory_limit)
+        if written["status"] != "ok":
+            raise RuntimeError(f"could not write the {tensor_type} GGUF files: {written.get('error')}\n"
+                               f"{written.get('log_tail', '')}")
+        files[tensor_type] = written
+    return files
+
+
 def main(argv=None) -> dict:
     from tqdm import tqdm
 
@@ -251,7 +298,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--model", default="7b", choices=["7b", "tiny"])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
-    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    parser.add_argument("--systems", nargs="+", default=[*SYSTEMS, *LLAMA_CPP_SYSTEMS],
+                        choices=[*SYSTEMS, *LLAMA_CPP_SYSTEMS])
+    parser.add_argument("--llama-cpp-python", default=str(llama_cpp_peer.PYTHON),
+                        help="the interpreter of llama.cpp's own virtual environment (make llama-cpp)")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
@@ -270,20 +320,30 @@ def main(argv=None) -> dict:
             raise RuntimeError(f"GEMM point failed: {gemm.get('error')}\n{gemm.get('log_tail', '')}")
         for row in gemm["rows"]:  # GFLOP/s against the peaks of this run
             row.update(peak_fractions(row["gflops"], peaks))
-    with tempfile.TemporaryDirectory(prefix="half-weights-") as scratch:
+    with (tempfile.TemporaryDirectory(prefix="half-weights-") as scratch,
+          tempfile.TemporaryDirectory(prefix="half-weights-gguf-") as gguf_directory):
         written = run_isolated("half_weights", "write_half_checkpoint",
                                {"model": args.model, "layers": args.layers, "seed": args.seed, "directory": scratch},
                                memory_limit_bytes=limit)
         if written["status"] != "ok":
             raise RuntimeError(f"could not write the weights: {written.get('error')}\n{written.get('log_tail', '')}")
+        gguf = write_gguf_files(args, scratch, gguf_directory, limit)
         points = [(c, r, s) for c in args.contexts for r in range(args.rounds) for s in turned(list(args.systems), r)]
         runs = []
         for context, round_, system in tqdm(points, desc="half weights", unit="process"):
-            kind, extra = SYSTEMS[system]
-            result = run_isolated("peers", "generation_point",
-                                  {"system": kind, "checkpoint": scratch, "context": context, "batch": "1",
-                                   "new_tokens": args.new_tokens, "seed": args.seed, **extra},
-                                  memory_limit_bytes=limit, timeout_s=7200)
+            if system in LLAMA_CPP_SYSTEMS:
+                files = gguf[LLAMA_CPP_SYSTEMS[system]]
+                result = files if files["status"] != "ok" else run_isolated(
+                    "llama_cpp_peer", "generation_point",
+                    {"model": files["model"], "deeper_model": files["deeper_model"], "context": context,
+                     "new_tokens": args.new_tokens, "seed": args.seed},
+                    python=args.llama_cpp_python, memory_limit_bytes=limit, timeout_s=7200)
+            else:
+                kind, extra = SYSTEMS[system]
+                result = run_isolated("peers", "generation_point",
+                                      {"system": kind, "checkpoint": scratch, "context": context, "batch": "1",
+                                       "new_tokens": args.new_tokens, "seed": args.seed, **extra},
+                                      memory_limit_bytes=limit, timeout_s=7200)
             runs.append({"system": system, "context": context, "round": round_, **result})
         paired = []
         if {"fused-float32", "fused-half"} <= set(args.systems):
@@ -295,7 +355,7 @@ def main(argv=None) -> dict:
                     raise RuntimeError(f"paired point at {context} failed: {result.get('error')}\n"
                                        f"{result.get('log_tail', '')}")
                 paired.append(result)
-    summary = summarize(runs)
+    summary = summarize(runs, args.layers)
     ours = {r["context"]: {} for r in summary}
     for r in summary:
         if r["status"] == "ok" and r["system"].startswith("fused"):

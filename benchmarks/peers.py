@@ -13,7 +13,8 @@
 
 Each point is run in a child process by ``harness.run_isolated("peers", ...)``; MindFormers' and
 mindnlp's run under their own virtual environments' interpreters, so this module imports only
-numpy and ``harness`` at the top. (``benchmarks/peers/`` beside it holds those environments'
+numpy and ``harness`` at the top (llama.cpp's points, ``llama_cpp_peer``, import its prompts and logits
+probe under llama.cpp's interpreter too). (``benchmarks/peers/`` beside it holds those environments'
 requirement files; ``import peers`` finds this module, which takes precedence over a folder without
 ``__init__.py``.)
 """

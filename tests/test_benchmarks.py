@@ -1,5 +1,6 @@
 """The benchmarks' pure parts (exponent fit, extrapolation, out-of-memory handling, results schema),
 and one real TTFT sweep on the tiny model, so the scripts cannot rot. No timing is asserted."""
+import argparse
 import ast
 import json
 import os
@@ -28,7 +29,7 @@ from ms_rope_attention.compute import native_half_dtypes  # noqa: E402
 
 BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 # The modules in benchmarks/ that are libraries, not benchmarks: what the scripts may import.
-LIBRARIES = {"harness", "peers", "mindformers_compat"}
+LIBRARIES = {"harness", "peers", "mindformers_compat", "llama_cpp_peer"}
 
 
 def _imported_modules(path: str) -> set[str]:
@@ -480,6 +481,80 @@ def test_half_weights_benchmark_on_the_tiny_model(tmp_path):
     assert paired["tokens"]["fused-half"] == paired["tokens"]["fused-float32"] == results["summary"][0]["tokens"][0]
     assert "Paired" in half_weights.table(results)
     assert (tmp_path / "half_weights.json").exists() and (tmp_path / "half_weights.png").exists()
+
+
+def test_llama_cpp_systems_skip_without_their_environment(tmp_path):
+    """Without llama.cpp's interpreter its systems are reported skipped (make llama-cpp named), and no
+    GGUF file is written."""
+    args = argparse.Namespace(systems=["fused-half", "llama.cpp-bf16", "llama.cpp-f16"],
+                              llama_cpp_python=str(tmp_path / "no-such-python"))
+    files = half_weights.write_gguf_files(args, str(tmp_path), str(tmp_path), memory_limit=0)
+    assert set(files) == {"bf16", "f16"} and all(f["status"] == "skipped" for f in files.values())
+    assert "make llama-cpp" in files["bf16"]["error"] and not list(tmp_path.iterdir())
+
+
+# llama.cpp's last-token logits against the float64 reference on the GGUF's rounded weights, relative to
+# the largest logit: its matrix products round their activations to the weights' type too, a relative
+# 2^-9 (bf16) or 2^-12 (f16) per product. Measured on the tiny model at 1, 37 and 300 tokens: at most
+# 5.4e-3 (bf16) and 8.0e-4 (f16); the bounds are 4 ulp of each type at the largest logit.
+LLAMA_CPP_LOGITS_RTOL = {"bf16": 2.0 ** -6, "f16": 2.0 ** -9}
+
+
+def test_llama_cpp_peer_computes_the_checkpoint(tmp_path):
+    """llama.cpp on the tiny float16 checkpoint written as bf16 and f16 GGUF files: the logits of the
+    prompt's last token agree with tests/llama_reference.py's float64 forward on the same weights
+    rounded to the GGUF's type (so the q/k layout, the metadata and the weights are converted right),
+    the per-full-layer, decode and build fields are there, and the build has this CPU's bfloat16 dot
+    products."""
+    import ml_dtypes
+    from safetensors.numpy import load_file
+
+    from llama_reference import forward
+    from models.llama.weights import read_config
+
+    python = thirdparty_python("llama.cpp")
+    checkpoint, files = tmp_path / "checkpoint", tmp_path / "gguf"
+    files.mkdir()
+    written = harness.run_isolated("half_weights", "write_half_checkpoint",
+                                   {"model": "tiny", "layers": 2, "seed": 0, "directory": str(checkpoint)})
+    assert written["status"] == "ok", written
+    config = read_config(checkpoint)[0]
+    state = {k: v for f in checkpoint.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    context, new_tokens = 37, 4
+    prompt = peers.prompts_for("1", context, config.vocab_size, 0)[0]
+    for tensor_type, dtype in (("bf16", ml_dtypes.bfloat16), ("f16", np.float16)):
+        pair = harness.run_isolated("llama_cpp_peer", "write_gguf_pair", {
+            "checkpoint": str(checkpoint), "directory": str(files), "tensor_type": tensor_type}, python=python)
+        assert pair["status"] == "ok", pair
+        point = harness.run_isolated("llama_cpp_peer", "generation_point", {
+            "model": pair["model"], "deeper_model": pair["deeper_model"], "context": context,
+            "new_tokens": new_tokens, "seed": 0}, python=python)
+        assert point["status"] == "ok", point
+        rounded = {k: v.astype(np.float32).astype(dtype) if v.ndim == 2 else v for k, v in state.items()}
+        reference = forward(rounded, config, prompt)[-1, :peers.LOGITS_PROBE]
+        error = np.abs(np.array(point["logits_probe"]) - reference).max() / np.abs(reference).max()
+        assert error < LLAMA_CPP_LOGITS_RTOL[tensor_type], (tensor_type, error)
+        assert point["layers"] == 2 and sorted(point["prefill_s"]) == ["2", "3"]
+        assert len(point["step_ms"]) == new_tokens - 1 and len(point["tokens"]) == new_tokens
+        assert point["file_type"] == {"bf16": "MOSTLY_BF16", "f16": "MOSTLY_F16"}[tensor_type]
+        assert point["threads"] >= 1 and set(point["per_full_layer_s"]) == {"min_s", "median_s", "pairs_s"}
+        if "avx512_bf16" in harness.cpu_flags():
+            assert "AVX512_BF16 = 1" in point["system_info"], point["system_info"]
+
+
+def test_half_weights_benchmark_with_llama_cpp(tmp_path):
+    """The llama.cpp systems inside the half-weights benchmark on the tiny model: their rows, the
+    per-full-layer column and ratio, and llama.cpp's system info in the table."""
+    thirdparty_python("llama.cpp")
+    results = half_weights.main(["--model", "tiny", "--contexts", "16", "--rounds", "1", "--new-tokens", "3",
+                                 "--systems", "fused-half", "llama.cpp-bf16", "llama.cpp-f16", "--no-gemm",
+                                 "--peak-seconds", "0.02", "--out", str(tmp_path)])
+    rows = {r["system"]: r for r in results["summary"]}
+    assert {s: r["status"] for s, r in rows.items()} == {"fused-half": "ok", "llama.cpp-bf16": "ok",
+                                                         "llama.cpp-f16": "ok"}
+    assert rows["llama.cpp-bf16"]["threads"] >= 1 and "MOSTLY_BF16" in rows["llama.cpp-bf16"]["backend_ran"]
+    assert {r["against"] for r in results["ratios"]} == {"llama.cpp-bf16", "llama.cpp-f16"}
+    assert "system info" in half_weights.table(results)
 
 
 def test_paged_benchmark_end_to_end(tmp_path):
