@@ -79,14 +79,14 @@ bench: $(STAMP) $(PEERS) $(MINDFORMERS)
 	$(PY) benchmarks/ttft.py
 	$(PY) benchmarks/decode.py --contexts 512 2048 --batches 1
 	$(PY) benchmarks/half_weights.py --contexts 512 --rounds 1 \
-		--systems fused-float32 fused-half hf-static-float16 hf-static-bfloat16
+		--systems fused-float32 fused-half fused-bfloat16 hf-static-float16 hf-static-bfloat16
 
 bench-full: $(STAMP) $(PEERS) $(MINDFORMERS) $(LLAMA_CPP)
 	$(PY) benchmarks/ttft.py --lengths 512 1024 2048 4096 8192 16384 --rounds 3
 	$(PY) benchmarks/decode.py
 	$(PY) benchmarks/half_weights.py --contexts 512 2048 --rounds 2
 	$(PY) benchmarks/half_weights.py --layers 32 --contexts 512 2048 --rounds 1 --no-gemm \
-		--systems fused-half hf-static-float16 hf-static-bfloat16 --out benchmarks/results/full-depth
+		--systems fused-half fused-bfloat16 hf-static-float16 hf-static-bfloat16 --out benchmarks/results/full-depth
 	$(PY) benchmarks/serving.py --rounds 2
 
 # The peers the TTFT benchmark measures beside this project: Hugging Face transformers on PyTorch (in

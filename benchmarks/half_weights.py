@@ -37,8 +37,10 @@ from harness import (arithmetic_peaks, machine_info, memory_total_bytes, peak_fr
                      run_isolated, save, turned)
 
 SYSTEMS = {  # name -> (peers.generation_point system, extra kwargs)
-    "fused-float32": ("fused", {"weight_dtype": "float32"}),
-    "fused-half": ("fused", {"weight_dtype": "auto"}),
+    "fused-float32": ("fused", {"weight_dtype": "float32", "compute_dtype": "float32"}),
+    "fused-half": ("fused", {"weight_dtype": "auto", "compute_dtype": "float32"}),
+    # the float16 weights rounded to bfloat16 at load and packed for oneDNN; bfloat16 arithmetic
+    "fused-bfloat16": ("fused", {"weight_dtype": "auto", "compute_dtype": "bfloat16"}),
     "hf-static-float16": ("hf-static", {"dtype": "float16"}),
     "hf-static-bfloat16": ("hf-static", {"dtype": "bfloat16"}),
 }
@@ -127,7 +129,8 @@ def paired_point(checkpoint: str, context: int, new_tokens: int, seed: int, pref
 
     gens = {}
     for system, weight_dtype in (("fused-float32", "float32"), ("fused-half", "auto")):
-        lm = load_checkpoint(checkpoint, max_positions=context + new_tokens, progress=False, weight_dtype=weight_dtype)
+        lm = load_checkpoint(checkpoint, max_positions=context + new_tokens, progress=False, weight_dtype=weight_dtype,
+                             compute_dtype="float32")  # the float32 arithmetic of both weights: equal tokens
         gens[system] = Generator(lm, slots=1, capacity=bucket_capacity(context + new_tokens, lm.max_positions))
     prompt = prompts_for("1", context, lm.vocab_size, seed)[0]
     for gen in gens.values():

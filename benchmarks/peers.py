@@ -259,9 +259,9 @@ def mindformers_prefill_point(checkpoint: str, length: int, repeats: int, seed: 
 # The generation points (child processes) and transformers' generate.
 
 def project_generation_point(backend: str, checkpoint: str, context: int, batch: str, new_tokens: int, seed: int,
-                             weight_dtype: str = "auto") -> dict:
-    """This project's ``Generator`` in GRAPH_MODE on its in-place KV cache (``weight_dtype`` as
-    ``load_checkpoint`` takes it; the cache the model's default)."""
+                             weight_dtype: str = "auto", compute_dtype: str = "auto") -> dict:
+    """This project's ``Generator`` in GRAPH_MODE on its in-place KV cache (``weight_dtype`` and
+    ``compute_dtype`` as ``load_checkpoint`` takes them; the cache the model's default)."""
     import ms_rope_attention  # noqa: F401  before MindSpore, as users run it (docs/threads.md)
     import mindspore as ms
 
@@ -272,13 +272,13 @@ def project_generation_point(backend: str, checkpoint: str, context: int, batch:
     from models.llama.weights import load_checkpoint
 
     lm = load_checkpoint(checkpoint, backend=backend, max_positions=context + new_tokens, progress=False,
-                         weight_dtype=weight_dtype)
+                         weight_dtype=weight_dtype, compute_dtype=compute_dtype)
     prompts = prompts_for(batch, context, lm.vocab_size, seed)
     capacity = bucket_capacity(max(map(len, prompts)) + new_tokens, lm.max_positions)
     gen = Generator(lm, slots=len(prompts), capacity=capacity)
     compile_s = gen.warm_up([p[:WARM_UP_TOKENS] for p in prompts])
     result = gen.generate(prompts, new_tokens, eos_ids=())
-    return {"backend_ran": lm.backend, "compile_s": compile_s, "ttft_s": result.ttft_s,
+    return {"backend_ran": lm.backend, "compute_ran": lm.compute_dtype, "compile_s": compile_s, "ttft_s": result.ttft_s,
             "step_ms": [ms_ for _, ms_ in result.step_ms], "cached_tokens": [c for c, _ in result.step_ms],
             "tokens": result.tokens}
 
