@@ -133,7 +133,9 @@ def hf_prefill_point(checkpoint: str, length: int, repeats: int, seed: int, batc
             return lm.lm_head(lm.model.norm(lm.model.embed_tokens(ids))[:, -1:])
     _, attention_times = timed(attention, repeats)
     _, head_times = timed(head, repeats)
-    probe = lm.model.layers[0].mlp.down_proj.weight[:8].detach().float().numpy()
+    # the bfloat16 systems compare the embedding's rows (ttft.ttft_point says why)
+    probe = (lm.model.embed_tokens.weight if dtype == "bfloat16" else lm.model.layers[0].mlp.down_proj.weight)
+    probe = probe[:8].detach().float().numpy()
     return {"backend_ran": f"transformers {transformers.__version__}, torch {torch.__version__}", "build_s": build_s,
             "compile_s": compile_s, "ttft": stats(ttft), "attention": stats(attention_times), "head": stats(head_times),
             "weights_checksum": weights_checksum(probe), "logits_probe": probe_logits}

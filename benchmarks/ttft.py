@@ -119,7 +119,10 @@ def ttft_point(model: str, layers: int, dtype: str, batch: int, backend: str, le
     ids = Tensor(np.array(prompts, np.int32))
     _, attention_times = timed(lambda: attention_net(q, k, v)[0].asnumpy(), repeats)
     _, head_times = timed(lambda: head_net(ids).asnumpy(), repeats)
-    probe = lm.model.layers[0].mlp.down_proj.weight[:8].astype(ms.float32).asnumpy()
+    # bfloat16 arithmetic packs the projections' weights for oneDNN (no longer the checkpoint's tensors): the
+    # bfloat16 systems compare the embedding's rows instead (peers.hf_prefill_point does the same)
+    probe = (lm.model.embed_tokens.weight if lm.compute_dtype == "bfloat16" else lm.model.layers[0].mlp.down_proj.weight)
+    probe = probe[:8].astype(ms.float32).asnumpy()
     return {"backend_ran": lm.backend, "compute_ran": lm.compute_dtype, "build_s": build_s, "compile_s": compile_s, "ttft": stats(ttft),
             "attention": stats(attention_times), "head": stats(head_times), "weights_checksum": weights_checksum(probe),
             "logits_probe": probe_logits}
