@@ -363,7 +363,8 @@ def main(argv=None) -> dict:
     for r in summary:
         if r["status"] == "ok" and r["system"].startswith("fused"):
             ours[r["context"]][r["system"]] = r["tokens"]
-    disagree = sorted({c for c, t in ours.items() if len(t) == 2 and t["fused-half"] != t["fused-float32"]}
+    disagree = sorted({c for c, t in ours.items() if {"fused-half", "fused-float32"} <= set(t)
+                       and t["fused-half"] != t["fused-float32"]}
                       | {p["context"] for p in paired if p["tokens"]["fused-half"] != p["tokens"]["fused-float32"]})
     results = {"machine": machine_info(), "peaks": peaks, "settings": vars(args), "gemm": gemm,
                "checkpoint_gb": written["bytes"] / 1e9, "runs": runs, "summary": summary,
