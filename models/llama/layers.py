@@ -57,9 +57,8 @@ class Linear(nn.Cell):
 
     def pack(self) -> None:
         """The bfloat16 weight reordered once into oneDNN's blocked layout for this CPU, in place of the
-        weight (no second copy is kept): 3-5% faster at prefill sizes and about 1.5x at decode sizes
-        than the weight as stored (ms_rope_attention.linear). Inference only: the packed bytes have no
-        gradient and are not a checkpoint's tensor."""
+        weight (``LlamaForCausalLM.pack_weights`` says when that pays). Inference only: the packed bytes
+        have no gradient and are not a checkpoint's tensor."""
         if self.packed or not self.use_blas or self.compute_dtype != "bfloat16" or self.weight_hook is not None:
             return
         out_features, in_features = self.weight.shape

@@ -361,10 +361,13 @@ class LlamaForCausalLM(nn.Cell):
                     cell.use_blas = False
 
     def pack_weights(self) -> None:
-        """Every projection computing in bfloat16 takes its weight reordered once into oneDNN's layout
-        for this CPU, in place of the weight (``Linear.pack``): for inference, after the weights are
-        loaded and before the first call (``weights.load_checkpoint`` does it). The packed model's
-        projection weights are no longer a checkpoint's tensors (its embedding and norms are)."""
+        """Opt-in, for prefill-heavy inference: every projection computing in bfloat16 takes its weight
+        reordered once into oneDNN's layout for this CPU, in place of the weight (``Linear.pack``), after
+        the weights are loaded and before the first call. Measured on an AMX Xeon (2 layers of Llama2-7B
+        dims, 512 tokens, docs/compute-dtype.md): TTFT 0.48 s against 0.51 s, but a decode step 53.0 ms
+        against 44.1 ms (oneDNN reads a packed W at M = 1 slower than the streaming product reads it as
+        stored) and a peak RSS of 2.9 GB against 1.9 GB (not yet explained). The packed weights are no
+        longer a checkpoint's tensors and have no gradient."""
         for _, cell in self.cells_and_names():
             if isinstance(cell, Linear):
                 cell.pack()

@@ -367,8 +367,7 @@ def load_checkpoint(directory: str | Path, *, dtype: str = "float32", layout: st
     memory, each read straight into its parameter with no float32 copy); "float32" (or any dtype)
     converts them on load. Norm weights always take ``dtype``. ``compute_dtype``: the CPU ops'
     arithmetic (``LlamaForCausalLM``; "auto": a half checkpoint's own dtype where this CPU has
-    native instructions for it); in bfloat16 the projections' weights are packed for this CPU once
-    loaded (``LlamaForCausalLM.pack_weights``): the model is for inference."""
+    native instructions for it)."""
     config, source = read_config(directory)
     weight_dtype = default_weight_dtype(directory, dtype) if weight_dtype == "auto" else dtype_name(weight_dtype)
     if num_layers is not None:
@@ -382,7 +381,6 @@ def load_checkpoint(directory: str | Path, *, dtype: str = "float32", layout: st
                                  max_positions=max_positions, projections=projections, parallel=parallel,
                                  weight_dtype=weight_dtype, compute_dtype=compute_dtype)
     load_weights(model, directory, source, progress, first_layers_only=num_layers is not None)
-    model.pack_weights()  # bfloat16 arithmetic: each projection's weight reordered once, in place
     return model
 
 
