@@ -172,15 +172,21 @@ constexpr int64_t kFewRowsBF16 = 4;  // bfloat16 arithmetic: see Multiply
 // buffer is one per launching thread, a fraction of a percent of a 7B model's half weights.
 constexpr int64_t kPanelBytes = int64_t(64) << 20;
 
-template <typename W>
-void SmallRows(const Gemm &g, const float *x, const W *w, float *y) {
+// product(n0, n1) for each thread's slice [n0, n1) of W's rows (weights::ThreadRows), on the OpenMP threads.
+template <typename Product>
+void OnThreadRows(int64_t n, Product product) {
   const int threads = omp_get_max_threads();
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
   for (int t = 0; t < threads; ++t) {
     int64_t n0, n1;
-    rfa::weights::ThreadRows(g.n, threads, t, &n0, &n1);
-    if (n0 < n1) rfa::weights::SmallRowsProduct(g.m, g.n, g.k, x, w, y, n0, n1);
+    rfa::weights::ThreadRows(n, threads, t, &n0, &n1);
+    if (n0 < n1) product(n0, n1);
   }
+}
+
+template <typename W>
+void SmallRows(const Gemm &g, const float *x, const W *w, float *y) {
+  OnThreadRows(g.n, [&](int64_t n0, int64_t n1) { rfa::weights::SmallRowsProduct(g.m, g.n, g.k, x, w, y, n0, n1); });
 }
 
 #ifdef RFA_BF16_DOT_PRODUCT
@@ -191,13 +197,9 @@ void SmallRowsBF16(const Gemm &g, const float *x, const rfa::weights::BFloat16 *
   rounded.resize(static_cast<size_t>(g.m * g.k));
   rfa::weights::FloatToBFloat16(x, rounded.data(), g.m * g.k);
   const uint16_t *const x_bf16 = rounded.data();  // this thread's: inside the loop `rounded` is each worker's
-  const int threads = omp_get_max_threads();
-#pragma omp parallel for num_threads(threads) schedule(static, 1)
-  for (int t = 0; t < threads; ++t) {
-    int64_t n0, n1;
-    rfa::weights::ThreadRows(g.n, threads, t, &n0, &n1);
-    if (n0 < n1) rfa::weights::SmallRowsProductBF16(g.m, g.n, g.k, x_bf16, w, y, n0, n1);
-  }
+  OnThreadRows(g.n, [&](int64_t n0, int64_t n1) {
+    rfa::weights::SmallRowsProductBF16(g.m, g.n, g.k, x_bf16, w, y, n0, n1);
+  });
 }
 #endif
 
