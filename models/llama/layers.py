@@ -18,19 +18,13 @@ class Precision:
     """The model's two dtypes, its activations' (and norms') and its projection / embedding / LM-head
     weights', and the arithmetic of its CPU ops. The dtypes differ for a half checkpoint kept in its
     own precision on the CPU (float32 activations, float16 / bfloat16 weights). ``compute``
-    (``ms_rope_attention.compute``): 'float32' is the float32 model of those weights; 'bfloat16' /
-    'float16' round each op's float32 operands once inside the op and accumulate in float32, while
-    the activations between the ops (norms, residual stream, softmax statistics) stay float32."""
+    (``ms_rope_attention.compute``): 'float32' is the float32 model of those weights; 'bfloat16'
+    rounds each op's float32 operands once inside the op (projections and attention) and accumulates
+    in float32, while the activations between the ops (norms, residual stream) stay float32."""
 
     activations: object
     weights: object
     compute: str = "float32"
-
-    @property
-    def attention_compute(self) -> str:
-        """The attention kernel's arithmetic: bfloat16 with a bfloat16 model; otherwise float32 (x86
-        has no float16 dot product accumulating in float32, so a float16 model attends in float32)."""
-        return "bfloat16" if self.compute == "bfloat16" else "float32"
 
 
 class Linear(nn.Cell):

@@ -135,8 +135,8 @@ class LlamaAttention(nn.Cell):
         self.cos, self.sin = cos_sin
         common = dict(head_num=self.heads, head_dim=self.head_dim, rotary_dim=self.rotary_dim,
                       rotary_mode=self.rotary_mode, backend=backend, cos_sin=cos_sin,
-                      compute_dtype=precision.attention_compute)
-        self.compute_dtype = precision.attention_compute
+                      compute_dtype=precision.compute)
+        self.compute_dtype = precision.compute
         self.prefill_attention = RotaryFlashAttention(input_layout=layout, **common)
         self.cache_prefill = RotaryFlashAttention(input_layout="TND", return_rotated_key=True, **common)
         self.cached_attention = RotaryFlashAttention(input_layout="TND", key_rotated=True, **common)
@@ -284,10 +284,10 @@ class LlamaForCausalLM(nn.Cell):
     ``weights.load_checkpoint`` does by default). Training wants float32 master weights.
 
     ``compute_dtype``: the arithmetic of the CPU ops (``ms_rope_attention.compute``): "auto" computes a
-    bfloat16 (float16) checkpoint in bfloat16 (float16) where this CPU has native instructions for it
-    and in float32 otherwise; "float32" is the float32 model of the weights, bit for bit as before;
-    "bfloat16" / "float16" ask for it (refused on a CPU without the instructions; float32 weights are
-    then rounded to it once, at load). Either way accumulation, RMSNorm, softmax statistics, RoPE
+    bfloat16 checkpoint in bfloat16 where this CPU has native instructions for it and in float32
+    otherwise; "float32" is the float32 model of the weights, bit for bit as before; "bfloat16" asks
+    for it (refused on a CPU without the instructions; other weights are then rounded to it once, at
+    load); "float16" is refused (docs/compute-dtype.md says why). Either way accumulation, RMSNorm, softmax statistics, RoPE
     angles and the residual stream are float32; ``compute_dtype`` (the attribute) says what runs.
 
     ``parallel``: this rank's ``ms_rope_attention.distributed.ParallelMesh`` (``mindspore.communication

@@ -366,7 +366,7 @@ def load_checkpoint(directory: str | Path, *, dtype: str = "float32", layout: st
     on the CPU (``dtype`` float32: float32 activations and arithmetic, the weights in half the
     memory, each read straight into its parameter with no float32 copy); "float32" (or any dtype)
     converts them on load. Norm weights always take ``dtype``. ``compute_dtype``: the CPU ops'
-    arithmetic (``LlamaForCausalLM``; "auto": a half checkpoint's own dtype where this CPU has
+    arithmetic (``LlamaForCausalLM``; "auto": bfloat16 for a bfloat16 checkpoint where this CPU has
     native instructions for it)."""
     config, source = read_config(directory)
     weight_dtype = default_weight_dtype(directory, dtype) if weight_dtype == "auto" else dtype_name(weight_dtype)

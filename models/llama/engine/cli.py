@@ -39,7 +39,7 @@ def main(argv=None) -> None:
                         help="the projections' and embedding's: 'auto' keeps a half checkpoint's own precision "
                              "on the CPU (with --model and no checkpoint: --dtype's)")
     parser.add_argument("--compute-dtype", default="auto", choices=list(COMPUTE_DTYPES),
-                        help="the CPU ops' arithmetic: 'auto' computes a half checkpoint in its own dtype where this "
+                        help="the CPU ops' arithmetic: 'auto' computes a bfloat16 checkpoint in bfloat16 where this "
                              "CPU has native instructions for it, in float32 otherwise (docs/compute-dtype.md)")
     parser.add_argument("--backend", default="auto", choices=["auto", "fused", "unfused"])
     parser.add_argument("--mode", default="graph", choices=["graph", "pynative"])
