@@ -57,10 +57,11 @@ class OpAttrs(_Fields):
         return values
 
 
-def check_compute_dtype(value) -> str:
-    """``value`` if the attention ops offer it (the contract's ``compute_dtype`` values); float16 is
-    refused by name (x86 has no float16 dot product accumulating in float32), anything else by the
-    contract's list."""
+def check_attention_compute_dtype(value) -> str:
+    """``value`` if the attention ops offer it as their attribute (the contract's ``compute_dtype``
+    values; ``compute.check_compute_dtype`` checks the model's setting, which also names float16);
+    float16 is refused by name (x86 has no float16 dot product accumulating in float32), anything
+    else by the contract's list."""
     if value == "float16":
         raise ValueError("compute_dtype: 'float16' is not offered by the attention ops: x86 has no float16 dot "
                          "product accumulating in float32; use 'auto', 'float32' or 'bfloat16'")

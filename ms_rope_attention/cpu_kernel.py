@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ctypes
 
-from .attrs import check_compute_dtype
+from .attrs import check_attention_compute_dtype
 from .cpu_runtime import Abi, cpu_flags, library_path, make_primitive, open_library, select_library
 from .cpu_runtime import built_libraries, usable_isas  # noqa: F401  (the benchmarks' old path, for one release)
 from .gradients import FusedKernel, fused_bprop, unfused_autodiff_bprop
@@ -72,7 +72,7 @@ def compute_dtype_for(requested: str, input_dtype: str, isa: str | None = None) 
     bfloat16 capability for the CPU's): 'auto' is bfloat16 for bfloat16 inputs where the build
     computes it, float32 otherwise. An explicit 'bfloat16' it cannot compute is refused (ValueError),
     as the kernel refuses it."""
-    check_compute_dtype(requested)
+    check_attention_compute_dtype(requested)
     native = native_bfloat16(isa)
     if requested == "bfloat16" and not native:
         where = "" if "avx512_bf16" in cpu_flags() else " on a CPU without avx512_bf16"

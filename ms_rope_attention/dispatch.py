@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple
 import mindspore as ms
 
 from . import ascend_kernel, checks, cpu_kernel, paged_kernel
-from .attrs import OpAttrs, check_compute_dtype
+from .attrs import OpAttrs, check_attention_compute_dtype
 from .gradients import AutodiffForwards, FusedKernel, announce_fallback
 from .layouts import shard
 from .op_info import attr_values
@@ -63,7 +63,7 @@ def backend_for(attrs: OpAttrs, forwards: Callable[[OpAttrs], AutodiffForwards])
                        key_rotated=attrs.key_rotated, strict=attrs.strict)
     if attrs.backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {attrs.backend!r}")
-    check_compute_dtype(attrs.compute_dtype)
+    check_attention_compute_dtype(attrs.compute_dtype)
     kernel, reason = make_kernel(attrs, forwards)
     if reason is not None:
         announce_fallback(reason, attrs.strict or attrs.backend == "fused")

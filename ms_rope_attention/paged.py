@@ -20,7 +20,7 @@ from __future__ import annotations
 from mindspore import ops
 
 from . import dispatch
-from .attrs import check_compute_dtype
+from .attrs import check_attention_compute_dtype
 from .paged_kernel import paged_calls, rotated_keys  # noqa: F401  (the engine's tests read the kernel's counts here)
 
 
@@ -55,7 +55,7 @@ def rotary_paged_attention(query, key_cache, value_cache, cos, sin, block_tables
     ``compute_dtype``: the arithmetic of Q·Kᵀ and P·V, as ``rotary_flash_attention``'s."""
     op = paged_attention_op(head_num=head_num, rotary_mode=rotary_mode, rotary_dim=rotary_dim, scale=float(scale),
                             key_rotated=key_rotated, with_softmax_lse=return_softmax_lse,
-                            compute_dtype=check_compute_dtype(compute_dtype))
+                            compute_dtype=check_attention_compute_dtype(compute_dtype))
     out, lse = op(query, key_cache, value_cache, cos, sin, block_tables, context_lens, q_seq_lens)
     return (out, lse) if return_softmax_lse else out
 
