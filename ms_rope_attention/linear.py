@@ -26,6 +26,12 @@ when another oneDNN was bound in its place (``onednn()`` names the one in use). 
 stored or, faster, reordered once at load into oneDNN's blocked layout for this CPU: ``pack_weight(w)``
 (a uint8 buffer of ``packed_bytes(*w.shape)`` bytes, which replaces W) and ``linear_op("bfloat16",
 packed_out_features=N)`` or ``multiply(..., packed_out_features=N)`` on it.
+
+``swiglu_op``: a Llama MLP's gate and up projections and SwiGLU as one op of the same library, h =
+silu(x Wg^T) * (x Wu^T) (contract ``op_info/swiglu.yaml``): on the same products as two ``linear_op``
+calls, but with bfloat16 arithmetic x is rounded once for both, and the epilogue runs as oneDNN's
+post-ops of the gate product (more than 4 rows) or in one loop after the decode-sized products, instead
+of MindSpore's Sigmoid, Mul and Mul over the (tokens, intermediate) activations.
 """
 from __future__ import annotations
 
@@ -40,11 +46,12 @@ import scipy_openblas32
 from mindspore import ops
 
 from .cpu_runtime import aot_call, library_path, make_primitive, open_library
-from .op_info import LINEAR_PATH, attr_values, load_contract
+from .op_info import LINEAR_PATH, SWIGLU_PATH, attr_values, load_contract
 
 STEM, WHAT = "_rfa_cpu_linear", "projection GEMM library"
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
-ENTRY_TEXTS = ("RfaLinearLastError", "RfaLinearIsa", "RfaLinearOnednn", "RfaLinearOnednnProblem", "RfaLinearComputeProblem")
+ENTRY_TEXTS = ("RfaLinearLastError", "RfaLinearIsa", "RfaLinearOnednn", "RfaLinearOnednnProblem", "RfaLinearComputeProblem",
+               "RfaSwiGLULastError", "RfaSwiGLUComputeProblem")
 ENTRY_COUNTS = ("RfaLinearPackedBytes",)
 
 
@@ -186,3 +193,81 @@ def _primitive(compute_dtype: str, packed_out_features: int) -> ops.Custom:
     return make_primitive(load_contract(str(LINEAR_PATH)), {"compute_dtype": compute_dtype,
                                                             "packed_out_features": packed_out_features},
                           library_path(STEM, WHAT), bprop=_bprop(), any_dtype=False, graph_launch=False)
+
+
+# ---- RfaSwiGLU: the MLP's gate and up projections and SwiGLU ----------------------------------------
+
+def multiply_swiglu(x: np.ndarray, gate_weight: np.ndarray, up_weight: np.ndarray, out_shape: tuple | None = None,
+                    isa: str | None = None, compute_dtype: str = "float32", packed_out_features: int = 0) -> np.ndarray:
+    """silu(x @ gate_weight.T) * (x @ up_weight.T) through the op's kernel (``RfaSwiGLURun``), called
+    directly (tests and the sanitizer run, no MindSpore), with the op's attributes as ``multiply`` takes
+    them (``packed_out_features``: F when both weights are ``pack_weight``'s buffers); ``out_shape``
+    overrides the output buffer's shape to test the kernel's checks. Raises ValueError with the kernel's
+    message when it refuses the call."""
+    x = np.require(x, requirements="C")
+    gate_weight, up_weight = np.require(gate_weight, requirements="C"), np.require(up_weight, requirements="C")
+    if out_shape is None:
+        out_features = (packed_out_features if gate_weight.ndim == 1 else gate_weight.shape[0] if gate_weight.ndim == 2
+                        else None)
+        out_shape = x.shape[:-1] + (out_features,) if x.ndim and out_features is not None else (0,)
+    y = np.full(out_shape, np.nan, np.float32)
+    lib = library(isa)
+    call = aot_call((x, gate_weight, up_weight, y))
+    text = compute_dtype.encode() if isinstance(compute_dtype, str) else repr(compute_dtype).encode()
+    if lib.RfaSwiGLURun(ctypes.c_char_p(text), ctypes.c_int64(packed_out_features), 4, call.params, call.ndims,
+                        call.shapes, call.dtypes):
+        raise ValueError(lib.RfaSwiGLULastError().decode())
+    return y
+
+
+def _swiglu_bprop():
+    """From g = x Wg^T and u = x Wu^T recomputed on MindSpore's float32 MatMul, s = sigmoid(g):
+    du = dy silu(g), dg = dy u s (1 + g (1 - s)); dx = dg Wg + du Wu, dWg = dg^T x, dWu = du^T x, the
+    weights' gradients in their dtype (as RfaLinear's)."""
+    matmul = ops.MatMul()
+    matmul_tb = ops.MatMul(transpose_b=True)
+    matmul_ta = ops.MatMul(transpose_a=True)
+    sigmoid = ops.Sigmoid()
+
+    def bprop(x, gate_weight, up_weight, out, dout):
+        in_features, out_features = gate_weight.shape[1], gate_weight.shape[0]
+        x2 = x.reshape(-1, in_features)
+        wg, wu = gate_weight.astype(ms.float32), up_weight.astype(ms.float32)
+        g, u = matmul_tb(x2, wg), matmul_tb(x2, wu)
+        s = sigmoid(g)
+        dy = dout.reshape(-1, out_features)
+        du = dy * (g * s)
+        dg = dy * u * (s * (1 + g * (1 - s)))
+        dx = (matmul(dg, wg) + matmul(du, wu)).reshape(x.shape)
+        return dx, matmul_ta(dg, x2).astype(gate_weight.dtype), matmul_ta(du, x2).astype(up_weight.dtype)
+    return bprop
+
+
+def swiglu_op(compute_dtype: str = "float32", packed_out_features: int = 0) -> ops.Custom:
+    """The aot primitive ``(x (..., K) float32, gate_weight (F, K), up_weight (F, K)) -> (..., F) float32``
+    computing silu(x Wg^T) * (x Wu^T) (silu(g) = g * sigmoid(g)), the weights float32 / float16 / bfloat16
+    (one dtype for both) as ``linear_op`` takes them, in ``compute_dtype`` with ``linear_op``'s rules and
+    refusals; with ``packed_out_features=F`` both are ``pack_weight``'s buffers (inference only: no
+    gradient through them). Contract: ``op_info/swiglu.yaml``. Shapes from the library's C++ InferShape;
+    a value the library cannot compute is refused here, naming ``compute_dtype``."""
+    lib = library()
+    if isinstance(compute_dtype, str):
+        problem = lib.RfaSwiGLUComputeProblem(compute_dtype.encode()).decode()
+        if problem:
+            raise ValueError(problem)
+    values = attr_values(load_contract(str(SWIGLU_PATH)), {"compute_dtype": compute_dtype,
+                                                           "packed_out_features": packed_out_features})
+    if values["packed_out_features"] < 0 or values["packed_out_features"] and compute_dtype != "bfloat16":
+        raise ValueError(f"packed_out_features: expected 0, or the out_features of weights packed for compute_dtype "
+                         f"'bfloat16', got {packed_out_features!r} with compute_dtype {compute_dtype!r}")
+    return _swiglu_primitive(values["compute_dtype"], values["packed_out_features"])
+
+
+@functools.lru_cache(maxsize=None)
+def _swiglu_primitive(compute_dtype: str, packed_out_features: int) -> ops.Custom:
+    """One primitive per attribute values; not graph-launched, as ``linear_op``'s. A packed primitive has
+    no bprop (its weights are oneDNN's bytes, not W)."""
+    return make_primitive(load_contract(str(SWIGLU_PATH)), {"compute_dtype": compute_dtype,
+                                                            "packed_out_features": packed_out_features},
+                          library_path(STEM, WHAT), bprop=None if packed_out_features else _swiglu_bprop(),
+                          any_dtype=False, graph_launch=False)

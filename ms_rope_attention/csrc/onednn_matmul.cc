@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <unordered_map>
 
 #include <oneapi/dnnl/dnnl.hpp>
 #endif
@@ -23,8 +24,10 @@ std::string NativeBf16Problem() { return ""; }
 void MultiplyBf16(int64_t, int64_t, int64_t, const float *, const uint16_t *, float *) {}
 int64_t PackedBytes(int64_t, int64_t) { return 0; }
 void Pack(int64_t, int64_t, const uint16_t *, void *) {}
-std::string PackedProblem(int64_t, int64_t, const void *) { return ""; }
+std::string PackedProblem(int64_t, int64_t, const void *, const std::string &) { return ""; }
 void MultiplyBf16Packed(int64_t, int64_t, int64_t, const float *, const void *, float *) {}
+void SwiGluBf16(int64_t, int64_t, int64_t, const float *, const uint16_t *, const uint16_t *, float *) {}
+void SwiGluBf16Packed(int64_t, int64_t, int64_t, const float *, const void *, const void *, float *) {}
 
 #else
 
@@ -154,19 +157,28 @@ uint64_t LayoutHash(const memory::desc &md) {
 }
 
 // A growing buffer of this thread, 64-byte aligned (the AMX kernels read x from it: a packed W 16
-// bytes off that boundary ran 1.3-2x slower).
+// bytes off that boundary ran 1.3-2x slower). The sanitizer build (RFA_EXACT_SCRATCH) sizes it exactly
+// at each call, so that an overrun by the library's own code is caught whatever an earlier call needed.
 class AlignedBuffer {
  public:
   ~AlignedBuffer() { std::free(data_); }
   void *Get(size_t bytes) {
-    if (bytes > capacity_) {
+#ifdef RFA_EXACT_SCRATCH
+    const bool grow = bytes != capacity_;
+    const size_t size = bytes;
+#else
+    const bool grow = bytes > capacity_;
+    const size_t size = (bytes + 63) / 64 * 64;
+#endif
+    if (grow) {
       std::free(data_);
-      capacity_ = (bytes + 63) / 64 * 64;
-      data_ = std::aligned_alloc(64, capacity_);
-      if (!data_) {
-        capacity_ = 0;
+      data_ = nullptr;
+      capacity_ = 0;
+      if (posix_memalign(&data_, 64, std::max<size_t>(size, 1)) != 0) {
+        data_ = nullptr;
         throw std::bad_alloc();
       }
+      capacity_ = size;
     }
     return data_;
   }
@@ -176,28 +188,57 @@ class AlignedBuffer {
   size_t capacity_ = 0;
 };
 
-void Multiply(int64_t m, int64_t n, int64_t k, const float *x, const memory::desc &weights, const void *w, float *y) {
-  // x rounded once; one buffer per launching thread (MindSpore may launch on several at once).
+// x (m, k) rounded once into this thread's buffer (MindSpore may launch on several threads at once).
+const uint16_t *RoundedX(int64_t m, int64_t k, const float *x) {
   thread_local AlignedBuffer x_buffer;
   auto *x_bf16 = static_cast<uint16_t *>(x_buffer.Get(static_cast<size_t>(m * k) * sizeof(uint16_t)));
   RoundRows(m * k, x, x_bf16);
+  return x_bf16;
+}
 
+// y = x_bf16 W^T; with `up` (m x n float32), y = swish(x_bf16 W^T) * up, the epilogue as the matmul's
+// post-ops (eltwise swish with alpha 1: s / (1 + exp(-s)), then binary mul with `up` as src1).
+void Product(int64_t m, int64_t n, int64_t k, const uint16_t *x_bf16, const memory::desc &weights, const void *w,
+             float *y, const float *up) {
   // The scratchpad is this thread's, so concurrent launches of one cached primitive never share one.
   const memory::desc src({m, k}, memory::data_type::bf16, memory::format_tag::ab);
   const memory::desc dst({m, n}, memory::data_type::f32, memory::format_tag::ab);
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  if (up) {
+    dnnl::post_ops epilogue;
+    epilogue.append_eltwise(dnnl::algorithm::eltwise_swish, 1.0f, 0.0f);
+    epilogue.append_binary(dnnl::algorithm::binary_mul, dst);
+    attr.set_post_ops(epilogue);
+  }
   const dnnl::matmul::primitive_desc pd(Engine(), src, weights, dst, attr);
-  const dnnl::matmul matmul(pd);  // from oneDNN's primitive cache after the first call of a shape
+  const dnnl::matmul matmul(pd);  // from oneDNN's primitive cache after the first call of a shape (and post-ops)
 
   thread_local AlignedBuffer scratch_buffer;
   void *scratch = scratch_buffer.Get(std::max<size_t>(1, pd.scratchpad_desc().get_size()));
+  std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, memory(src, Engine(), const_cast<uint16_t *>(x_bf16))},
+                                          {DNNL_ARG_WEIGHTS, memory(weights, Engine(), const_cast<void *>(w))},
+                                          {DNNL_ARG_DST, memory(dst, Engine(), y)},
+                                          {DNNL_ARG_SCRATCHPAD, memory(pd.scratchpad_desc(), Engine(), scratch)}};
+  if (up)  // the binary mul is post-op 1 (the swish is 0)
+    args.insert({DNNL_ARG_ATTR_MULTIPLE_POST_OP(1) | DNNL_ARG_SRC_1, memory(dst, Engine(), const_cast<float *>(up))});
   dnnl::stream stream(Engine());
-  matmul.execute(stream, {{DNNL_ARG_SRC, memory(src, Engine(), x_bf16)},
-                          {DNNL_ARG_WEIGHTS, memory(weights, Engine(), const_cast<void *>(w))},
-                          {DNNL_ARG_DST, memory(dst, Engine(), y)},
-                          {DNNL_ARG_SCRATCHPAD, memory(pd.scratchpad_desc(), Engine(), scratch)}});
+  matmul.execute(stream, args);
   stream.wait();
+}
+
+void Multiply(int64_t m, int64_t n, int64_t k, const float *x, const memory::desc &weights, const void *w, float *y) {
+  Product(m, n, k, RoundedX(m, k, x), weights, w, y, nullptr);
+}
+
+// The up product into this thread's buffer, then the gate product with the SwiGLU post-ops; x rounded once.
+void SwiGlu(int64_t m, int64_t n, int64_t k, const float *x, const memory::desc &weights, const void *gate,
+            const void *up, float *y) {
+  const uint16_t *x_bf16 = RoundedX(m, k, x);
+  thread_local AlignedBuffer up_buffer;
+  auto *u = static_cast<float *>(up_buffer.Get(static_cast<size_t>(m * n) * sizeof(float)));
+  Product(m, n, k, x_bf16, weights, up, u, nullptr);
+  Product(m, n, k, x_bf16, weights, gate, y, u);
 }
 
 }  // namespace
@@ -235,25 +276,43 @@ void Pack(int64_t n, int64_t k, const uint16_t *w, void *packed) {
   stream.wait();
 }
 
-std::string PackedProblem(int64_t n, int64_t k, const void *packed) {
+std::string PackedProblem(int64_t n, int64_t k, const void *packed, const std::string &name) {
   PackedTrailer trailer;
   std::memcpy(&trailer, Trailer(packed, PackedWeights(n, k)), sizeof(trailer));
   if (std::memcmp(trailer.magic, kMagic, sizeof(kMagic)) != 0 || trailer.offset < 0 || trailer.offset >= 64)
-    return "weight: expected a buffer RfaLinearPack wrote (its trailer is missing)";
+    return name + ": expected a buffer RfaLinearPack wrote (its trailer is missing)";
   if (trailer.n != n || trailer.k != k)
-    return "weight: packed for (" + std::to_string(trailer.n) + ", " + std::to_string(trailer.k) +
+    return name + ": packed for (" + std::to_string(trailer.n) + ", " + std::to_string(trailer.k) +
            "), used as (packed_out_features, in_features) = (" + std::to_string(n) + ", " + std::to_string(k) + ")";
   if (trailer.layout != LayoutHash(PackedWeights(n, k)))
-    return "weight: packed in another layout than this CPU's oneDNN picks (packed on another machine, or under "
+    return name + ": packed in another layout than this CPU's oneDNN picks (packed on another machine, or under "
            "another ONEDNN_MAX_CPU_ISA?): pack it again in this process";
   return "";
 }
 
-void MultiplyBf16Packed(int64_t m, int64_t n, int64_t k, const float *x, const void *packed, float *y) {
-  const memory::desc blocked = PackedWeights(n, k);
+namespace {
+
+// The payload of a buffer PackedProblem accepted.
+const void *PackedPayload(const void *packed, const memory::desc &blocked) {
   PackedTrailer trailer;
   std::memcpy(&trailer, Trailer(packed, blocked), sizeof(trailer));
-  Multiply(m, n, k, x, blocked, static_cast<const char *>(packed) + trailer.offset, y);
+  return static_cast<const char *>(packed) + trailer.offset;
+}
+
+}  // namespace
+
+void MultiplyBf16Packed(int64_t m, int64_t n, int64_t k, const float *x, const void *packed, float *y) {
+  const memory::desc blocked = PackedWeights(n, k);
+  Multiply(m, n, k, x, blocked, PackedPayload(packed, blocked), y);
+}
+
+void SwiGluBf16(int64_t m, int64_t n, int64_t k, const float *x, const uint16_t *gate, const uint16_t *up, float *y) {
+  SwiGlu(m, n, k, x, PlainWeights(n, k), gate, up, y);
+}
+
+void SwiGluBf16Packed(int64_t m, int64_t n, int64_t k, const float *x, const void *gate, const void *up, float *y) {
+  const memory::desc blocked = PackedWeights(n, k);
+  SwiGlu(m, n, k, x, blocked, PackedPayload(gate, blocked), PackedPayload(up, blocked), y);
 }
 
 #endif  // RFA_WITH_ONEDNN

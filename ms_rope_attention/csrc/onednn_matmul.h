@@ -47,9 +47,19 @@ void MultiplyBf16(int64_t m, int64_t n, int64_t k, const float *x, const uint16_
 constexpr int64_t kPackedTrailerBytes = 64, kPackedSlackBytes = 64;
 int64_t PackedBytes(int64_t n, int64_t k);
 void Pack(int64_t n, int64_t k, const uint16_t *w, void *packed);  // packed: PackedBytes(n, k) bytes
-// "" when `packed` (PackedBytes(n, k) bytes) was packed for (n, k) in this CPU's layout; else why not.
-std::string PackedProblem(int64_t n, int64_t k, const void *packed);
+// "" when `packed` (PackedBytes(n, k) bytes) was packed for (n, k) in this CPU's layout; else why not,
+// naming the argument `name`.
+std::string PackedProblem(int64_t n, int64_t k, const void *packed, const std::string &name = "weight");
 void MultiplyBf16Packed(int64_t m, int64_t n, int64_t k, const float *x, const void *packed, float *y);
+
+// A Llama MLP's gate and up products and SwiGLU: y (m, n) = silu(g) * u for g = bf16(x) Wg^T and
+// u = bf16(x) Wu^T, silu(g) = g * sigmoid(g). x is rounded once, for both products; u goes into a float32
+// buffer of this thread (m x n, kept between calls like x's); then g is computed with oneDNN's post-ops
+// eltwise swish (alpha 1) and binary mul by u, so the epilogue runs on the accumulators, not as a pass
+// of its own over memory. The weights as for MultiplyBf16 (both as stored) or MultiplyBf16Packed (both
+// packed for (n, k)); m, n, k >= 1.
+void SwiGluBf16(int64_t m, int64_t n, int64_t k, const float *x, const uint16_t *gate, const uint16_t *up, float *y);
+void SwiGluBf16Packed(int64_t m, int64_t n, int64_t k, const float *x, const void *gate, const void *up, float *y);
 
 }  // namespace onednn
 }  // namespace rfa

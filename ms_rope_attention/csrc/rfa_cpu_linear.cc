@@ -20,6 +20,12 @@
 // last refused launch); RfaLinearIsa (the instruction set of this build); RfaLinearOnednn /
 // RfaLinearOnednnProblem (the oneDNN bound at load, and what is wrong with it, if anything);
 // RfaLinearComputeProblem (whether a compute_dtype can run here).
+//
+// RfaSwiGLU (x (..., K) float32, gate_weight and up_weight (F, K) of one dtype as RfaLinear's weight, or
+// both packed) -> y (..., F) float32 = silu(x Wg^T) * (x Wu^T): a Llama MLP's gate and up projections and
+// SwiGLU in one launch, on the same products (x rounded to bfloat16 once for both; with oneDNN the
+// epilogue is the gate product's post-ops). Its entries RfaSwiGLURun / RfaSwiGLUInit / RfaSwiGLUInferShape
+// / RfaSwiGLUInferType / RfaSwiGLULastError / RfaSwiGLUComputeProblem are RfaLinear's counterparts.
 #include <algorithm>
 #include <climits>
 #include <cstring>
@@ -58,8 +64,8 @@ struct Gemm {
 enum class WeightType { kFloat32, kFloat16, kBFloat16, kPacked };
 enum class Compute { kFloat32, kBFloat16 };
 
-// compute_dtype's text -> Compute; "" or the message naming the attribute.
-std::string ParseCompute(const char *text, Compute *compute) {
+// compute_dtype's text -> Compute; "" or the message naming the attribute (and `op`, the entry asked).
+std::string ParseCompute(const char *text, Compute *compute, const std::string &op = "RfaLinear") {
   const std::string value = text ? text : "(null)";
   if (value == "float32") *compute = Compute::kFloat32;
   else if (value == "bfloat16") *compute = Compute::kBFloat16;
@@ -67,7 +73,7 @@ std::string ParseCompute(const char *text, Compute *compute) {
     // Measured on an AVX512-FP16 Xeon (2 cores, no AMX-FP16), 512 x 4096 x 4096: oneDNN 3.2's float16
     // matmul (brg:avx512_core_fp16) 363 GFLOP/s, float32 SGEMM 332, bfloat16 (AMX) 1299: 1.1x over
     // float32 is not worth float16's overflow of activations past 65504.
-    return "compute_dtype: 'float16' is not offered by RfaLinear: oneDNN 3.2's float16 matmul ran only 1.1x as fast as "
+    return "compute_dtype: 'float16' is not offered by " + op + ": oneDNN 3.2's float16 matmul ran only 1.1x as fast as "
            "float32 SGEMM where measured (bfloat16: 3.9x); use 'bfloat16' (a bfloat16 weight) or 'float32'";
   else return "compute_dtype: expected 'float32' or 'bfloat16', got '" + value + "'";
   if (*compute == Compute::kBFloat16 && !rfa::onednn::Built())
@@ -83,10 +89,12 @@ std::string ParseCompute(const char *text, Compute *compute) {
 
 // Checks x (..., K) float32, weight (N, K) float32/float16/bfloat16 (bfloat16 only, computing in
 // bfloat16) or a packed uint8 buffer (packed_n = N >= 1; 0 for a plain weight) and y (..., N)
-// float32, before any memory is touched.
+// float32, before any memory is touched. `weight_name`: the weight's name in the messages (RfaSwiGLU
+// checks its gate_weight this way).
 std::string Validate(const int *ndims, int64_t *const *shapes, const char *const *dtypes, Compute compute,
-                     int64_t packed_n, Gemm *g, WeightType *type) {
-  const char *names[3] = {"x", "weight", "y"};
+                     int64_t packed_n, Gemm *g, WeightType *type, const std::string &weight_name = "weight") {
+  const std::string names[3] = {"x", weight_name, "y"};
+  const std::string &wn = weight_name;
   if (!ndims || !shapes || !dtypes) return "launch: null ndims, shapes or dtypes array";
   for (int i = 0; i < 3; ++i) {
     const std::string dtype = dtypes[i] ? dtypes[i] : "none";
@@ -95,45 +103,45 @@ std::string Validate(const int *ndims, int64_t *const *shapes, const char *const
       else if (dtype == "float16") *type = WeightType::kFloat16;
       else if (dtype == "bfloat16") *type = WeightType::kBFloat16;
       else if (dtype == "uint8") *type = WeightType::kPacked;
-      else return "weight: expected float32, float16, bfloat16 or uint8 (packed), got " + dtype;
+      else return wn + ": expected float32, float16, bfloat16 or uint8 (packed), got " + dtype;
       const bool packed = *type == WeightType::kPacked;
       if (compute == Compute::kBFloat16 && *type != WeightType::kBFloat16 && !packed)
-        return "weight: expected bfloat16 with compute_dtype 'bfloat16' (round the weight once, at load), got " + dtype;
+        return wn + ": expected bfloat16 with compute_dtype 'bfloat16' (round the weight once, at load), got " + dtype;
       if (packed && compute != Compute::kBFloat16)
-        return "weight: a packed (uint8) weight needs compute_dtype 'bfloat16'";
+        return wn + ": a packed (uint8) weight needs compute_dtype 'bfloat16'";
       if (packed_n < 0 || (packed && packed_n == 0))
         return "packed_out_features: expected the out_features the uint8 weight was packed for (>= 1), got " +
                std::to_string(packed_n);
       if (!packed && packed_n > 0)
-        return "weight: expected the uint8 buffer RfaLinearPack wrote, as packed_out_features is " +
+        return wn + ": expected the uint8 buffer RfaLinearPack wrote, as packed_out_features is " +
                std::to_string(packed_n) + ", got " + dtype;
     } else if (dtype != "float32") {
-      return std::string(names[i]) + ": expected float32, got " + dtype;
+      return names[i] + ": expected float32, got " + dtype;
     }
     if (ndims[i] < 0 || ndims[i] > 8 || !shapes[i])
-      return std::string(names[i]) + ": expected a rank 0..8 with a shape, got rank " + std::to_string(ndims[i]);
+      return names[i] + ": expected a rank 0..8 with a shape, got rank " + std::to_string(ndims[i]);
   }
   const int nx = ndims[0];
   const int64_t *x = shapes[0], *w = shapes[1], *y = shapes[2];
   if (nx < 1) return "x: expected at least 1 dimension (..., in_features), got a scalar";
   if (*type == WeightType::kPacked) {
-    if (ndims[1] != 1) return "weight: expected the 1-D uint8 buffer RfaLinearPack wrote, got " + ShapeText(ndims[1], w);
+    if (ndims[1] != 1) return wn + ": expected the 1-D uint8 buffer RfaLinearPack wrote, got " + ShapeText(ndims[1], w);
     g->n = packed_n;
     g->k = x[nx - 1];
     if (g->k < 1 || g->k > INT_MAX || g->n > INT_MAX)
       return "x: expected in_features in [1, 2^31) with a packed weight, got " + ShapeText(nx, x);
     const int64_t bytes = rfa::onednn::PackedBytes(g->n, g->k);
     if (w[0] != bytes)
-      return "weight: expected " + std::to_string(bytes) + " bytes, packed for (" + std::to_string(g->n) + ", " +
+      return wn + ": expected " + std::to_string(bytes) + " bytes, packed for (" + std::to_string(g->n) + ", " +
              std::to_string(g->k) + ") on this CPU, got " + ShapeText(1, w);
   } else {
-    if (ndims[1] != 2) return "weight: expected 2 dimensions (out_features, in_features), got " + ShapeText(ndims[1], w);
+    if (ndims[1] != 2) return wn + ": expected 2 dimensions (out_features, in_features), got " + ShapeText(ndims[1], w);
     g->n = w[0];
     g->k = w[1];
-    if (g->n < 0 || g->k < 0) return "weight: expected a concrete shape, got " + ShapeText(2, w);
+    if (g->n < 0 || g->k < 0) return wn + ": expected a concrete shape, got " + ShapeText(2, w);
     if (x[nx - 1] != g->k)
-      return "x: expected its last dimension to be the weight's in_features " + std::to_string(g->k) + ", got x " +
-             ShapeText(nx, x) + " and weight " + ShapeText(2, w);
+      return "x: expected its last dimension to be the " + wn + "'s in_features " + std::to_string(g->k) + ", got x " +
+             ShapeText(nx, x) + " and " + wn + " " + ShapeText(2, w);
   }
   g->m = 1;
   for (int i = 0; i + 1 < nx; ++i) {
@@ -143,11 +151,11 @@ std::string Validate(const int *ndims, int64_t *const *shapes, const char *const
     g->m *= x[i];
   }
   if (g->n > INT_MAX || g->k > INT_MAX)
-    return "weight: expected both dimensions below 2^31 (a BLAS int), got " + ShapeText(2, w);
+    return wn + ": expected both dimensions below 2^31 (a BLAS int), got " + ShapeText(2, w);
   bool same = ndims[2] == nx && y[nx - 1] == g->n;
   for (int i = 0; same && i + 1 < nx; ++i) same = y[i] == x[i];
   if (!same) return "y: expected shape x.shape[:-1] + (out_features,), got y " + ShapeText(ndims[2], y) + " for x " +
-                    ShapeText(nx, x) + " and weight " + ShapeText(ndims[1], w);
+                    ShapeText(nx, x) + " and " + wn + " " + ShapeText(ndims[1], w);
   return "";
 }
 
@@ -261,6 +269,138 @@ void Multiply(const Gemm &g, Compute compute, const float *x, const W *w, float 
   } else {
     PanelGemm(g, x, w, y);
   }
+}
+
+// ---- RfaSwiGLU: y = silu(x Wg^T) * (x Wu^T), a Llama MLP's gate and up projections and SwiGLU ----------
+
+// One message for RfaSwiGLU's refusals, apart from RfaLinear's (its own LastError entry).
+rfa::LastError g_swiglu_error("RfaSwiGLU");
+
+int FailSwiGlu(const std::string &message) { return g_swiglu_error.Fail(message); }
+
+// A float32 buffer of `count` values for the up product, this launching thread's, kept between calls;
+// in the sanitizer build (RFA_EXACT_SCRATCH) sized exactly at each call, so an overrun is caught.
+float *UpScratch(int64_t count) {
+  thread_local std::vector<float> buffer;
+#ifdef RFA_EXACT_SCRATCH
+  std::vector<float>().swap(buffer);
+#endif
+  buffer.resize(static_cast<size_t>(count));
+  return buffer.data();
+}
+
+// e^x for x <= 0, one vector: n = round(x log2 e), r = x - n ln 2 in two parts (Cody and Waite: n C1 is
+// exact for |n| <= 126), e^r by its Taylor polynomial of degree 7 on |r| <= ln2 / 2 (truncation < 6e-9
+// relative), times 2^n built in the exponent bits; 0 below -87.3, where e^x is below float32's smallest
+// normal. Within a few float32 ulps everywhere: simd::Exp2(x log2 e) (the attention's, for arguments of
+// a few units) loses up to half an ulp of x log2 e, which at x = -80 is 60 ulps of e^x. NaN stays NaN.
+inline rfa::simd::vf ExpNonPositive(rfa::simd::vf x) {
+  using rfa::simd::vf;
+  using rfa::simd::vi;
+  const vi underflow = x < -87.3f;
+  x = underflow ? rfa::simd::Splat(0.0f) : x;  // replaced by 0 below; keeps n in range
+  const vf shifter = rfa::simd::Splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vf n = (x * 1.4426950408889634f + shifter) - shifter;
+  const vf r = (x - n * 0.693359375f) - n * -2.12194440e-4f;  // ln 2 = 0.693359375 - 2.12194440e-4
+  vf p = rfa::simd::Splat(1.0f / 5040.f);
+  p = p * r + 1.0f / 720.f;
+  p = p * r + 1.0f / 120.f;
+  p = p * r + 1.0f / 24.f;
+  p = p * r + 1.0f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;  // n in [-126, 0]: a normal 2^n
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  const vf e = p * scale;
+  return underflow ? rfa::simd::Splat(0.0f) : e;
+}
+
+// silu(g) * u for one vector of each: silu(g) = g * sigmoid(g) in float32, sigmoid from t = exp(-|g|)
+// (t in [0, 1], so nothing overflows): 1 / (1 + t) for g >= 0, t / (1 + t) below. NaN stays NaN;
+// g = -inf gives -inf * 0 = NaN, as g * sigmoid(g) does in float32, and g = +inf gives inf.
+inline rfa::simd::vf SiluTimes(rfa::simd::vf g, rfa::simd::vf u) {
+  using rfa::simd::vf;
+  const vf magnitude = g < 0.0f ? -g : g;
+  const vf t = ExpNonPositive(-magnitude);
+  const vf s = 1.0f / (1.0f + t);
+  const vf sigmoid = g >= 0.0f ? s : t * s;
+  return g * sigmoid * u;
+}
+
+// h[i] = silu(g[i]) * u[i] for i < count (h may be g: each value is read before it is written). The
+// last count % kLanes values go through the same vector code, copied into a padded vector, so every
+// position computes the same function.
+void SiluTimesRange(int64_t count, const float *g, const float *u, float *h) {
+  constexpr int kLanes = rfa::simd::kLanes;
+  int64_t i = 0;
+  for (; i + kLanes <= count; i += kLanes)
+    rfa::simd::Store(h + i, SiluTimes(rfa::simd::Load(g + i), rfa::simd::Load(u + i)));
+  if (i < count) {
+    float a[kLanes] = {}, b[kLanes] = {}, c[kLanes];
+    const size_t rest = static_cast<size_t>(count - i) * sizeof(float);
+    std::memcpy(a, g + i, rest);
+    std::memcpy(b, u + i, rest);
+    rfa::simd::Store(c, SiluTimes(rfa::simd::Load(a), rfa::simd::Load(b)));
+    std::memcpy(h + i, c, rest);
+  }
+}
+
+// The epilogue over m x n values as its own pass, on the OpenMP threads in blocks of 16 KB of y.
+void SiluTimesParallel(int64_t count, const float *g, const float *u, float *h) {
+  constexpr int64_t kBlock = 4096;
+  const int64_t blocks = (count + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t start = b * kBlock;
+    SiluTimesRange(std::min(kBlock, count - start), g + start, u + start, h + start);
+  }
+}
+
+#ifdef RFA_BF16_DOT_PRODUCT
+// Decode-sized rows in bfloat16 (SmallRowsBF16's product for both weights): x rounded once, then each
+// thread its slice of W's rows, gate into y and up into the buffer, then silu(g) * u on that slice while
+// it is in cache: the one epilogue loop, no pass of its own.
+void SwiGluSmallRowsBF16(const Gemm &g, const float *x, const rfa::weights::BFloat16 *gate,
+                         const rfa::weights::BFloat16 *up, float *y) {
+  thread_local std::vector<uint16_t> rounded;
+  rounded.resize(static_cast<size_t>(g.m * g.k));
+  rfa::weights::FloatToBFloat16(x, rounded.data(), g.m * g.k);
+  const uint16_t *const x_bf16 = rounded.data();  // this thread's: inside the loop `rounded` is each worker's
+  float *const u = UpScratch(g.m * g.n);
+  OnThreadRows(g.n, [&](int64_t n0, int64_t n1) {
+    rfa::weights::SmallRowsProductBF16(g.m, g.n, g.k, x_bf16, gate, y, n0, n1);
+    rfa::weights::SmallRowsProductBF16(g.m, g.n, g.k, x_bf16, up, u, n0, n1);
+    for (int64_t i = 0; i < g.m; ++i) SiluTimesRange(n1 - n0, y + i * g.n + n0, u + i * g.n + n0, y + i * g.n + n0);
+  });
+}
+#endif
+
+// y = silu(x Wg^T) * (x Wu^T) for weights as stored (m, n, k >= 1). bfloat16 arithmetic: up to
+// kFewRowsBF16 rows stream both weights into vdpbf16ps (SwiGluSmallRowsBF16), more take oneDNN with the
+// epilogue as the gate product's post-ops (onednn::SwiGluBf16); x is rounded once either way. float32
+// arithmetic: RfaLinear's products for this weight dtype (Multiply), gate into y and up into the buffer,
+// then the epilogue as a pass of its own.
+template <typename W>
+void SwiGlu(const Gemm &g, Compute compute, const float *x, const W *gate, const W *up, float *y) {
+  if constexpr (std::is_same_v<W, rfa::weights::BFloat16>) {
+    if (compute == Compute::kBFloat16) {
+#ifdef RFA_BF16_DOT_PRODUCT
+      if (g.m <= kFewRowsBF16 && rfa::weights::HasBF16DotProduct()) {
+        SwiGluSmallRowsBF16(g, x, gate, up, y);
+        return;
+      }
+#endif
+      rfa::onednn::SwiGluBf16(g.m, g.n, g.k, x, reinterpret_cast<const uint16_t *>(gate),
+                              reinterpret_cast<const uint16_t *>(up), y);
+      return;
+    }
+  }
+  float *const u = UpScratch(g.m * g.n);
+  Multiply(g, compute, x, gate, y);
+  Multiply(g, compute, x, up, u);
+  SiluTimesParallel(g.m * g.n, y, u, y);
 }
 
 }  // namespace
@@ -414,4 +554,109 @@ extern "C" RFA_EXPORT int RfaLinear(int nparam, void **params, int *ndims, int64
     if (!data) return Fail("kernel attributes missing (RfaLinearInit did not run)");
   }
   return RfaLinearRun(data->compute_dtype.c_str(), data->packed_out_features, nparam, params, ndims, shapes, dtypes);
+}
+
+// ---- RfaSwiGLU's entries -------------------------------------------------------------------------
+
+extern "C" RFA_EXPORT const char *RfaSwiGLULastError() { return g_swiglu_error.Read(); }
+
+// "" when RfaSwiGLU computes in `compute_dtype` here, else why not (swiglu_op refuses it up front).
+extern "C" RFA_EXPORT const char *RfaSwiGLUComputeProblem(const char *compute_dtype) {
+  thread_local std::string text;
+  Compute compute;
+  text = ParseCompute(compute_dtype, &compute, "RfaSwiGLU");
+  return text.c_str();
+}
+
+// y's shape: x.shape[:-1] + (out_features,), out_features gate_weight's rows or packed_out_features.
+extern "C" RFA_EXPORT std::vector<int64_t> RfaSwiGLUInferShape(int *ndims, int64_t **shapes,
+                                                                mindspore::AotExtra *extra) {
+  return RfaLinearInferShape(ndims, shapes, extra);  // x and gate_weight are inputs 0 and 1, as x and weight
+}
+
+extern "C" RFA_EXPORT TypeId RfaSwiGLUInferType(std::vector<TypeId> inputs, mindspore::AotExtra *) { return inputs[0]; }
+
+extern "C" RFA_EXPORT int RfaSwiGLUInit(int *ndims, int64_t **shapes, const char **dtypes, mindspore::AotExtra *extra) {
+  return RfaLinearInit(ndims, shapes, dtypes, extra);  // the same two attributes
+}
+
+// Validates everything (compute_dtype; x, gate_weight and y as RfaLinear checks x, weight and y;
+// up_weight the same dtype and shape as gate_weight; data pointers; both packed buffers' trailers),
+// then computes. The MindSpore entry below and linear.multiply_swiglu (no MindSpore) call it.
+extern "C" RFA_EXPORT int RfaSwiGLURun(const char *compute_dtype, int64_t packed_out_features, int nparam,
+                                       void **params, int *ndims, int64_t **shapes, const char **dtypes) {
+  try {
+    Compute compute = Compute::kFloat32;
+    std::string err = ParseCompute(compute_dtype, &compute, "RfaSwiGLU");
+    if (!err.empty()) return FailSwiGlu(err);
+    if (nparam != 4)
+      return FailSwiGlu("expected 3 inputs (x, gate_weight, up_weight) and 1 output, got " + std::to_string(nparam) +
+                        " params");
+    if (!params) return FailSwiGlu("launch: null params array");
+    if (!ndims || !shapes || !dtypes) return FailSwiGlu("launch: null ndims, shapes or dtypes array");
+    int tensor_ndims[3] = {ndims[0], ndims[1], ndims[3]};
+    int64_t *tensor_shapes[3] = {shapes[0], shapes[1], shapes[3]};
+    const char *tensor_dtypes[3] = {dtypes[0], dtypes[1], dtypes[3]};
+    Gemm g;
+    WeightType type = WeightType::kFloat32;
+    err = Validate(tensor_ndims, tensor_shapes, tensor_dtypes, compute, packed_out_features, &g, &type, "gate_weight");
+    if (!err.empty()) return FailSwiGlu(err);
+    const std::string gate_dtype = dtypes[1], up_dtype = dtypes[2] ? dtypes[2] : "none";  // dtypes[1]: Validate
+    if (up_dtype != gate_dtype)
+      return FailSwiGlu("up_weight: expected gate_weight's dtype " + gate_dtype + ", got " + up_dtype);
+    const std::string gate_shape = ShapeText(ndims[1], shapes[1]);
+    bool same = ndims[2] == ndims[1] && shapes[2];
+    for (int i = 0; same && i < ndims[1]; ++i) same = shapes[2][i] == shapes[1][i];
+    if (!same)
+      return FailSwiGlu("up_weight: expected gate_weight's shape " + gate_shape + ", got " +
+                        (ndims[2] >= 0 && ndims[2] <= 8 && shapes[2] ? ShapeText(ndims[2], shapes[2])
+                                                                     : "rank " + std::to_string(ndims[2])));
+    const bool packed = type == WeightType::kPacked;
+    const char *names[4] = {"x", "gate_weight", "up_weight", "y"};
+    const bool has_elements[4] = {g.m > 0 && g.k > 0, (g.n > 0 && g.k > 0) || packed, (g.n > 0 && g.k > 0) || packed,
+                                  g.m > 0 && g.n > 0};
+    for (int i = 0; i < 4; ++i)
+      if (has_elements[i] && !params[i]) return FailSwiGlu(std::string(names[i]) + ": null data pointer");
+    if (packed) {  // both trailers, read before anything is written
+      for (int i = 1; i <= 2; ++i) {
+        err = rfa::onednn::PackedProblem(g.n, g.k, params[i], names[i]);
+        if (!err.empty()) return FailSwiGlu(err);
+      }
+    }
+    if (g.m == 0 || g.n == 0) return 0;
+    const auto *x = static_cast<const float *>(params[0]);
+    auto *y = static_cast<float *>(params[3]);
+    if (g.k == 0) {  // empty sums: g = u = 0, and silu(0) * 0 = 0
+      std::memset(y, 0, static_cast<size_t>(g.m * g.n) * sizeof(float));
+      return 0;
+    }
+    if (packed)  // k >= 1 (Validate)
+      rfa::onednn::SwiGluBf16Packed(g.m, g.n, g.k, x, params[1], params[2], y);
+    else if (type == WeightType::kFloat16)
+      SwiGlu(g, compute, x, static_cast<const rfa::weights::Half *>(params[1]),
+             static_cast<const rfa::weights::Half *>(params[2]), y);
+    else if (type == WeightType::kBFloat16)
+      SwiGlu(g, compute, x, static_cast<const rfa::weights::BFloat16 *>(params[1]),
+             static_cast<const rfa::weights::BFloat16 *>(params[2]), y);
+    else
+      SwiGlu(g, compute, x, static_cast<const float *>(params[1]), static_cast<const float *>(params[2]), y);
+    return 0;
+  } catch (const std::bad_alloc &) {
+    return FailSwiGlu("out of memory for the bfloat16 copy of x or the up product's buffer");
+  } catch (const std::exception &e) {
+    return FailSwiGlu(e.what());
+  }
+}
+
+// MindSpore's launch: the attributes as RfaSwiGLUInit read them; a null `extra` (a direct call through
+// the aot convention) takes the contract's defaults.
+extern "C" RFA_EXPORT int RfaSwiGLU(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
+                                    void *extra) {
+  const LinearAttrs defaults;
+  const LinearAttrs *data = &defaults;
+  if (extra) {
+    data = static_cast<const LinearAttrs *>(static_cast<mindspore::AotExtra *>(extra)->KernelData());
+    if (!data) return FailSwiGlu("kernel attributes missing (RfaSwiGLUInit did not run)");
+  }
+  return RfaSwiGLURun(data->compute_dtype.c_str(), data->packed_out_features, nparam, params, ndims, shapes, dtypes);
 }

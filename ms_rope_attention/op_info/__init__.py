@@ -1,6 +1,6 @@
-"""The five ops' contracts (``rotary_flash_attention.yaml``; the paged cache's
-``rotary_paged_attention.yaml`` and ``rotary_cache_write.yaml``; the projection's ``linear.yaml``
-and ``embedding.yaml``) and what is generated from them.
+"""The six ops' contracts (``rotary_flash_attention.yaml``; the paged cache's
+``rotary_paged_attention.yaml`` and ``rotary_cache_write.yaml``; the projection's ``linear.yaml``,
+the MLP's ``swiglu.yaml`` and ``embedding.yaml``) and what is generated from them.
 
 Everything that describes an op's interface -- MindSpore ``CustomRegOp`` registrations for each
 backend, the Python argument checks and the semantics tables in docs/semantics.md -- is derived from
@@ -20,9 +20,10 @@ CONTRACT_PATH = Path(__file__).with_name("rotary_flash_attention.yaml")
 PAGED_ATTENTION_PATH = Path(__file__).with_name("rotary_paged_attention.yaml")
 CACHE_WRITE_PATH = Path(__file__).with_name("rotary_cache_write.yaml")
 LINEAR_PATH = Path(__file__).with_name("linear.yaml")
+SWIGLU_PATH = Path(__file__).with_name("swiglu.yaml")
 EMBEDDING_PATH = Path(__file__).with_name("embedding.yaml")
 # The contracts docs/semantics.md shows below the attention's own table, in its order.
-OTHER_CONTRACTS = (PAGED_ATTENTION_PATH, CACHE_WRITE_PATH, LINEAR_PATH, EMBEDDING_PATH)
+OTHER_CONTRACTS = (PAGED_ATTENTION_PATH, CACHE_WRITE_PATH, LINEAR_PATH, SWIGLU_PATH, EMBEDDING_PATH)
 
 _REG_TYPES = {"int": "int", "float": "float", "bool": "bool", "str": "str"}
 _PY_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
