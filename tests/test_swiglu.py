@@ -1,7 +1,7 @@
 """The MLP's gate and up projections and SwiGLU as one op (``RfaSwiGLU``: ms_rope_attention/linear.py,
 csrc/rfa_cpu_linear.cc, csrc/onednn_matmul.cc): y = silu(x Wg^T) * (x Wu^T), silu(g) = g * sigmoid(g),
 against a float64 numpy reference over swept shapes on every build this CPU runs; its refusals, the
-MindSpore op in both modes and its gradient.
+MindSpore op in both modes, its gradient, and the Llama model computing in bfloat16 with it.
 
 What is rounded where. The reference is evaluated in float64 on the operands the op multiplies: with
 compute_dtype "bfloat16", x rounded once to bfloat16 here (ml_dtypes, to nearest even, as the op rounds
@@ -13,7 +13,9 @@ remains is the op's float32 arithmetic, each part bounded:
 - carried through the epilogue, |silu'| <= 1.1: 1.1 eg |u64| + |silu(g64)| eu + 1.1 eg eu;
 - the epilogue itself (exp, the sigmoid's division, two products; oneDNN's swish and binary mul on the
   oneDNN path): 1e-6 |y64| (16 float32 ulps; measured at most 6.8 ulps, 4e-7, on every path), plus 1e-30
-  absolute where silu underflows (g < -87: e^g below float32's smallest normal, flushed to 0)."""
+  absolute where silu underflows (g < -87: e^g below float32's smallest normal, flushed to 0).
+
+The Llama model computing in bfloat16 (the tests named ``model``): see each test."""
 import ctypes
 import re
 
@@ -359,3 +361,124 @@ def test_mindspore_gradient_equals_autodiff_of_the_reference(mode, compute_dtype
 
 def gate_dtype_of(weight_dtype):
     return {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}[weight_dtype]
+
+
+# ---- the Llama model (not in the sanitizer run) --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory):
+    from models.llama.weights import save_hf_checkpoint
+    from test_llama import CONFIG, random_state
+    state = {k: v.astype(BF16) for k, v in random_state(CONFIG, np.random.default_rng(11)).items()}
+    return state, save_hf_checkpoint(state, CONFIG, tmp_path_factory.mktemp("bf16"))
+
+
+def mlps(model):
+    return [layer.mlp for layer in model.model.layers]
+
+
+def relative(a, b):
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@needs_bf16
+def test_model_logits_with_the_op_are_those_of_the_separate_ops(bf16_checkpoint, rng):
+    """A 2-layer bfloat16-compute model (GRAPH_MODE) with the op against the same model on the separate
+    ops (``fused`` cleared): both round the same x once per projection, so g and u agree (bit for bit up
+    to 4 rows) and h differs by the epilogues' float32 roundings. Up to 5 tokens that left the logits
+    equal; with more, an h within an ulp of a bfloat16 rounding boundary of down_proj's input rounds the
+    other way now and then (2^-8 of one value), and the layers after carry it: 5.6e-4 of the largest
+    logit here (64 tokens), 4.4e-3 the most seen on other prompts of 29 and 100 tokens. Bound 1.5e-2,
+    half the bfloat16 model's bound against float64 (tests/test_compute_dtype.py); against float64 both
+    stay within that 3e-2 (1.25e-2 here, the two paths alike)."""
+    from llama_reference import forward
+    from models.llama.weights import load_checkpoint
+    from test_llama import CONFIG
+    state, path = bf16_checkpoint
+    previous = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        fused, separate = (load_checkpoint(path, progress=False) for _ in range(2))
+        for mlp in mlps(separate):
+            mlp.fused = False
+        assert fused.compute_dtype == "bfloat16" and all(mlp.fused for mlp in mlps(fused))
+        state64 = {k: v.astype(np.float64) for k, v in state.items()}
+        for length in (3, 29, 64):
+            ids = rng.integers(0, CONFIG.vocab_size, length)
+            want = forward(state64, CONFIG, ids)
+            ours, theirs = (model(Tensor(ids[None].astype(np.int32))).asnumpy()[0] for model in (fused, separate))
+            assert relative(ours, theirs) <= 1.5e-2 and (length > 5 or np.array_equal(ours, theirs))
+            assert relative(ours, want) <= 3e-2 and relative(theirs, want) <= 3e-2
+    finally:
+        ms.set_context(mode=previous)
+
+
+@needs_bf16
+def test_model_decode_on_the_paged_cache_matches_its_prefill(bf16_checkpoint, rng):
+    """Greedy decode steps (one row: the op's vdpbf16ps products and its own epilogue) against one full
+    forward over the same tokens (oneDNN with the post-ops): bfloat16 rounding in different orders and
+    at different points, within 3e-2 of the largest logit (measured 1.0e-2, the separate ops' too)."""
+    from models.llama.engine import PagedGenerator
+    from models.llama.engine.kv_cache import block_bytes
+    from models.llama.weights import load_checkpoint
+    from test_llama import CONFIG, bsh_logits
+    _, path = bf16_checkpoint
+    previous = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        model = load_checkpoint(path, progress=False)
+        prompt = rng.integers(0, CONFIG.vocab_size, 9).tolist()
+        paged = PagedGenerator(model, max_cache_bytes=8 * block_bytes(model.cache_config, 16, model.cache_dtype))
+        paged.add_request(prompt, 8, eos_ids=())
+        tokens, rows = [], []
+        while paged.has_unfinished:
+            tokens += [t.token for t in paged.step()]
+            rows.append(paged.last_logits[0])
+        full = bsh_logits(model, prompt + tokens[:-1])[len(prompt) - 1:]
+        assert relative(np.stack(rows), full) <= 3e-2
+    finally:
+        ms.set_context(mode=previous)
+
+
+@needs_bf16
+def test_model_with_packed_weights_runs_the_op_on_them(bf16_checkpoint, rng):
+    """``pack_weights`` packs gate and up and gives the op packed_out_features; the logits are the
+    plain weights' (within 1e-5 of the largest, as tests/test_compute_dtype.py bounds the projections')."""
+    from models.llama.weights import load_checkpoint
+    from test_llama import CONFIG
+    _, path = bf16_checkpoint
+    plain, packed = (load_checkpoint(path, progress=False) for _ in range(2))
+    packed.pack_weights()
+    for mlp in mlps(packed):
+        assert mlp.fused and mlp.gate_proj.packed and mlp.up_proj.packed and mlp.gate_proj.weight.dtype == ms.uint8
+        assert mlp.swiglu is swiglu_op("bfloat16", packed_out_features=CONFIG.intermediate_size)
+    for length in (1, 3, 29):
+        ids = Tensor(rng.integers(0, CONFIG.vocab_size, (1, length)).astype(np.int32))
+        assert relative(packed(ids).asnumpy(), plain(ids).asnumpy()) <= 1e-5
+
+
+def _separate_ops_construct(self, x):
+    """LlamaMLP.construct as it was before the op: the float32 model's path, to compare bit for bit."""
+    x = self.f(x)
+    return self.g(self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+def test_model_computing_in_float32_never_uses_the_op_and_is_unchanged(bf16_checkpoint, rng, monkeypatch):
+    """compute_dtype="float32" (here of a bfloat16 checkpoint) keeps the separate ops: no MLP holds the
+    op, and the logits equal those of LlamaMLP's construct before the op, bit for bit (GRAPH_MODE)."""
+    from models.llama.model import LlamaMLP
+    from models.llama.weights import load_checkpoint
+    from test_llama import CONFIG
+    _, path = bf16_checkpoint
+    previous = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        model = load_checkpoint(path, progress=False, compute_dtype="float32")
+        assert model.compute_dtype == "float32" and not any(mlp.fused or mlp.swiglu for mlp in mlps(model))
+        ids = Tensor(rng.integers(0, CONFIG.vocab_size, (1, 29)).astype(np.int32))
+        ours = model(ids).asnumpy()
+        monkeypatch.setattr(LlamaMLP, "construct", _separate_ops_construct)
+        before = load_checkpoint(path, progress=False, compute_dtype="float32")
+        assert np.array_equal(ours, before(ids).asnumpy())
+    finally:
+        ms.set_context(mode=previous)
