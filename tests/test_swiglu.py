@@ -209,6 +209,33 @@ def test_a_refused_call_writes_nothing():
     assert (y == 7).all()
 
 
+@pytest.mark.parametrize("broken, message", [
+    ("up dtype", "up_weight: expected gate_weight's dtype float32, got none"),
+    ("up shape", "up_weight: expected gate_weight's shape (4, 3), got rank 2"),
+    ("up data", "up_weight: null data pointer"),
+    ("gate dtype", "gate_weight: expected float32, float16, bfloat16 or uint8 (packed), got none"),
+    ("params", "expected 3 inputs (x, gate_weight, up_weight) and 1 output, got 3 params"),
+])
+def test_the_c_entry_refuses_null_arguments_by_name(broken, message):
+    """MindSpore's entry itself (no extra: the contract's defaults), with a null dtype, shape or data
+    pointer, or a wrong count of params."""
+    lib = linear.library()
+    arrays = (np.ones((2, 3), F32), np.ones((4, 3), F32), np.ones((4, 3), F32), np.zeros((2, 4), F32))
+    call = aot_call(arrays)
+    count = 3 if broken == "params" else 4
+    if broken == "up dtype":
+        call.dtypes[2] = None
+    elif broken == "gate dtype":
+        call.dtypes[1] = None
+    elif broken == "up shape":
+        call.shapes[2] = None
+    elif broken == "up data":
+        call.params[2] = None
+    assert lib.RfaSwiGLU(count, call.params, call.ndims, call.shapes, call.dtypes, None, None) == 1
+    assert message in lib.RfaSwiGLULastError().decode()
+    assert (arrays[3] == 0).all()
+
+
 @needs_bf16
 @pytest.mark.parametrize("case, message", [
     ("up as stored", "up_weight: expected gate_weight's dtype uint8, got bfloat16"),
