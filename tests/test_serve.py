@@ -125,7 +125,8 @@ def test_protocol_names_the_field(body, param):
     with pytest.raises(APIError) as info:
         parse(CompletionRequest, body)
     assert info.value.status == 400 and info.value.param.split(".")[0] == param, info.value.message
-    assert parse(CompletionRequest, {"prompt": "x", "presence_penalty": 0, "user": "u", "temperature": 0}).temperature == 0
+    neutral = parse(CompletionRequest, {"prompt": "x", "presence_penalty": 0, "user": "u", "temperature": 0})
+    assert neutral.temperature == 0
     chat = parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]})
     assert chat.messages[0].text() == "a"
 
@@ -333,7 +334,8 @@ def test_errors_in_openai_shape(served):
     with pytest.raises(openai.BadRequestError) as info:
         served.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5 " * 600}])
     assert info.value.code == "context_length_exceeded"
-    assert_error(post("/v1/completions", json={"prompt": "w5", "max_tokens": TOKENS_LIMIT + 1}), 400, param="max_tokens")
+    assert_error(post("/v1/completions", json={"prompt": "w5", "max_tokens": TOKENS_LIMIT + 1}), 400,
+                 param="max_tokens")
     with pytest.raises(openai.NotFoundError) as info:
         served.client.completions.create(model="../../etc/passwd", prompt="w5")
     assert info.value.code == "model_not_found"
@@ -344,6 +346,7 @@ def test_errors_in_openai_shape(served):
                                                                  {"role": "user", "content": "b"}]}), 400,
                  param="messages")  # the template's raise_exception
     assert_error(post("/v1/completions", json={"prompt": [1, 256]}), 400, param="prompt")
+    assert_error(post("/v1/completions", content=b'{"prompt": "w5 \\ud800"}'), 400, param="prompt")  # a lone surrogate
     assert_error(post("/v1/completions", json={"prompt": "w1", "stream_options": {"include_usage": True}}), 400,
                  param="stream_options")
     assert_error(post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}), 400,

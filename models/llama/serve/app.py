@@ -156,6 +156,12 @@ def create_app(service: EngineService, settings: Settings) -> FastAPI:
         return GenerationResponse(completion, fmt, stream=bool(kind.stream), include_usage=kind.include_usage,
                                   continuous_usage=kind.continuous_usage, send_timeout=settings.send_timeout_s)
 
+    async def encode(text: str, param: str) -> list[int]:
+        try:
+            return await asyncio.to_thread(tokenizer.encode, text)
+        except Exception as exc:  # noqa: BLE001  e.g. a lone surrogate, which JSON allows
+            raise bad_request(f"{param}: the text cannot be tokenized ({type(exc).__name__}: {exc})", param) from None
+
     async def checked(request: Request, model: type):
         try:
             service.check_serving()
@@ -178,7 +184,7 @@ def create_app(service: EngineService, settings: Settings) -> FastAPI:
                 raise bad_request(f"prompt: a batch of {len(prompt)} prompts; this server takes one per request",
                                   "prompt")
             prompt = prompt[0]
-        ids = list(prompt) if isinstance(prompt, list) else await asyncio.to_thread(tokenizer.encode, prompt)
+        ids = list(prompt) if isinstance(prompt, list) else await encode(prompt, "prompt")
         return await generate(request, body, ids, body.max_tokens, "prompt", TextFormat(settings.served_model_name))
 
     @v1.post("/chat/completions")
@@ -189,7 +195,7 @@ def create_app(service: EngineService, settings: Settings) -> FastAPI:
             text = await asyncio.to_thread(template.render, messages)
         except ChatTemplateError as exc:
             raise bad_request(f"messages: {exc}", "messages") from None
-        ids = await asyncio.to_thread(tokenizer.encode, text)
+        ids = await encode(text, "messages")
         bos = getattr(tokenizer, "bos_id", None)
         if bos is not None and len(ids) > 1 and ids[0] == ids[1] == bos:
             ids = ids[1:]  # the template wrote BOS and the tokenizer added one

@@ -53,8 +53,9 @@ def plan(request, prompt: list[int], limits: Limits, *, max_tokens: int | None, 
         raise bad_request(f"max_tokens: {max_tokens} is more than this server allows ({limits.max_tokens_limit})",
                           "max_tokens")
     room = limits.max_model_len - len(prompt)
-    if max_tokens is None:
-        max_tokens = min(limits.max_tokens_limit, room if prompt_param == "messages" else DEFAULT_COMPLETION_TOKENS)
+    if max_tokens is None:  # OpenAI's defaults, within what is left of the context
+        max_tokens = min(limits.max_tokens_limit, room,
+                         room if prompt_param == "messages" else DEFAULT_COMPLETION_TOKENS)
     if room < 1 or len(prompt) + max_tokens > limits.max_model_len:
         raise APIError(400, f"This model's maximum context length is {limits.max_model_len} tokens. However, you "
                        f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the {prompt_param}, "
