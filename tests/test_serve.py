@@ -183,7 +183,8 @@ def served():
     tokenizer = Tokenizer.words(config.vocab_size, config.bos_token_id)
     service = EngineService(generator, Metrics("tiny"), max_waiting=MAX_WAITING)
     settings = Settings("tiny", tokenizer, ChatTemplate.from_directory(None), api_key=API_KEY,
-                        max_body_bytes=BODY_LIMIT, max_tokens_limit=TOKENS_LIMIT, send_timeout_s=30.0)
+                        max_body_bytes=BODY_LIMIT, max_tokens_limit=TOKENS_LIMIT, send_timeout_s=30.0,
+                        body_timeout_s=1.0)
     server = uvicorn.Server(uvicorn.Config(create_app(service, settings), host="127.0.0.1", port=0,
                                            log_level="warning", timeout_keep_alive=5))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -247,6 +248,13 @@ def test_health_ready_models(served):
     (card,) = served.client.models.list().data
     assert card.id == "tiny" and card.owned_by == "ms_rope_attention"
     assert served.http.get("/v1/models").json()["data"][0]["max_model_len"] == 512
+    served.service.ready = False  # as during the warm-up: alive, not ready
+    try:
+        assert httpx.get(served.url + "/health").status_code == 200
+        assert_error(httpx.get(served.url + "/ready"), 503, "loading")
+        assert_error(served.post("/v1/completions", json={"prompt": "w5"}), 503, "loading")
+    finally:
+        served.service.ready = True
 
 
 def test_greedy_tokens_equal_the_generators(served):
@@ -357,6 +365,12 @@ def test_errors_in_openai_shape(served):
     big = b'{"prompt": "' + b"w5 " * (BODY_LIMIT // 3) + b'"}'
     assert_error(post("/v1/completions", content=big), 413, "request_too_large")
     assert_error(post("/v1/completions", content=iter([big[:8000], big[8000:]])), 413, "request_too_large")  # chunked
+
+    def slow_body():
+        yield b'{"prompt": '
+        time.sleep(1.5)
+        yield b'"w5"}'
+    assert_error(post("/v1/completions", content=slow_body()), 408, "request_timeout")
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=served.url + "/v1", api_key="wrong", max_retries=0).models.list()
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
@@ -545,9 +559,12 @@ def test_sigterm_drains_then_exits_0(tmp_path):
         while True:
             assert process.poll() is None and time.monotonic() < deadline, Path(log.name).read_text()[-3000:]
             found = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", Path(log.name).read_text())
-            if found and httpx.get(found.group(1) + "/ready").status_code == 200:
-                url = found.group(1)
-                break
+            if found:
+                ready = httpx.get(found.group(1) + "/ready")
+                if ready.status_code == 200:
+                    url = found.group(1)
+                    break
+                assert_error(ready, 503, "loading")  # the warm-up runs with the port open
             time.sleep(0.2)
         first_chunk = threading.Event()
 

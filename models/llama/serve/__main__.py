@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (413 past it)")
     parser.add_argument("--stream-timeout", type=float, default=30.0,
                         help="seconds a client may leave a stream unread before its request is aborted")
+    parser.add_argument("--body-timeout", type=float, default=30.0,
+                        help="seconds a request's body may take to arrive (408 past it)")
     parser.add_argument("--timeout-keep-alive", type=int, default=5, help="seconds an idle connection stays open")
     parser.add_argument("--drain-timeout", type=float, default=300.0,
                         help="on SIGTERM, seconds to wait for running requests before shutting down anyway")
@@ -114,8 +116,12 @@ def main(argv=None) -> None:
     service = EngineService(generator, Metrics(name), max_waiting=args.max_waiting)
     settings = Settings(served_model_name=name, tokenizer=tokenizer, chat_template=template, api_key=api_key,
                         max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit,
-                        send_timeout_s=args.stream_timeout)
-    logging.getLogger("models.llama.serve").info(
+                        send_timeout_s=args.stream_timeout, body_timeout_s=args.body_timeout)
+    log = logging.getLogger("models.llama.serve")
+    if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s without an API key: anyone who reaches it may use it (set RFA_API_KEY)",
+                    args.host)
+    log.info(
         "serving %r (attention %s, %d KV blocks of %d, chat template %s, API key %s) on http://%s:%d",
         name, model.backend, generator.pool.usable, generator.block_size, template.name,
         "required" if api_key else "not required", args.host, args.port)

@@ -7,8 +7,8 @@
     GET  /metrics                                Prometheus text (metrics.py)
 
 A generation request is checked in this order, each refusal in OpenAI's error shape (errors.py):
-the API key (401, /v1 only), whether the server takes requests (503), the body's size (413), its
-JSON and fields (400 naming the field), the model name (404, compared with the served name only),
+the API key (401, /v1 only), whether the server takes requests (503), the body's size (413) and
+arrival (408), its JSON and fields (400 naming the field), the model name (404, compared with the served name only),
 the prompt's and completion's lengths (400: context, --max-tokens-limit, cache size), then the queue
 (429 with Retry-After). The body is read here (no body parameter), so nothing is parsed before the
 key is checked. No CORS middleware: browsers of other origins get no access.
@@ -50,6 +50,7 @@ class Settings:
     max_body_bytes: int = 4 << 20          # 413 past it
     max_tokens_limit: int | None = None    # 400 past it (None: the model's context)
     send_timeout_s: float = 30.0           # a client that stops reading this long is dropped
+    body_timeout_s: float = 30.0           # 408 when a body takes longer to arrive
     retry_after_s: int = 1                 # the 429's Retry-After
     owned_by: str = "ms_rope_attention"
 
@@ -167,7 +168,12 @@ def create_app(service: EngineService, settings: Settings) -> FastAPI:
             service.check_serving()
         except Unavailable as exc:
             raise unavailable(str(exc), exc.code) from None
-        body = parse(model, await _read_json(request, settings.max_body_bytes))
+        try:
+            data = await asyncio.wait_for(_read_json(request, settings.max_body_bytes), settings.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the body did not arrive within {settings.body_timeout_s:g} s",
+                           code="request_timeout") from None
+        body = parse(model, data)
         if body.model is not None and body.model != settings.served_model_name:
             raise APIError(404, f"the model '{body.model:.100}' does not exist; this server serves "
                            f"'{settings.served_model_name}'", param="model", code="model_not_found")

@@ -8,7 +8,7 @@ import json
 
 # OpenAI's error types by status (its API's own, where it has one).
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
                500: "server_error", 503: "service_unavailable"}
 
 
