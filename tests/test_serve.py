@@ -583,7 +583,9 @@ def test_sigterm_drains_then_exits_0(tmp_path):
             running = pool.submit(long_request)
             assert first_chunk.wait(60)
             waiting = pool.submit(long_request)
-            time.sleep(0.1)
+            while "vllm:num_requests_waiting{model_name=\"tiny\"} 1.0" not in httpx.get(url + "/metrics").text:
+                assert not running.done(), "the first request ended before the second was queued"
+                time.sleep(0.01)
             process.send_signal(signal.SIGTERM)
             time.sleep(0.3)
             assert_error(httpx.post(url + "/v1/completions", json={"prompt": "w5"}), 503, "draining")
