@@ -26,6 +26,7 @@ try:
     from fastapi import APIRouter, Depends, FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
+    from starlette.requests import ClientDisconnect
     from starlette.exceptions import HTTPException as StarletteHTTPException
 except ImportError as exc:  # the serve extra
     raise ImportError("models.llama.serve needs the serve extra: pip install 'ms_rope_attention[serve]'") from exc
@@ -65,11 +66,14 @@ async def _read_json(request: Request, limit: int):
         raise APIError(413, f"the body is {declared} bytes; this server takes at most {limit}",
                        code="request_too_large")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"the body is more than {limit} bytes, the most this server takes",
-                           code="request_too_large")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise APIError(413, f"the body is more than {limit} bytes, the most this server takes",
+                               code="request_too_large")
+    except ClientDisconnect:  # nobody reads the answer
+        raise APIError(400, "the client disconnected while sending the body", code="client_disconnected") from None
     try:
         return json.loads(body)
     except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep for the parser

@@ -132,11 +132,12 @@ class Completion:
             if text or self.finish_reason is not None:
                 yield text, self.finish_reason
 
-    def abort(self) -> None:
-        """The client left (or stopped reading): the engine drops the request before its next step."""
+    def abort(self, reason: str = "abort") -> None:
+        """The client left (or stopped reading; ``reason='error'``: its handling failed): the engine
+        drops the request before its next step. A no-op once it ended."""
         if self.ended is None and self.stream is not None:
             self.service.abort(self.stream)
-            self._end("abort")
+            self._end(reason)
 
     @property
     def usage(self) -> Usage:

@@ -165,7 +165,7 @@ class GenerationResponse(Response):
                                                                     code="internal_error")
             if not isinstance(exc, APIError):
                 log.exception("a request failed while generating")
-            completion.abort()
+            completion.abort("error")
             if not self._started:
                 await self._error(send, error)
             else:
