@@ -11,6 +11,7 @@ soak leaving the pool full, the metric names, and a drain on SIGTERM. Pure parts
 template, protocol) first, without the server.
 """
 import asyncio
+import inspect
 import json
 import os
 import re
@@ -129,6 +130,26 @@ def test_protocol_names_the_field(body, param):
     assert neutral.temperature == 0
     chat = parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]})
     assert chat.messages[0].text() == "a"
+
+
+def test_cli_passes_max_num_batched_tokens_only_when_given():
+    from models.llama.serve.__main__ import build_parser, generator_options
+
+    class Chunked(PagedGenerator):  # the chunked prefill's constructor argument, as it is to land
+        def __init__(self, model, *, max_num_batched_tokens: int | None = None, **kwargs):
+            pass
+
+    parser = build_parser()
+    plain = parser.parse_args(["--model", "tiny", "--no-prefix-caching", "--cache-gib", "0.5"])
+    assert generator_options(plain, parser) == generator_options(plain, parser, Chunked) == \
+        dict(block_size=16, max_batch=8, prefix_caching=False, max_cache_bytes=1 << 29)
+    chunked = parser.parse_args(["--model", "tiny", "--max-num-batched-tokens", "256"])
+    assert generator_options(chunked, parser, Chunked)["max_num_batched_tokens"] == 256
+    if "max_num_batched_tokens" not in inspect.signature(PagedGenerator.__init__).parameters:
+        with pytest.raises(SystemExit):
+            generator_options(chunked, parser)
+    with pytest.raises(SystemExit):
+        generator_options(parser.parse_args(["--model", "tiny", "--max-waiting", "0"]), parser)
 
 
 # ---- the server ----

@@ -85,21 +85,27 @@ def load(args):
     return model, tokenizer, ChatTemplate.from_directory(args.checkpoint), Path(args.checkpoint).resolve().name
 
 
-def main(argv=None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def generator_options(args, parser, generator=PagedGenerator) -> dict:
+    """``PagedGenerator``'s keyword arguments from the command line; ``max_num_batched_tokens`` only
+    when given (a generator without chunked prefill has no such argument: then it is refused)."""
     for name in ("max_batch", "max_waiting", "max_num_batched_tokens", "max_tokens_limit", "max_body_bytes"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')}: expected a positive number, got {value}")
-    generator_kwargs = dict(block_size=args.block_size, max_batch=args.max_batch,
-                            prefix_caching=not args.no_prefix_caching)
+    options = dict(block_size=args.block_size, max_batch=args.max_batch, prefix_caching=not args.no_prefix_caching)
     if args.cache_gib is not None:
-        generator_kwargs["max_cache_bytes"] = max(1, int(args.cache_gib * GIB))
+        options["max_cache_bytes"] = max(1, int(args.cache_gib * GIB))
     if args.max_num_batched_tokens is not None:
-        if "max_num_batched_tokens" not in inspect.signature(PagedGenerator.__init__).parameters:
+        if "max_num_batched_tokens" not in inspect.signature(generator.__init__).parameters:
             parser.error("--max-num-batched-tokens: this PagedGenerator has no chunked prefill yet")
-        generator_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+        options["max_num_batched_tokens"] = args.max_num_batched_tokens
+    return options
+
+
+def main(argv=None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    generator_kwargs = generator_options(args, parser)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     api_key = args.api_key or os.environ.get("RFA_API_KEY") or None
 
