@@ -17,7 +17,7 @@ KERNEL_SOURCES := $(wildcard ms_rope_attention/csrc/*) $(wildcard ms_rope_attent
 # An extra's requirements as pyproject.toml lists them (its one place), for installing them alone.
 EXTRA = $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['$(1)']))")
 
-.PHONY: test bench bench-full venv thirdparty clean sanitize fuzz
+.PHONY: test bench bench-full venv thirdparty clean sanitize fuzz serve
 
 venv: $(STAMP)
 
@@ -26,8 +26,13 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml setup.py $(KERNEL_SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test,bench]"
+	$(PY) -m pip install --quiet -e ".[test,bench,serve]"
 	touch $(STAMP)
+
+# The OpenAI-compatible HTTP server on the tiny model (random weights, a word-level tokenizer) at
+# http://127.0.0.1:8000; a checkpoint: python -m models.llama.serve --checkpoint DIR (docs/serving.md).
+serve: $(STAMP)
+	$(PY) -m models.llama.serve --model tiny
 
 # The suite in parallel worker processes (pytest-xdist): most of its time is MindSpore compiling
 # graphs on one thread. At most 4 workers: each holds its own MindSpore (about 1-2 GB). Tests marked

@@ -21,6 +21,17 @@ class Tokenizer:
         return self._decode([int(i) for i in ids])
 
     @classmethod
+    def words(cls, vocab_size: int, bos_id: int | None = None) -> "Tokenizer":
+        """A stand-in for a preset's random weights (``--model tiny``): id i is the word ``w<i>``
+        (``tokenizers``' WordLevel, split on whitespace; an unknown word is ``w0``), so any text
+        encodes and any ids decode, e.g. ``[5, 9]`` to ``"w5 w9"``."""
+        from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
+
+        tok = HFTokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        return cls(lambda text: tok.encode(text).ids, lambda ids: tok.decode(ids), bos_id)
+
+    @classmethod
     def from_directory(cls, directory: str | Path, bos_id: int | None = None) -> "Tokenizer | None":
         """The directory's tokenizer, or None when it has none (then prompts are given as ids)."""
         directory = Path(directory)

@@ -1,0 +1,150 @@
+"""One request's life between the HTTP API and the engine thread: its limits checked
+(``plan``), then its tokens turned into text pieces with a finish reason (``Completion``).
+
+``plan`` refuses, before anything is queued, what could never run: a prompt and ``max_tokens``
+past the model's context (``context_length_exceeded``), past ``--max-tokens-limit``, or needing more
+KV blocks than the whole cache has. A ``Completion`` submits the request (429 when the queue is
+full, 503 when the server does not take requests), then yields its text as the engine's tokens
+arrive, through the incremental detokenizer (stop strings across tokens, incomplete characters held
+back). The token that ended a request (EOS, ``stop_token_ids``) is counted but not shown; a stop
+string ends the request in the engine at once. Every request ends exactly once, with a reason
+counted in ``vllm:request_success_total``: stop, length, abort (the client left) or error.
+"""
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from ..engine.block_pool import blocks_for
+from .detokenizer import IncrementalDetokenizer
+from .errors import APIError, bad_request
+from .protocol import Usage
+from .scheduler import EngineService, Overloaded, Submission, Unavailable
+
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens of /v1/completions
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a request is checked against: the model's and the server's bounds."""
+    max_model_len: int       # prompt + completion tokens
+    max_tokens_limit: int    # --max-tokens-limit
+    block_size: int
+    cache_blocks: int        # blocks one request may hold at most (the whole pool)
+    vocab_size: int
+    eos_ids: tuple[int, ...]  # the model's
+
+    @classmethod
+    def of(cls, generator, max_tokens_limit: int | None) -> "Limits":
+        model = generator.model
+        return cls(model.max_positions, max_tokens_limit or model.max_positions, generator.block_size,
+                   generator.pool.usable, model.vocab_size, tuple(model.config.eos_token_ids))
+
+
+def plan(request, prompt: list[int], limits: Limits, *, max_tokens: int | None, prompt_param: str) -> Submission:
+    """The engine's request for ``request`` (a validated protocol request) and its prompt ids."""
+    if not prompt:
+        raise bad_request("the prompt is empty", prompt_param)
+    if any(not 0 <= t < limits.vocab_size for t in prompt):
+        raise bad_request(f"token ids must be in [0, {limits.vocab_size})", prompt_param)
+    if max_tokens is not None and max_tokens > limits.max_tokens_limit:
+        raise bad_request(f"max_tokens: {max_tokens} is more than this server allows ({limits.max_tokens_limit})",
+                          "max_tokens")
+    room = limits.max_model_len - len(prompt)
+    if max_tokens is None:  # OpenAI's defaults, within what is left of the context
+        max_tokens = min(limits.max_tokens_limit, room,
+                         room if prompt_param == "messages" else DEFAULT_COMPLETION_TOKENS)
+    if room < 1 or len(prompt) + max_tokens > limits.max_model_len:
+        raise APIError(400, f"This model's maximum context length is {limits.max_model_len} tokens. However, you "
+                       f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the {prompt_param}, "
+                       f"{max_tokens} in the completion). Please reduce the length of the {prompt_param} or "
+                       "completion.", param=prompt_param if room < 1 else "max_tokens",
+                       code="context_length_exceeded")
+    need = blocks_for(len(prompt) + max_tokens - 1, limits.block_size)
+    if need > limits.cache_blocks:
+        raise bad_request(f"{len(prompt)} prompt tokens + {max_tokens} new tokens need {need} KV cache blocks of "
+                          f"{limits.block_size} positions; this server's cache holds {limits.cache_blocks}",
+                          "max_tokens", code="exceeds_kv_cache")
+    stop_ids = tuple(request.stop_token_ids or ())
+    if any(not 0 <= t < limits.vocab_size for t in stop_ids):
+        raise bad_request(f"token ids must be in [0, {limits.vocab_size})", "stop_token_ids")
+    eos = (() if request.ignore_eos else limits.eos_ids) + stop_ids
+    top_k = request.top_k or 0
+    return Submission(prompt=list(prompt), max_tokens=max_tokens,
+                      temperature=1.0 if request.temperature is None else request.temperature,
+                      top_k=0 if top_k < 0 else top_k, top_p=1.0 if request.top_p is None else request.top_p,
+                      seed=secrets.randbits(63) if request.seed is None else request.seed,
+                      eos_ids=tuple(dict.fromkeys(eos)))
+
+
+class Completion:
+    """``start()`` submits and waits for the engine to take the request; ``pieces()`` then yields
+    ``(text, finish_reason)``, finish_reason set on the last; ``abort()`` ends it early."""
+
+    def __init__(self, service: EngineService, submission: Submission, decode: Callable[[list[int]], str],
+                 stop: tuple[str, ...] = (), retry_after_s: int = 1):
+        self.service, self.submission = service, submission
+        self.detokenizer = IncrementalDetokenizer(decode, submission.prompt, stop)
+        self.end_ids = frozenset(submission.eos_ids)
+        self.retry_after_s = retry_after_s
+        self.stream = None
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.ended: str | None = None  # the reason it ended with, once
+
+    async def start(self) -> None:
+        try:
+            self.stream = self.service.submit(self.submission, asyncio.get_running_loop())
+        except Overloaded as exc:
+            raise APIError(429, f"the server is busy: {exc}; retry later", code="queue_full",
+                           headers={"Retry-After": str(self.retry_after_s)}) from None
+        except Unavailable as exc:
+            raise APIError(503, str(exc), code=exc.code) from None
+        event = await self.stream.next()
+        if event.error is not None:
+            self._end("error")
+            if isinstance(event.error, ValueError):  # the engine refused it (checked above; a race)
+                raise bad_request(f"refused by the engine: {event.error}", None, code="rejected")
+            raise APIError(500, "the engine failed to take the request", code="engine_error")
+
+    async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
+        detok = self.detokenizer
+        while self.finish_reason is None:
+            event = await self.stream.next()
+            if event.error is not None:
+                self._end("error")
+                raise APIError(500, f"generation failed: {event.error}", code="engine_error")
+            self.completion_tokens += 1
+            if event.finished and event.token in self.end_ids:
+                text, self.finish_reason = detok.finish(), "stop"
+            else:
+                text = detok.add(event.token)
+                if detok.stopped:
+                    self.finish_reason = "stop"
+                    if not event.finished:
+                        self.service.abort(self.stream)
+                elif event.finished:
+                    text, self.finish_reason = text + detok.finish(), "length"
+            if self.finish_reason is not None:
+                self._end(self.finish_reason)
+            if text or self.finish_reason is not None:
+                yield text, self.finish_reason
+
+    def abort(self, reason: str = "abort") -> None:
+        """The client left (or stopped reading; ``reason='error'``: its handling failed): the engine
+        drops the request before its next step. A no-op once it ended."""
+        if self.ended is None and self.stream is not None:
+            self.service.abort(self.stream)
+            self._end(reason)
+
+    @property
+    def usage(self) -> Usage:
+        cached = self.stream.cached_tokens if self.stream is not None else 0
+        return Usage.of(len(self.submission.prompt), self.completion_tokens, cached)
+
+    def _end(self, reason: str) -> None:
+        if self.ended is None:
+            self.ended = reason
+            self.service.metrics.finished(reason, self.service.clock() - self.stream.arrival)

@@ -1,0 +1,621 @@
+"""The HTTP server (models/llama/serve) over real HTTP: one uvicorn server for the file, in a thread of
+this process (so the tests can look into its engine's pool), on the tiny model with random weights and
+the word-level tokenizer (token i is the word "w<i>"); the official ``openai`` client (no retries)
+and httpx drive it. The SIGTERM drain runs a server of its own in a subprocess.
+
+Checked: streamed and whole completions and chat completions against the generator's own greedy
+tokens, usage with the prefix cache's hit, ignore_eos, stop strings across token boundaries, every
+refusal's status and OpenAI-shaped body, a client leaving mid-stream or mid-wait (its blocks back in
+the pool), a reader that stalls, a failing engine step ending its request only, a bounded concurrent
+soak leaving the pool full, the metric names, and a drain on SIGTERM. Pure parts (detokenizer, chat
+template, protocol) first, without the server.
+"""
+import asyncio
+import inspect
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")  # the serve extra; make test installs it
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+import mindspore as ms  # noqa: E402
+
+from models.llama.config import preset  # noqa: E402
+from models.llama.engine import PagedGenerator  # noqa: E402
+from models.llama.model import LlamaForCausalLM  # noqa: E402
+from models.llama.serve.app import Settings, create_app  # noqa: E402
+from models.llama.serve.chat_template import LLAMA2_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError  # noqa: E402
+from models.llama.serve.completion import Completion  # noqa: E402
+from models.llama.serve.detokenizer import IncrementalDetokenizer  # noqa: E402
+from models.llama.serve.errors import APIError  # noqa: E402
+from models.llama.serve.metrics import Metrics  # noqa: E402
+from models.llama.serve.protocol import ChatCompletionRequest, CompletionRequest, parse  # noqa: E402
+from models.llama.serve.responses import GenerationResponse, TextFormat  # noqa: E402
+from models.llama.serve.scheduler import EngineService, Submission  # noqa: E402
+from models.llama.tokenizer import Tokenizer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+# One server for the file: its tests run in one worker, in order.
+pytestmark = pytest.mark.xdist_group("serve")
+
+API_KEY = "test-key-5d1f"
+MAX_BATCH, MAX_WAITING, TOKENS_LIMIT, BODY_LIMIT = 4, 8, 64, 16 << 10
+PROMPTS = [[1, 5, 9, 77], [1] + list(range(100, 137))]  # the second crosses two blocks of 16
+NEW = 12
+
+
+def words(text: str) -> list[int]:
+    """The word-level tokenizer's ids back from a text."""
+    return [int(w[1:]) for w in text.split()]
+
+
+# ---- pure parts ----
+def byte_decode(ids):
+    """A byte-level tokenizer's decode: token i is byte i; partial UTF-8 comes out as U+FFFD."""
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_detokenizer_holds_back_a_partial_character():
+    ids = list("é€x".encode())  # 2 + 3 + 1 bytes
+    detok = IncrementalDetokenizer(byte_decode, [65])
+    pieces = [detok.add(t) for t in ids]
+    assert pieces == ["", "é", "", "", "€", "x"]
+    assert detok.finish() == ""
+    ended = IncrementalDetokenizer(byte_decode, [65])
+    assert [ended.add(t) for t in "a€".encode()[:2]] == ["a", ""]
+    assert ended.finish() == "\ufffd"  # what is left at the end, as the decoder renders it
+
+
+def test_detokenizer_stop_strings_across_tokens():
+    detok = IncrementalDetokenizer(byte_decode, [65], stop=["cde", "zz"])
+    out = [detok.add(t) for t in b"abcdef"]
+    assert out == ["a", "b", "", "", "", ""] and detok.stopped and detok.text == "ab"  # "f" ignored
+    held = IncrementalDetokenizer(byte_decode, [65], stop=["cde"])
+    assert [held.add(t) for t in b"abcd"] == ["a", "b", "", ""]
+    assert held.finish() == "cd"  # ended without the stop string: what was held back is released
+    words_tok = Tokenizer.words(256)
+    split = IncrementalDetokenizer(words_tok.decode, [1, 5], stop=["2 w3"])
+    assert [split.add(t) for t in (12, 34, 56)] == [" w1", "", ""]
+    assert split.stopped and split.text == " w1"
+
+
+def test_chat_templates(tmp_path):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
+    llama2 = ChatTemplate.from_directory(None)
+    assert llama2.render(messages) == ("<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST] Hello </s>"
+                                       "<s>[INST] Bye [/INST]")
+    with pytest.raises(ChatTemplateError, match="alternate"):
+        llama2.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": {"content": "<|begin|>"}, "eos_token": "<|end|>",
+        "chat_template": "{{ bos_token }}{% for m in messages %}{{ m.role }}:{{ m.content | tojson }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant:{% endif %}"}))
+    own = ChatTemplate.from_directory(tmp_path)
+    assert own.render(messages[1:2]) == '<|begin|>user:"Hi"\nassistant:'
+    for source in ("{{ messages.append(1) }}", "{{ ''.__class__.__mro__[1].__subclasses__() }}"):
+        (tmp_path / "chat_template.jinja").write_text(source)  # takes precedence over tokenizer_config.json
+        with pytest.raises(ChatTemplateError):  # the sandbox refuses mutation and Python's internals
+            ChatTemplate.from_directory(tmp_path).render(messages)
+    assert ChatTemplate(LLAMA2_CHAT_TEMPLATE).name == "llama2"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "n": 2}, "n"), ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "temperature": float("nan")}, "temperature"), ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ({"prompt": "x", "top_p": 0}, "top_p"), ({"prompt": "x", "stop": [""]}, "stop"), ({}, "prompt"),
+    ({"prompt": "x", "presence_penalty": 1.5}, "presence_penalty"), ({"prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"prompt": "x", "seed": -1}, "seed"), ({"prompt": {"a": 1}}, "prompt"),
+])
+def test_protocol_names_the_field(body, param):
+    with pytest.raises(APIError) as info:
+        parse(CompletionRequest, body)
+    assert info.value.status == 400 and info.value.param.split(".")[0] == param, info.value.message
+    neutral = parse(CompletionRequest, {"prompt": "x", "presence_penalty": 0, "user": "u", "temperature": 0})
+    assert neutral.temperature == 0
+    chat = parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]})
+    assert chat.messages[0].text() == "a"
+
+
+def test_cli_passes_max_num_batched_tokens_only_when_given():
+    from models.llama.serve.__main__ import build_parser, generator_options
+
+    class Chunked(PagedGenerator):  # the chunked prefill's constructor argument, as it is to land
+        def __init__(self, model, *, max_num_batched_tokens: int | None = None, **kwargs):
+            pass
+
+    parser = build_parser()
+    plain = parser.parse_args(["--model", "tiny", "--no-prefix-caching", "--cache-gib", "0.5"])
+    assert generator_options(plain, parser) == generator_options(plain, parser, Chunked) == \
+        dict(block_size=16, max_batch=8, prefix_caching=False, max_cache_bytes=1 << 29)
+    chunked = parser.parse_args(["--model", "tiny", "--max-num-batched-tokens", "256"])
+    assert generator_options(chunked, parser, Chunked)["max_num_batched_tokens"] == 256
+    if "max_num_batched_tokens" not in inspect.signature(PagedGenerator.__init__).parameters:
+        with pytest.raises(SystemExit):
+            generator_options(chunked, parser)
+    with pytest.raises(SystemExit):
+        generator_options(parser.parse_args(["--model", "tiny", "--max-waiting", "0"]), parser)
+
+
+# ---- the server ----
+class Served:
+    def __init__(self, url, service, generator, tokenizer, reference):
+        self.url, self.service, self.generator, self.tokenizer = url, service, generator, tokenizer
+        self.reference = reference
+        self.client = self.new_client()
+        self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+
+    def new_client(self, max_retries=0):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=max_retries, timeout=60)
+
+    def post(self, path, **kwargs):
+        """A request of its own (any thread)."""
+        return httpx.post(self.url + path, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60, **kwargs)
+
+    def metrics(self) -> dict:
+        """{(name, (label, value), ...): value} of every sample /metrics shows."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return {(s.name, *sorted((k, v) for k, v in s.labels.items() if k != "model_name")): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def wait_idle(self, timeout=20.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.service.idle() and not self.service._aborts:
+                time.sleep(0.05)  # the engine thread's gauges follow its last turn
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"not idle after {timeout} s: in flight {self.service.in_flight}, "
+                             f"running {self.service.running}, waiting {self.service.waiting}")
+
+    def assert_pool_full(self):
+        self.wait_idle()
+        pool = self.generator.pool
+        assert pool.available == pool.usable, (pool.available, pool.usable)
+        m = self.metrics()
+        assert m[("vllm:num_requests_running",)] == 0 and m[("vllm:num_requests_waiting",)] == 0
+        assert m[("vllm:kv_cache_usage_perc",)] == 0
+
+
+@pytest.fixture(scope="module")
+def served():
+    previous = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    config = preset("tiny")
+    model = LlamaForCausalLM(config, backend="fused")
+    generator = PagedGenerator(model, max_batch=MAX_BATCH)
+    # The generator's own greedy tokens, before it serves (it keeps their prefixes cached).
+    reference = {tuple(p): generator.generate([p], NEW, eos_ids=()).tokens[0] for p in PROMPTS}
+    tokenizer = Tokenizer.words(config.vocab_size, config.bos_token_id)
+    service = EngineService(generator, Metrics("tiny"), max_waiting=MAX_WAITING)
+    settings = Settings("tiny", tokenizer, ChatTemplate.from_directory(None), api_key=API_KEY,
+                        max_body_bytes=BODY_LIMIT, max_tokens_limit=TOKENS_LIMIT, send_timeout_s=30.0,
+                        body_timeout_s=1.0)
+    server = uvicorn.Server(uvicorn.Config(create_app(service, settings), host="127.0.0.1", port=0,
+                                           log_level="warning", timeout_keep_alive=5))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not (server.started and service.ready):
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield Served(f"http://127.0.0.1:{port}", service, generator, tokenizer, reference)
+    server.should_exit = True
+    thread.join(30)
+    ms.set_context(mode=previous)
+
+
+@contextmanager
+def held_engine(generator):
+    """The engine thread's next step waits until the block ends."""
+    gate = threading.Event()
+    step = generator.step
+
+    def held():
+        gate.wait()
+        return step()
+    generator.step = held
+    try:
+        yield
+    finally:
+        del generator.step
+        gate.set()
+
+
+@contextmanager
+def slow_engine(generator, seconds=0.05):
+    step = generator.step
+
+    def slow():
+        time.sleep(seconds)
+        return step()
+    generator.step = slow
+    try:
+        yield
+    finally:
+        del generator.step
+
+
+def assert_error(response, status, code=None, param=None):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if code is not None:
+        assert error["code"] == code, error
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def test_health_ready_models(served):
+    assert httpx.get(served.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(served.url + "/ready").status_code == 200
+    (card,) = served.client.models.list().data
+    assert card.id == "tiny" and card.owned_by == "ms_rope_attention"
+    assert served.http.get("/v1/models").json()["data"][0]["max_model_len"] == 512
+    served.service.ready = False  # as during the warm-up: alive, not ready
+    try:
+        assert httpx.get(served.url + "/health").status_code == 200
+        assert_error(httpx.get(served.url + "/ready"), 503, "loading")
+        assert_error(served.post("/v1/completions", json={"prompt": "w5"}), 503, "loading")
+    finally:
+        served.service.ready = True
+
+
+def test_greedy_tokens_equal_the_generators(served):
+    for prompt, expected in served.reference.items():
+        got = served.client.completions.create(model="tiny", prompt=list(prompt), max_tokens=NEW, temperature=0,
+                                               extra_body={"ignore_eos": True})
+        assert words(got.choices[0].text) == expected and got.choices[0].finish_reason == "length"
+        assert got.usage.prompt_tokens == len(prompt) and got.usage.completion_tokens == NEW
+        chunks = list(served.client.completions.create(model="tiny", prompt=list(prompt), max_tokens=NEW,
+                                                       temperature=0, stream=True, extra_body={"ignore_eos": True}))
+        assert words("".join(c.choices[0].text for c in chunks)) == expected
+        assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    text = served.client.completions.create(model="tiny", prompt="w5 w9 w77", max_tokens=NEW, temperature=0,
+                                            extra_body={"ignore_eos": True}).choices[0].text
+    assert words(text) == served.reference[(1, 5, 9, 77)]  # the tokenizer adds BOS
+
+
+def test_chat_streams_role_text_and_usage(served):
+    messages = [{"role": "system", "content": "w7 w8"}, {"role": "user", "content": "w9 w10 w11"}]
+    whole = served.client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=10,
+                                                  temperature=0, extra_body={"ignore_eos": True})
+    assert whole.choices[0].message.role == "assistant" and len(words(whole.choices[0].message.content)) == 10
+    chunks = list(served.client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                                        stream=True, stream_options={"include_usage": True},
+                                                        extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and len({c.id for c in chunks}) == 1
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 16  # the same messages, just computed
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == whole.choices[0].message.content
+
+
+def test_cached_tokens_of_a_repeated_prompt(served):
+    prompt = [1] + [int(t) for t in np.random.default_rng(7).integers(3, 256, 39)]
+    hits = served.metrics()[("vllm:prefix_cache_hits_total",)]
+    first = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    again = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=2, stream=True,
+                                             stream_options={"include_usage": True})
+    usage = list(again)[-1].usage
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert 32 <= usage.prompt_tokens_details.cached_tokens <= 39  # two whole blocks, maybe half a third
+    assert served.metrics()[("vllm:prefix_cache_hits_total",)] - hits == usage.prompt_tokens_details.cached_tokens
+
+
+def test_ignore_eos_and_stop_token_ids(served):
+    prompt = list(PROMPTS[0])
+    full = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    assert full.usage.completion_tokens == 40 and len(words(full.choices[0].text)) == 40
+    ids = words(full.choices[0].text)
+    end = next(i for i, t in enumerate(ids) if t not in ids[:i] and i >= 3)  # its first occurrence
+    stopped = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=0,
+                                               extra_body={"ignore_eos": True, "stop_token_ids": [ids[end]]})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == end + 1
+    assert words(stopped.choices[0].text) == ids[:end]  # the ending token is not shown
+
+
+def test_stop_strings_across_token_boundaries(served):
+    prompt = list(PROMPTS[0])
+    text = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=NEW, temperature=0,
+                                            extra_body={"ignore_eos": True}).choices[0].text
+    pieces = text.split(" ")[1:]  # ' w147 w179 ...'
+    for stop, last in ((pieces[2][-1] + " " + pieces[3][:2], 3),                     # two tokens
+                       (pieces[4][-1] + " " + pieces[5] + " " + pieces[6][:2], 6)):  # three
+        assert text.find(stop) > 0
+        expected = text[:text.find(stop)]
+        whole = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=NEW, temperature=0,
+                                                 stop=[stop, "never"], extra_body={"ignore_eos": True})
+        assert whole.choices[0].text == expected and whole.choices[0].finish_reason == "stop"
+        assert whole.usage.completion_tokens <= last + 1
+        chunks = list(served.client.completions.create(model="tiny", prompt=prompt, max_tokens=NEW, temperature=0,
+                                                        stop=stop, stream=True, extra_body={"ignore_eos": True}))
+        assert "".join(c.choices[0].text for c in chunks) == expected
+        assert chunks[-1].choices[0].finish_reason == "stop"
+    served.assert_pool_full()
+
+
+def test_errors_in_openai_shape(served):
+    http, post = served.http, served.http.post
+    long_prompt = [1] + [5] * 499
+    error = assert_error(post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 40}), 400,
+                         "context_length_exceeded", "max_tokens")
+    assert "maximum context length is 512 tokens" in error["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        served.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w5 " * 600}])
+    assert info.value.code == "context_length_exceeded"
+    assert_error(post("/v1/completions", json={"prompt": "w5", "max_tokens": TOKENS_LIMIT + 1}), 400,
+                 param="max_tokens")
+    with pytest.raises(openai.NotFoundError) as info:
+        served.client.completions.create(model="../../etc/passwd", prompt="w5")
+    assert info.value.code == "model_not_found"
+    assert_error(post("/v1/completions", json={"prompt": "w5", "n": 3}), 400, param="n")
+    assert_error(post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}), 400,
+                 param="messages.0.role")
+    assert_error(post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"},
+                                                                 {"role": "user", "content": "b"}]}), 400,
+                 param="messages")  # the template's raise_exception
+    assert_error(post("/v1/completions", json={"prompt": [1, 256]}), 400, param="prompt")
+    assert_error(post("/v1/completions", content=b'{"prompt": "w5 \\ud800"}'), 400, param="prompt")  # a lone surrogate
+    assert_error(post("/v1/completions", json={"prompt": "w1", "stream_options": {"include_usage": True}}), 400,
+                 param="stream_options")
+    assert_error(post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}), 400,
+                 "invalid_json")
+    assert_error(post("/v1/completions", content=b"[" * 5000 + b"]" * 5000), 400, "invalid_body")
+    assert_error(post("/v1/completions", content=b'{"prompt": ' + b"[" * 7000 + b"]" * 7000 + b"}"), 400,
+                 param="prompt")
+    big = b'{"prompt": "' + b"w5 " * (BODY_LIMIT // 3) + b'"}'
+    assert_error(post("/v1/completions", content=big), 413, "request_too_large")
+    assert_error(post("/v1/completions", content=iter([big[:8000], big[8000:]])), 413, "request_too_large")  # chunked
+
+    def slow_body():
+        yield b'{"prompt": '
+        time.sleep(1.5)
+        yield b'"w5"}'
+    assert_error(post("/v1/completions", content=slow_body()), 408, "request_timeout")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=served.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        error = assert_error(httpx.post(served.url + "/v1/completions", json={"prompt": "w5"}, headers=headers), 401,
+                             "invalid_api_key")
+        assert API_KEY not in json.dumps(error)
+    assert_error(httpx.get(served.url + "/v1/models"), 401)
+    assert_error(http.get("/v1/nothing"), 404)
+    assert_error(http.get("/v1/completions"), 405)
+    assert httpx.get(served.url + "/health").status_code == 200  # nothing above hurt the server
+
+
+def test_queue_full_is_429_with_retry_after(served):
+    pool = ThreadPoolExecutor(MAX_WAITING)
+    with held_engine(served.generator):
+        futures = [pool.submit(served.post, "/v1/completions", json={"prompt": "w5", "max_tokens": 2})
+                   for _ in range(MAX_WAITING)]
+        deadline = time.monotonic() + 10
+        while served.service.waiting < MAX_WAITING:
+            assert time.monotonic() < deadline, served.service.waiting
+            time.sleep(0.01)
+        response = served.http.post("/v1/completions", json={"prompt": "w5", "max_tokens": 2})
+        assert_error(response, 429, "queue_full")
+        assert int(response.headers["retry-after"]) >= 1
+        with pytest.raises(openai.RateLimitError):
+            served.client.completions.create(model="tiny", prompt="w5", max_tokens=2)
+        assert_error(httpx.get(served.url + "/ready"), 503, "saturated")
+    assert all(f.result().status_code == 200 for f in futures)
+    pool.shutdown()
+    served.assert_pool_full()
+
+
+def test_client_leaving_mid_stream_frees_its_blocks(served):
+    before = served.metrics()
+    with slow_engine(served.generator):
+        stream = served.client.completions.create(model="tiny", prompt=list(PROMPTS[1]), max_tokens=60,
+                                                  stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks), next(chunks)
+        assert served.service.running == 1 and served.generator.pool.available < served.generator.pool.usable
+        stream.close()
+        left = time.monotonic()
+        served.wait_idle(timeout=2.0)  # 60 tokens at 50 ms a step would take 3 s
+        assert time.monotonic() - left < 2.0
+    served.assert_pool_full()
+    after = served.metrics()
+    assert after[("vllm:request_success_total", ("finished_reason", "abort"))] == \
+        before[("vllm:request_success_total", ("finished_reason", "abort"))] + 1
+    assert after[("vllm:generation_tokens_total",)] - before[("vllm:generation_tokens_total",)] < 60
+
+
+def test_client_leaving_a_whole_response_frees_its_blocks(served):
+    with slow_engine(served.generator):
+        with pytest.raises(httpx.ReadTimeout):
+            served.http.post("/v1/completions", json={"prompt": "w5", "max_tokens": 60, "ignore_eos": True},
+                             timeout=httpx.Timeout(60, read=0.5))
+        served.wait_idle(timeout=2.0)
+    served.assert_pool_full()
+
+
+def test_a_stalled_reader_is_dropped(served):
+    """A client that stops reading: the write of its first chunk never ends; after the send timeout
+    the request is aborted and the connection given up, long before its tokens would be done."""
+    async def stalled():
+        completion = Completion(served.service, Submission(prompt=[1, 5, 6], max_tokens=60, eos_ids=()),
+                                served.tokenizer.decode)
+
+        async def receive():
+            await asyncio.Event().wait()  # the client is still connected
+
+        async def send(message):
+            if message["type"] == "http.response.body":
+                await asyncio.Event().wait()  # its socket is full
+        response = GenerationResponse(completion, TextFormat("tiny"), stream=True, send_timeout=0.3)
+        t0 = time.monotonic()
+        await asyncio.wait_for(response({}, receive, send), 10)
+        return completion, time.monotonic() - t0
+
+    with slow_engine(served.generator):
+        completion, seconds = asyncio.run(stalled())
+        assert completion.ended == "abort" and seconds < 2.0
+        served.wait_idle(timeout=2.0)
+    served.assert_pool_full()
+
+
+def test_a_failing_step_ends_its_requests_only(served):
+    """A step that raises inside the generator (here its prefill call) ends the requests of that
+    step, each with a 500 in OpenAI's shape; the engine thread and the next requests carry on."""
+    generator, failed = served.generator, []
+    run_prefill = generator._run_prefill
+
+    def fail_once(requests):
+        if not failed:
+            failed.append(1)
+            raise RuntimeError("injected")
+        return run_prefill(requests)
+    generator._run_prefill = fail_once
+    try:
+        assert_error(served.post("/v1/completions", json={"prompt": "w5", "max_tokens": 3}), 500, "engine_error")
+    finally:
+        del generator._run_prefill
+    run_decode, failed = generator._run_decode, []
+
+    def fail_third(requests):
+        failed.append(1)
+        if len(failed) == 3:
+            raise RuntimeError("injected")
+        return run_decode(requests)
+    generator._run_decode = fail_third
+    try:  # after the headers: an error event in OpenAI's shape ends the stream
+        stream = served.client.completions.create(model="tiny", prompt="w5", max_tokens=10, stream=True,
+                                                  extra_body={"ignore_eos": True})
+        with pytest.raises(openai.APIError, match="generation failed"):
+            list(stream)
+    finally:
+        del generator._run_decode
+    ok = served.client.completions.create(model="tiny", prompt="w5", max_tokens=3, extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 3 and httpx.get(served.url + "/health").status_code == 200
+    served.assert_pool_full()
+
+
+def test_concurrent_soak_leaves_the_pool_full(served):
+    """32 requests, 8 at a time, of both endpoints, streamed or not; every fourth stream is dropped
+    after its first chunk. A dropped request holds its place until the engine's next turn, so a
+    request may find the queue full for a moment: the clients retry a 429 as OpenAI's does."""
+    rng = np.random.default_rng(3)
+    jobs = [(i, int(rng.integers(2, 20)), [1] + [int(t) for t in rng.integers(3, 256, int(rng.integers(1, 40)))])
+            for i in range(32)]
+
+    def run(job):
+        i, max_tokens, prompt = job
+        extra, client = {"ignore_eos": True}, served.new_client(max_retries=3)
+        if i % 4 == 3:
+            stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, stream=True,
+                                               extra_body=extra)
+            next(iter(stream))
+            stream.close()
+            return "dropped"
+        if i % 2:
+            chunks = list(client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": " ".join(f"w{t}" for t in prompt)}],
+                max_tokens=max_tokens, stream=True, stream_options={"include_usage": True}, extra_body=extra))
+            assert chunks[-1].usage.completion_tokens == max_tokens
+            return "streamed"
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, extra_body=extra,
+                                        temperature=0.8, seed=i)
+        assert out.usage.completion_tokens == max_tokens and len(words(out.choices[0].text)) == max_tokens
+        return "whole"
+
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(run, jobs))
+    assert outcomes.count("dropped") == 8
+    served.assert_pool_full()
+
+
+def test_metric_names(served):
+    m = served.metrics()
+    names = {key[0] for key in m}
+    for name in ("vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
+                 "vllm:request_prefill_time_seconds_bucket", "vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total"):
+        assert name in names, name
+    assert m[("rfa:attention_path_total", ("path", "fused:CPU"), ("phase", "prefill"))] > 0
+    assert m[("rfa:attention_path_total", ("path", "paged:CPU"), ("phase", "decode"))] > 0
+    assert not any(k[0] == "rfa:attention_path_total" and ("path", "unfused") in k for k in m)
+    assert m[("vllm:request_success_total", ("finished_reason", "length"))] > 0
+    assert m[("vllm:request_success_total", ("finished_reason", "stop"))] > 0
+    assert m[("vllm:prefix_cache_hits_total",)] > 0
+    assert 'model_name="tiny"' in httpx.get(served.url + "/metrics").text
+
+
+# ---- a process of its own ----
+def test_sigterm_drains_then_exits_0(tmp_path):
+    """SIGTERM while a request streams and another waits (one sequence a step): new requests get
+    503 and /ready 503; both finish whole; the process exits 0."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("RFA_API_KEY", None)
+    log = open(tmp_path / "server.log", "w+")
+    process = subprocess.Popen([sys.executable, "-m", "models.llama.serve", "--model", "tiny", "--port", "0",
+                                "--max-batch", "1", "--log-level", "info"], cwd=ROOT, env=env,
+                               stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url, deadline = None, time.monotonic() + 120
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, Path(log.name).read_text()[-3000:]
+            found = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", Path(log.name).read_text())
+            if found:
+                ready = httpx.get(found.group(1) + "/ready")
+                if ready.status_code == 200:
+                    url = found.group(1)
+                    break
+                assert_error(ready, 503, "loading")  # the warm-up runs with the port open
+            time.sleep(0.2)
+        first_chunk = threading.Event()
+
+        def long_request():
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+            stream = client.completions.create(model="tiny", prompt="w5 w6", max_tokens=500, stream=True,
+                                               extra_body={"ignore_eos": True})
+            text, reason = [], None
+            for chunk in stream:
+                first_chunk.set()
+                text.append(chunk.choices[0].text)
+                reason = chunk.choices[0].finish_reason or reason
+            return len(words("".join(text))), reason
+
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(long_request)
+            assert first_chunk.wait(60)
+            waiting = pool.submit(long_request)
+            while "vllm:num_requests_waiting{model_name=\"tiny\"} 1.0" not in httpx.get(url + "/metrics").text:
+                assert not running.done(), "the first request ended before the second was queued"
+                time.sleep(0.01)
+            process.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            assert_error(httpx.post(url + "/v1/completions", json={"prompt": "w5"}), 503, "draining")
+            assert_error(httpx.get(url + "/ready"), 503, "draining")
+            assert running.result(timeout=60) == (500, "length")
+            assert waiting.result(timeout=60) == (500, "length")
+        assert process.wait(timeout=60) == 0, Path(log.name).read_text()[-3000:]
+        assert "drained: shutting down" in Path(log.name).read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
