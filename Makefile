@@ -26,7 +26,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml setup.py $(KERNEL_SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test,bench,serve]"
+	$(PY) -m pip install --quiet -e ".[test,bench,serve,clients]"
 	touch $(STAMP)
 
 # The OpenAI-compatible HTTP server on the tiny model (random weights, a word-level tokenizer) at
