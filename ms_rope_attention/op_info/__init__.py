@@ -1,6 +1,6 @@
-"""The five ops' contracts (``rotary_flash_attention.yaml``; the paged cache's
-``rotary_paged_attention.yaml`` and ``rotary_cache_write.yaml``; the projection's ``linear.yaml``
-and ``embedding.yaml``) and what is generated from them.
+"""The six ops' contracts (``rotary_flash_attention.yaml``; the paged cache's
+``rotary_paged_attention.yaml`` and ``rotary_cache_write.yaml``; the CPU ops around the attention:
+``linear.yaml``, ``embedding.yaml`` and ``rms_norm.yaml``) and what is generated from them.
 
 Everything that describes an op's interface -- MindSpore ``CustomRegOp`` registrations for each
 backend, the Python argument checks and the semantics tables in docs/semantics.md -- is derived from
@@ -21,8 +21,9 @@ PAGED_ATTENTION_PATH = Path(__file__).with_name("rotary_paged_attention.yaml")
 CACHE_WRITE_PATH = Path(__file__).with_name("rotary_cache_write.yaml")
 LINEAR_PATH = Path(__file__).with_name("linear.yaml")
 EMBEDDING_PATH = Path(__file__).with_name("embedding.yaml")
+RMS_NORM_PATH = Path(__file__).with_name("rms_norm.yaml")
 # The contracts docs/semantics.md shows below the attention's own table, in its order.
-OTHER_CONTRACTS = (PAGED_ATTENTION_PATH, CACHE_WRITE_PATH, LINEAR_PATH, EMBEDDING_PATH)
+OTHER_CONTRACTS = (PAGED_ATTENTION_PATH, CACHE_WRITE_PATH, LINEAR_PATH, EMBEDDING_PATH, RMS_NORM_PATH)
 
 _REG_TYPES = {"int": "int", "float": "float", "bool": "bool", "str": "str"}
 _PY_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
