@@ -2,7 +2,9 @@
 float64 numpy reference on the same float32 inputs over rows 1/37/512 and hidden 40/72/128/4097 (odd,
 off every vector width), with batch dims (B, S, H) and (T, H), on every build this CPU runs; NaN/Inf
 rows as the float64 formula gives them; bad input refused by name, called directly and through
-MindSpore; the op in both modes and its gradient against MindSpore's autodiff of the model's old ops.
+MindSpore; the op in both modes and its gradient against MindSpore's autodiff of the model's old ops;
+and the Llama model: computing in bfloat16 it runs the op and stays close to the same model on the
+old ops, computing in float32 it never runs the op and is bit for bit the old model.
 
 Tolerance (float32 squares summed in >= 8 partial sums, then 4 float32 roundings for r and y):
 |y - y64| <= 1e-6 * |x * w| * r64, r64 = 1 / sqrt(mean(x^2) + eps) in float64. The largest error seen
@@ -18,6 +20,7 @@ import pytest
 from mindspore import Tensor, nn, ops
 
 from ms_rope_attention import linear, norm, rms_norm_op
+from ms_rope_attention.compute import native_half_dtypes
 from ms_rope_attention.cpu_runtime import built_libraries, direct_call, usable_isas
 
 ISAS = [isa for isa in usable_isas() if isa in built_libraries(linear.STEM)]
@@ -191,3 +194,86 @@ def test_gradient_through_mindspore_equals_autodiff_of_the_old_ops(mode, rng):
     assert dx.dtype == np.float32 and dw.shape == (40,)
     assert np.abs(dx - dx_old).max() <= 1e-5 * np.abs(dx_old).max()
     assert np.abs(dw - dw_old).max() <= 1e-5 * np.abs(dw_old).max()
+
+
+# The model: a tiny Llama (tests/test_llama.py's), computing in bfloat16 on bfloat16 weights or in float32.
+needs_bf16 = pytest.mark.skipif("bfloat16" not in native_half_dtypes(),
+                                reason="this CPU has no bfloat16 instructions (avx512_bf16/AMX-BF16)")
+
+
+@pytest.fixture
+def graph():
+    previous = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    yield
+    ms.set_context(mode=previous)
+
+
+def _norms(model):
+    from models.llama.layers import RMSNorm
+    return [cell for _, cell in model.cells_and_names() if isinstance(cell, RMSNorm)]
+
+
+def _model(compute_dtype, weight_dtype, use_op=True):
+    from models.llama import LlamaForCausalLM
+    from test_llama import CONFIG, random_state
+    model = LlamaForCausalLM(CONFIG, compute_dtype=compute_dtype, weight_dtype=weight_dtype)
+    state = random_state(CONFIG, np.random.default_rng(11))
+    for name, param in model.parameters_dict().items():
+        param.set_data(Tensor(state[name]).astype(param.dtype))
+    if not use_op:
+        for cell in _norms(model):
+            cell.use_op = False  # read as a constant when the graph compiles: before the first call
+    return model
+
+
+@needs_bf16
+def test_mindspore_model_computing_in_bfloat16_runs_the_op_close_to_the_old_ops(graph, rng):
+    """One bfloat16-compute model, its norms fused and on MindSpore's ops. Each norm's output differs
+    by float32 roundings (the op ran: another summation order), within the kernel's tolerance; the
+    logits within 2^-8 of the largest: a float32 rounding of a norm's output can move the next
+    projection's bfloat16 rounding of it by one bfloat16 ulp (2^-8 relative). (Seen: the logits were
+    bit-equal, no rounding moved.)"""
+    fused, old = _model("bfloat16", "bfloat16"), _model("bfloat16", "bfloat16", use_op=False)
+    assert len(_norms(fused)) == 5 and all(cell.use_op and cell.op is not None for cell in _norms(fused))
+    x = rng.standard_normal((2, 33, 64)).astype(np.float32)
+    for cell, before in zip(_norms(fused), _norms(old)):
+        got, want = cell(Tensor(x)).asnumpy(), before(Tensor(x)).asnumpy()
+        _, scale = reference(x, cell.weight.asnumpy(), cell.eps)
+        assert not np.array_equal(got, want) and np.all(np.abs(got - want) <= 1e-6 * scale)
+    ids = Tensor(rng.integers(0, 256, (2, 33)).astype(np.int32))
+    got, want = fused(ids).asnumpy(), old(ids).asnumpy()
+    error = np.abs(got - want).max() / np.abs(want).max()
+    print(f"bfloat16 model, fused norm against MindSpore's ops: max error {error:.2e} of the largest logit")
+    assert error <= 2 ** -8
+
+
+class TodaysRMSNorm(nn.Cell):
+    """The RMSNorm cell's construct before the fused op (models/llama/layers.py at f2e2ae6), on the
+    given weight."""
+
+    def __init__(self, weight, eps):
+        super().__init__()
+        self.weight = ms.Parameter(Tensor(weight.asnumpy()), name="weight")
+        self.eps = eps
+
+    def construct(self, x):
+        xf = x.astype(ms.float32)
+        inverse_rms = ops.rsqrt((xf * xf).mean(-1, keep_dims=True) + self.eps)
+        normed = (xf * inverse_rms.broadcast_to(xf.shape)).astype(x.dtype)
+        return normed * self.weight.astype(x.dtype).broadcast_to(normed.shape)
+
+
+def test_mindspore_model_computing_in_float32_never_runs_the_op_and_is_bit_identical(graph, rng):
+    """compute_dtype="float32" keeps MindSpore's ops: the same logits, bit for bit, as the same weights
+    with every norm replaced by the cell as it was."""
+    model, today = _model("float32", "float32"), _model("float32", "float32")
+    assert len(_norms(model)) == 5 and not any(cell.use_op or cell.op is not None for cell in _norms(model))
+    for layer in today.model.layers:
+        layer.input_layernorm = TodaysRMSNorm(layer.input_layernorm.weight, layer.input_layernorm.eps)
+        layer.post_attention_layernorm = TodaysRMSNorm(layer.post_attention_layernorm.weight,
+                                                       layer.post_attention_layernorm.eps)
+    today.model.norm = TodaysRMSNorm(today.model.norm.weight, today.model.norm.eps)
+    assert not _norms(today)
+    ids = Tensor(rng.integers(0, 256, (2, 33)).astype(np.int32))
+    assert np.array_equal(model(ids).asnumpy(), today(ids).asnumpy())
