@@ -51,7 +51,7 @@ $(BUILD_REQUIRES): $(STAMP) pyproject.toml
 		*tomllib.load(open('pyproject.toml', 'rb'))['build-system']['requires']])"
 	touch $(BUILD_REQUIRES)
 
-# The kernel tests (forward and backward, and the projections' GEMM) again against kernels built with AddressSanitizer +
+# The kernel tests (forward and backward, the projections' GEMM and the RMSNorm) again against kernels built with AddressSanitizer +
 # UBSan (any finding aborts), for the best ISA of this CPU and the portable build; the sweep and the NaN matrix
 # run every ISA this CPU has themselves. RFA_EXACT_SCRATCH (in the sanitizer build) sizes each call's scratch
 # exactly, so an overrun is caught whatever an earlier call allocated.
@@ -62,7 +62,7 @@ sanitize: $(STAMP) $(BUILD_REQUIRES)
 	RFA_SANITIZE=1 $(PY) setup.py -q build_ext --build-lib build/sanitize --build-temp build/sanitize-tmp
 	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel_sweep.py tests/test_kernel_nonfinite.py tests/test_kernel.py tests/test_kernel_decode.py tests/test_kernel_backward.py tests/test_linear.py tests/test_linear_bf16.py tests/test_embedding.py \
 		tests/test_paged.py -k 'not primitives'
-	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel_bf16.py -k 'not mindspore and not unfused'
+	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel_bf16.py tests/test_rms_norm.py -k 'not mindspore and not unfused'
 	$(SANITIZE_ENV) RFA_CPU_ISA=generic $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel.py tests/test_kernel_decode.py tests/test_kernel_backward.py \
 		tests/test_paged.py -k 'not primitives'
 
