@@ -135,7 +135,8 @@ extensions = [
 ]
 
 # The projections' GEMM (y = x W^T, on OpenBLAS and the library's own decode-sized product; in bfloat16
-# on oneDNN) and the half-table embedding lookup, once per instruction set like the attention kernel:
+# on oneDNN), the half-table embedding lookup and the fused RMSNorm (the CPU ops around the attention),
+# once per instruction set like the attention kernel:
 # its own products convert half weights in registers. OpenBLAS (the scipy-openblas32 wheel) picks its kernels for the
 # running CPU itself. The wheel is a build requirement (headers, link) and an install requirement
 # (the library at run time): the rpath finds it beside this package in site-packages, and
@@ -148,7 +149,8 @@ WITH_ONEDNN = {"define_macros": [("RFA_WITH_ONEDNN", "1")], "include_dirs": [ONE
                "extra_link_args": ["-Wl,-z,now"]} if ONEDNN else {}
 extensions += [
     Extension(f"ms_rope_attention._rfa_cpu_linear_{isa}",
-              sources=[f"{CSRC}/rfa_cpu_linear.cc", f"{CSRC}/rfa_cpu_embedding.cc", f"{CSRC}/onednn_matmul.cc"],
+              sources=[f"{CSRC}/rfa_cpu_linear.cc", f"{CSRC}/rfa_cpu_embedding.cc", f"{CSRC}/rfa_cpu_norm.cc",
+                       f"{CSRC}/onednn_matmul.cc"],
               depends=[f"{CSRC}/{h}" for h in ("aot_abi.h", "aot_attrs.h", "last_error.h", "onednn_matmul.h", "rfa_problem.h", "simd.h",
                                                "weight_rows.h")],
               define_macros=WITH_ONEDNN.get("define_macros", []),

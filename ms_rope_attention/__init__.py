@@ -9,8 +9,8 @@ Public API:
 - ``fuse(net)`` / ``unfuse(net)``: the fused op inside existing MindFormers, Hugging Face (mindnlp)
   models (``ms_rope_attention.fusion``), with a ``FuseReport``.
 - The paged KV cache's ops ``rotary_paged_attention`` / ``rotary_cache_write``, the CPU projection,
-  MLP (gate, up and SwiGLU in one) and embedding primitives ``linear_op()`` / ``swiglu_op()`` /
-  ``embedding_op()`` (a bfloat16 weight packed once for them:
+  MLP (gate, up and SwiGLU in one), embedding and RMSNorm primitives ``linear_op()`` / ``swiglu_op()`` /
+  ``embedding_op()`` / ``rms_norm_op(eps)`` (a bfloat16 weight packed once for the projections:
   ``pack_weight`` / ``packed_bytes``), and RoPE's pieces (``apply_rope``,
   ``inverse_frequencies``, ``tables_from_inverse_frequencies``): what models build on, so that no
   user imports a module below this face (``ms_rope_attention.distributed`` has its own).
@@ -34,13 +34,14 @@ from .embedding import embedding_op
 from .functional import RotaryFusionFallbackError, rotary_flash_attention
 from .fusion import FuseError, FuseReport, fuse, unfuse
 from .linear import linear_op, pack_weight, packed_bytes, swiglu_op
+from .norm import rms_norm_op
 from .nn import RotaryFlashAttention, RotaryFlashAttentionOp
 from .paged import rotary_cache_write, rotary_paged_attention
 from .rope import apply_rope, inverse_frequencies, rope_tables, shared_rope_tables, tables_from_inverse_frequencies
 
 __all__ = ["rotary_flash_attention", "RotaryFlashAttention", "RotaryFlashAttentionOp", "RotaryFusionFallbackError",
            "rope_tables", "shared_rope_tables", "fuse", "unfuse", "FuseReport", "FuseError",
-           "rotary_paged_attention", "rotary_cache_write", "linear_op", "swiglu_op", "pack_weight", "packed_bytes", "embedding_op", "apply_rope",
+           "rotary_paged_attention", "rotary_cache_write", "linear_op", "swiglu_op", "rms_norm_op", "pack_weight", "packed_bytes", "embedding_op", "apply_rope",
            "inverse_frequencies", "tables_from_inverse_frequencies", "COMPUTE_DTYPES", "native_half_dtypes",
            "resolve_compute_dtype"]
 __version__ = "0.1.0"

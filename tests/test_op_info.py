@@ -8,7 +8,7 @@ import yaml
 
 from ms_rope_attention import checks
 from ms_rope_attention.op_info import (CONTRACT_PATH, EMBEDDING_PATH, LINEAR_PATH, OTHER_CONTRACTS,
-                                      PAGED_ATTENTION_PATH, SWIGLU_PATH, attr_values, build_reg_info,
+                                      PAGED_ATTENTION_PATH, RMS_NORM_PATH, SWIGLU_PATH, attr_values, build_reg_info,
                                       load_contract, markdown_table, opdef_source)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,7 +95,7 @@ def test_semantics_table_is_generated():
 
 @pytest.mark.parametrize("path", OTHER_CONTRACTS, ids=lambda path: path.stem)
 def test_the_other_contracts_tables_are_generated(path):
-    """Each other op's table in docs/semantics.md is its contract's: one contracts page for the six ops."""
+    """Each other op's table in docs/semantics.md is its contract's: one contracts page for the seven ops."""
     assert markdown_table(load_contract(str(path))) in (ROOT / "docs/semantics.md").read_text(), \
         "docs/semantics.md's other tables are stale: paste `python -m ms_rope_attention.op_info --others`"
 
@@ -103,18 +103,20 @@ def test_the_other_contracts_tables_are_generated(path):
 DTYPE_ROWS = {"linear": [("float32", weight, "float32") for weight in ("float32", "float16", "bfloat16", "uint8")],
               "swiglu": [("float32", weight, weight, "float32") for weight in ("float32", "float16", "bfloat16", "uint8")],
               "embedding": [(ids, table, "float32") for ids in ("int32", "int64")
-                            for table in ("float32", "float16", "bfloat16")]}
+                            for table in ("float32", "float16", "bfloat16")],
+              "rms_norm": [("float32", "float32", "float32")]}
 
 
-@pytest.mark.parametrize("path", [LINEAR_PATH, SWIGLU_PATH, EMBEDDING_PATH], ids=lambda path: path.stem)
+@pytest.mark.parametrize("path", [LINEAR_PATH, SWIGLU_PATH, EMBEDDING_PATH, RMS_NORM_PATH], ids=lambda path: path.stem)
 def test_the_projection_registrations_follow_their_contracts(path):
-    """linear's, swiglu's and embedding's CPU registrations list each dtype combination of the contract, in
-    its order (swiglu's two weights always of one dtype), and its attributes (compute_dtype) with their
-    defaults."""
+    """linear's, swiglu's, embedding's and rms_norm's CPU registrations list each dtype combination of the
+    contract, in its order (swiglu's two weights always of one dtype), and its attributes (compute_dtype,
+    rms_norm's eps) with their defaults; a float attribute also as its exact text (build_reg_info says why)."""
     contract = load_contract(str(path))
     info = build_reg_info("CPU", {}, contract=contract)
     assert info["op_name"] == contract.op_name
-    assert [(a["name"], a["value"]) for a in info["attr"]] == [(a["name"], a["default"]) for a in contract.attrs]
+    texts = [(f"{a['name']}_text", repr(float(a["default"]))) for a in contract.attrs if a["type"] == "float"]
+    assert [(a["name"], a["value"]) for a in info["attr"]] == [(a["name"], a["default"]) for a in contract.attrs] + texts
     assert [i["name"] for i in info["inputs"]] == [i["name"] for i in contract.inputs]
     assert [tuple(entry[0] for entry in row) for row in info["dtype_format"]] == DTYPE_ROWS[path.stem]
 

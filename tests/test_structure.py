@@ -17,7 +17,7 @@ FLOORS = [
     ("compatibility", ["_compat"]),
     ("contract", ["op_info", "attrs"]),
     ("checks and math", ["checks", "rope", "unfused", "gradients", "layouts"]),
-    ("kernels", ["cpu_runtime", "compute", "cpu_kernel", "paged_kernel", "linear", "embedding", "flash_backward",
+    ("kernels", ["cpu_runtime", "compute", "cpu_kernel", "paged_kernel", "linear", "embedding", "norm", "flash_backward",
                  "ascend_kernel"]),
     ("dispatch", ["dispatch"]),
     ("functional", ["functional", "paged"]),

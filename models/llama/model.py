@@ -255,8 +255,8 @@ class LlamaDecoderLayer(nn.Cell):
         super().__init__()
         self.self_attn = LlamaAttention(config, cos_sin, layout, backend, precision, cp, tp)
         self.mlp = LlamaMLP(config, precision, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, precision.activations)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, precision.activations)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, precision)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, precision)
 
     def construct(self, x, aq, akv, cache):
         x = x + self.self_attn(self.input_layernorm(x), aq, akv, cache)
@@ -269,7 +269,7 @@ class LlamaModel(nn.Cell):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, precision, tp)
         self.layers = nn.CellList([LlamaDecoderLayer(config, cos_sin, layout, backend, precision, cp, tp)
                                    for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, precision.activations)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, precision)
         self.num_layers = config.num_hidden_layers
 
     def construct(self, input_ids, aq, akv, cache):

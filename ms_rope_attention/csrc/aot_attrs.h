@@ -1,6 +1,6 @@
 // The one reader of an aot op's attributes (the contracts' names, op_info/*.yaml) into rfa::Attrs,
 // shared by the attention's entries (rfa_cpu_aot.cc) and the paged cache's (rfa_cpu_paged.cc); and
-// of the projection's (rfa_cpu_linear.cc).
+// of the projection's (rfa_cpu_linear.cc) and the norm's (rfa_cpu_norm.cc).
 //
 // Why one: the attributes are read by name, and two readers were two lists of names to keep equal
 // to the contracts. An attribute an op does not have keeps the caller's default: the paged ops have
@@ -37,6 +37,11 @@ inline std::string ReadAttrs(mindspore::AotExtra *extra, Attrs *a) {
 inline void ReadLinearAttrs(mindspore::AotExtra *extra, std::string *compute_dtype, int64_t *packed_out_features) {
   if (extra->HasAttr("compute_dtype")) *compute_dtype = extra->GetStr("compute_dtype");
   if (extra->HasAttr("packed_out_features")) *packed_out_features = extra->GetInt("packed_out_features");
+}
+
+// RfaRMSNorm's eps (rfa_cpu_norm.cc), over the caller's default; the norm checks it at launch.
+inline void ReadNormAttrs(mindspore::AotExtra *extra, float *eps) {
+  if (extra->HasAttr("eps")) *eps = extra->GetFloat("eps");
 }
 
 // What an entry's Init keeps for its launches: the attributes, and an error found reading them

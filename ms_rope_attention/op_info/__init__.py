@@ -1,6 +1,6 @@
-"""The six ops' contracts (``rotary_flash_attention.yaml``; the paged cache's
-``rotary_paged_attention.yaml`` and ``rotary_cache_write.yaml``; the projection's ``linear.yaml``,
-the MLP's ``swiglu.yaml`` and ``embedding.yaml``) and what is generated from them.
+"""The seven ops' contracts (``rotary_flash_attention.yaml``; the paged cache's
+``rotary_paged_attention.yaml`` and ``rotary_cache_write.yaml``; the CPU ops around the attention:
+``linear.yaml``, the MLP's ``swiglu.yaml``, ``embedding.yaml`` and ``rms_norm.yaml``) and what is generated from them.
 
 Everything that describes an op's interface -- MindSpore ``CustomRegOp`` registrations for each
 backend, the Python argument checks and the semantics tables in docs/semantics.md -- is derived from
@@ -22,8 +22,9 @@ CACHE_WRITE_PATH = Path(__file__).with_name("rotary_cache_write.yaml")
 LINEAR_PATH = Path(__file__).with_name("linear.yaml")
 SWIGLU_PATH = Path(__file__).with_name("swiglu.yaml")
 EMBEDDING_PATH = Path(__file__).with_name("embedding.yaml")
+RMS_NORM_PATH = Path(__file__).with_name("rms_norm.yaml")
 # The contracts docs/semantics.md shows below the attention's own table, in its order.
-OTHER_CONTRACTS = (PAGED_ATTENTION_PATH, CACHE_WRITE_PATH, LINEAR_PATH, SWIGLU_PATH, EMBEDDING_PATH)
+OTHER_CONTRACTS = (PAGED_ATTENTION_PATH, CACHE_WRITE_PATH, LINEAR_PATH, SWIGLU_PATH, EMBEDDING_PATH, RMS_NORM_PATH)
 
 _REG_TYPES = {"int": "int", "float": "float", "bool": "bool", "str": "str"}
 _PY_TYPES = {"int": int, "float": float, "bool": bool, "str": str}

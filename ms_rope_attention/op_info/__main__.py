@@ -1,5 +1,5 @@
 """``python -m ms_rope_attention.op_info`` prints the semantics table of docs/semantics.md; with ``--others``, the
-tables of the other five ops (RotaryPagedAttention, RotaryCacheWrite, RfaLinear, RfaSwiGLU, RfaEmbedding); with ``--opdef``,
+tables of the other six ops (RotaryPagedAttention, RotaryCacheWrite, RfaLinear, RfaSwiGLU, RfaEmbedding, RfaRMSNorm); with ``--opdef``,
 the CANN OpDef body included by aclnn/op_host/rotary_flash_attention.cpp (written to
 op_host/rotary_flash_attention_opdef.h); with ``--opdef --backward``, the gradient op's, included by
 op_host/rotary_flash_attention_grad.cpp (written to op_host/rotary_flash_attention_grad_opdef.h)."""
