@@ -76,10 +76,11 @@ def cached_per_request(prompts_by_id, records):
     return {i: len(p) - computed[i] for i, p in prompts_by_id.items()}
 
 
-def test_running_requests_decode_every_step_while_a_long_prompt_is_prefilled(model, graph, rng):
+def test_running_requests_decode_every_step_while_a_long_prompt_is_prefilled(model, mode, rng):
     """A budget of 8 tokens: two requests decode while a 40-token prompt (5 budgets) arrives. Each
     of its 7 steps holds both decode tokens and 6 of its tokens (4 in the last, which samples its
-    first token); no step holds more than 8; everyone's tokens are the contiguous cache's."""
+    first token); no step holds more than 8; everyone's tokens are the contiguous cache's. In both
+    modes (the graphs are ``ms.jit`` in PyNative)."""
     a, b, long = tokens_of(rng, 3), tokens_of(rng, 5), tokens_of(rng, 40)
     want = reference(model, [a, b, long], [20, 20, 6])
     paged = PagedGenerator(model, max_cache_bytes=budget(model, 16), max_batch=4, max_num_batched_tokens=8)
