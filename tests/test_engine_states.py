@@ -80,7 +80,12 @@ class EngineMachine(RuleBasedStateMachine):
     def start(self, budget, chunk):
         r = self.resources
         self.paged = r["generators"][budget]
-        self.paged.max_num_batched_tokens = chunk  # the generator is idle: the last example's teardown drained it
+        # every example starts alike (the last one's teardown drained the generator): the first weights and
+        # nothing cached, so that a replayed example behaves as it did (hypothesis refuses one that does not)
+        if r["version"]:
+            self._set_weights(0)
+        self.paged.reset_prefix_cache()
+        self.paged.max_num_batched_tokens = chunk
         self.chunk, self.split = chunk, set()
         COUNTS["chunked examples"] += chunk is not None
         self.poisoned, self.fail_next = set(), False
@@ -226,15 +231,18 @@ class EngineMachine(RuleBasedStateMachine):
     def fail_the_next_call(self, now):
         self.fail_next = self.fail_next or not now
 
-    @rule()
-    def swap_weights(self):
-        """New weights, then ``reset_prefix_cache``: nothing the old weights computed is reused."""
+    def _set_weights(self, version):
         r = self.resources
-        r["version"] = 1 - r["version"]
-        for parameter, value in zip(r["model"].get_parameters(), r["weights"][r["version"]]):
+        r["version"] = version
+        for parameter, value in zip(r["model"].get_parameters(), r["weights"][version]):
             parameter.set_data(ms.Tensor(value))
         for generator in r["generators"]:
             generator.reset_prefix_cache()
+
+    @rule()
+    def swap_weights(self):
+        """New weights, then ``reset_prefix_cache``: nothing the old weights computed is reused."""
+        self._set_weights(1 - self.resources["version"])
         for record in self.shadow.values():
             if record.state in ("waiting", "running"):
                 record.mixed = True
