@@ -112,11 +112,14 @@ class StepRecord:
     'decode'. ``decode_requests``: the ids that decoded one token, in the call's order;
     ``prefill_tokens``: (id, prompt tokens computed this step) in arrival order, a prompt split
     over steps appearing in each; ``first_tokens``: the ids whose first token this step sampled
-    (those whose prompt's last token it computed), for a server's time to first token."""
+    (those whose prompt's last token it computed), for a server's time to first token;
+    ``cached_tokens``: (id, prompt tokens found in the prefix cache) of each request admitted this
+    step, for its usage's cached tokens."""
     kind: str
     decode_requests: tuple[int, ...] = ()
     prefill_tokens: tuple[tuple[int, int], ...] = ()
     first_tokens: tuple[int, ...] = ()
+    cached_tokens: tuple[tuple[int, int], ...] = ()
 
     @property
     def prompt_tokens(self) -> int:
@@ -176,6 +179,7 @@ class PagedGenerator(Engine):
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 16 or block_size % 16:
             raise ValueError(f"block_size: expected a positive multiple of 16, got {block_size!r}")
         self._batched_tokens = _check_batched_tokens(max_num_batched_tokens)
+        self._room = None  # prompt tokens the step being scheduled has left (chunked prefill; _admit reads it)
         if model.parallel is not None:
             raise ValueError("model: the paged cache serves a model on one device; use Generator for tensor parallel")
         super().__init__(model, cache_dtype)
@@ -314,8 +318,9 @@ class PagedGenerator(Engine):
         decode = tuple(w.request.id for w in work if w.decode)
         prefill = tuple((w.request.id, len(w.ids)) for w in work if not w.decode)
         first = tuple(w.request.id for w, token in zip(work, drawn) if not w.decode and isinstance(token, int))
+        cached = tuple((w.request.id, w.request.seq.length) for w in work if w.joining)  # before the commit
         kind = "decode" if not prefill else "mixed" if decode else "prefill"
-        return StepRecord(kind, decode, prefill, first)
+        return StepRecord(kind, decode, prefill, first, cached)
 
     def _draw(self, request: _Request, row: np.ndarray):
         """The request's next token, or the ``SamplingError`` its row raised (it ends alone)."""
@@ -355,19 +360,25 @@ class PagedGenerator(Engine):
         mid-prompt, then those admitted now) while the budget lasts. The decode tokens all run
         even when they alone fill the budget; the prompts then wait for a step with room."""
         if self._batched_tokens is None:
-            joining = self._admit(None)
+            self._room = None
+            joining = self._admit()
             if joining:
-                return [_Work.chunk(request, tokens, joining=True) for request, tokens in joining]
+                return [_Work.chunk(request, len(request.prompt) - request.seq.length, joining=True)
+                        for request in joining]
             return [_Work.decoding(request) for request in self.running]
         work = [_Work.decoding(request) for request in self.running if not request.prefilling]
-        budget = self._batched_tokens - len(work)
+        room = self._batched_tokens - len(work)
         for request in self.running:
-            if request.prefilling and budget > 0:
-                tokens = min(budget, len(request.prompt) - request.seq.length)
+            if request.prefilling and room > 0:
+                tokens = min(room, len(request.prompt) - request.seq.length)
                 work.append(_Work.chunk(request, tokens))
-                budget -= tokens
-        if budget > 0:
-            work += [_Work.chunk(request, tokens, joining=True) for request, tokens in self._admit(budget)]
+                room -= tokens
+        if room > 0:
+            self._room = room
+            for request in self._admit():  # the same split as _admit's
+                tokens = min(room, len(request.prompt) - request.seq.length)
+                work.append(_Work.chunk(request, tokens, joining=True))
+                room -= tokens
         return work
 
     def _keys(self, request: _Request) -> list[bytes]:
@@ -385,14 +396,15 @@ class PagedGenerator(Engine):
                 computing.update(self._keys(request)[request.seq.length // bs:])
         return computing
 
-    def _admit(self, budget: int | None) -> list[tuple[_Request, int]]:
+    def _admit(self) -> list[_Request]:
         """Waiting requests, in order, while a batch has room, their blocks fit and (chunked
-        prefill) ``budget`` prompt tokens remain; each with the prompt tokens it computes this step.
-        A request whose next uncached block a running or joining request is computing waits (a
-        step, or until a chunked prompt has reached past that block), then finds it cached."""
+        prefill) prompt tokens of the step remain (``_room``, set by ``_schedule``: an argument
+        would change the signature models.llama.serve wraps). A request whose next uncached block
+        a running or joining request is computing waits (a step, or until a chunked prompt has
+        reached past that block), then finds it cached."""
         joining, computing = [], self._computing()
-        bs = self.block_size
-        while self.waiting and len(self.running) < self.max_batch and (budget is None or budget > 0):
+        bs, room = self.block_size, self._room
+        while self.waiting and len(self.running) < self.max_batch and (room is None or room > 0):
             request = self.waiting[0]
             match = self.pool.match(request.prompt, request.root)
             keys = self._keys(request)
@@ -408,11 +420,9 @@ class PagedGenerator(Engine):
             request.reserved = self._growth_blocks(request, match)
             self.reserved += request.reserved
             self.running.append(request)
-            tokens = len(request.prompt) - match.tokens
-            if budget is not None:
-                tokens = min(tokens, budget)
-                budget -= tokens
-            joining.append((request, tokens))
+            if room is not None:
+                room -= min(room, len(request.prompt) - match.tokens)
+            joining.append(request)
             computing.update(keys)
         return joining
 
