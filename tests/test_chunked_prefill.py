@@ -69,11 +69,17 @@ def run(paged, limit, budget_tokens=None):
 
 
 def cached_per_request(prompts_by_id, records):
-    computed = {}
+    """Each request's cached prefix, as the records say when it was admitted; checked against
+    the prompt tokens they say it computed."""
+    computed, cached = {}, {}
     for record in records:
         for request, n in record.prefill_tokens:
             computed[request] = computed.get(request, 0) + n
-    return {i: len(p) - computed[i] for i, p in prompts_by_id.items()}
+        for request, n in record.cached_tokens:
+            assert request not in cached
+            cached[request] = n
+    assert all(cached[i] + computed[i] == len(p) for i, p in prompts_by_id.items())
+    return {i: cached[i] for i in prompts_by_id}
 
 
 def test_running_requests_decode_every_step_while_a_long_prompt_is_prefilled(model, mode, rng):
@@ -86,7 +92,8 @@ def test_running_requests_decode_every_step_while_a_long_prompt_is_prefilled(mod
     paged = PagedGenerator(model, max_cache_bytes=budget(model, 16), max_batch=4, max_num_batched_tokens=8)
     ids = [paged.add_request(a, 20, eos_ids=()), paged.add_request(b, 20, eos_ids=())]
     paged.step()
-    assert paged.last_record == StepRecord("prefill", (), ((ids[0], 3), (ids[1], 5)), tuple(ids))
+    assert paged.last_record == StepRecord("prefill", (), ((ids[0], 3), (ids[1], 5)), tuple(ids),
+                                           ((ids[0], 0), (ids[1], 0)))
     paged.step()
     assert paged.last_record == StepRecord("decode", tuple(ids)) and paged.last_step == "decode"
     ids.append(paged.add_request(long, 6, eos_ids=()))
@@ -111,7 +118,8 @@ def test_decode_tokens_filling_the_budget_all_run_and_the_prompt_waits(model, gr
     paged = PagedGenerator(model, max_cache_bytes=budget(model, 16), max_batch=4, max_num_batched_tokens=3)
     ids = [paged.add_request(p, n, eos_ids=()) for p, n in zip(prompts, (4, 6, 8))]
     first = paged.step()
-    assert paged.last_record == StepRecord("prefill", (), tuple((i, 1) for i in ids), tuple(ids))
+    assert paged.last_record == StepRecord("prefill", (), tuple((i, 1) for i in ids), tuple(ids),
+                                           tuple((i, 0) for i in ids))
     ids.append(paged.add_request(long, 3, eos_ids=()))
     graphs, calls = (paged.prefill, paged.decode), []
     paged.prefill, paged.decode = [lambda *args, g=g, n=n: calls.append(n) or g(*args)
@@ -120,7 +128,7 @@ def test_decode_tokens_filling_the_budget_all_run_and_the_prompt_waits(model, gr
     paged.prefill, paged.decode = graphs
     assert records[:3] == [StepRecord("decode", tuple(ids[:3]))] * 3  # request 0 ends in the third
     assert calls == [{"decode": "decode"}.get(r.kind, "prefill") for r in records]  # decode steps: its graph
-    assert records[3] == StepRecord("mixed", tuple(ids[1:3]), ((ids[3], 1),))
+    assert records[3] == StepRecord("mixed", tuple(ids[1:3]), ((ids[3], 1),), (), ((ids[3], 0),))  # admitted
     assert records[4] == StepRecord("mixed", tuple(ids[1:3]), ((ids[3], 1),))  # request 1 ends here
     assert [r.prefill_tokens for r in records[5:8]] == [((ids[3], 2),)] * 2 + [((ids[3], 3),)]  # 2 ends in 6
     assert records[7] == StepRecord("prefill", (), ((ids[3], 3),), (ids[3],))

@@ -71,6 +71,8 @@ class Shadow:
     state: str = "waiting"  # running, finished, aborted, failed
     tokens: list = field(default_factory=list)
     mixed: bool = False  # the weights changed while it was unfinished: no reference
+    cached: int | None = None  # prompt tokens it found cached when admitted (its step records say)
+    computed: int = 0  # prompt tokens computed for it so far
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -139,6 +141,7 @@ class EngineMachine(RuleBasedStateMachine):
         before = [r.id for r in self.paged.waiting], [r.id for r in self.paged.running]
         decoding = tuple(r.id for r in self.paged.running if r.seq.length >= len(r.prompt))
         mid_prompt = any(r.seq.length < len(r.prompt) for r in self.paged.running)
+        counters = self.paged.prefilled_tokens, self.paged.cached_prompt_tokens
         COUNTS["steps"] += 1
         try:
             tokens = self.paged.step()
@@ -153,7 +156,7 @@ class EngineMachine(RuleBasedStateMachine):
             return
         if before[0] and not before[1]:
             assert self.paged.last_step == "prefill", "requests waited with nothing running, and none was admitted"
-        self._check_record(self.paged.last_record, tokens, decoding, mid_prompt or bool(before[0]))
+        self._check_record(self.paged.last_record, tokens, decoding, mid_prompt or bool(before[0]), counters)
         for r in self.paged.running:
             if self.shadow[r.id].state == "waiting":
                 self.shadow[r.id].state = "running"
@@ -173,11 +176,22 @@ class EngineMachine(RuleBasedStateMachine):
                 record.state = "finished"
                 self._check_finished(record)
 
-    def _check_record(self, record, tokens, decoding, prompts_left):
-        """What the step held, against the scheduling rule of its mode."""
+    def _check_record(self, record, tokens, decoding, prompts_left, counters):
+        """What the step held, against the scheduling rule of its mode; the prompt token counters
+        and each request's cached and computed prompt tokens, against the records."""
         if record is None:
             assert not decoding and not prompts_left and not tokens
             return
+        assert self.paged.prefilled_tokens - counters[0] == sum(n for _, n in record.prefill_tokens)
+        assert self.paged.cached_prompt_tokens - counters[1] == sum(n for _, n in record.cached_tokens)
+        for request, n in record.cached_tokens:
+            assert self.shadow[request].cached is None and request in dict(record.prefill_tokens)
+            self.shadow[request].cached = n
+        for request, n in record.prefill_tokens:
+            self.shadow[request].computed += n
+        for request in record.first_tokens:
+            shadow = self.shadow[request]
+            assert shadow.cached + shadow.computed == len(shadow.prompt)
         assert self.paged.last_step == ("decode" if record.kind == "decode" else "prefill")
         assert record.total_tokens == len(record.decode_requests) + sum(n for _, n in record.prefill_tokens) > 0
         assert all(n > 0 for _, n in record.prefill_tokens) and len(self.paged.last_logits) == len(tokens)
