@@ -1,16 +1,23 @@
 """The paged engine driven by a machine: a hypothesis rule-based state machine adds requests
 (shared prefixes, a shared BOS token, lengths at block edges, cache salts, greedy and sampled),
 steps, aborts, poisons a request's logits (its row cannot be sampled), makes the next model call
-fail, and swaps the model's weights, on the tiny model with budgets down to one sequence. After
-every rule it checks what must always hold:
+fail, and swaps the model's weights, on the tiny model with budgets down to one sequence, with
+whole-prompt prefill steps or chunked prefill (``max_num_batched_tokens`` of 2, 5 or 16: prompts
+split over steps, mixed steps, decode tokens filling the budget). After every rule it checks what
+must always hold:
 
 - every block is free, cached or held, never two of them, never block 0; a block's reference count
   equals the sequences holding it; the blocks a sequence will write into are its own and
   unregistered (so a shared block is never written);
 - the reservations are what each running request can still grow by, and fit in the pool;
 - a request is waiting, running or ended, as the calls said; a running request's cache holds its
-  prompt and every token it yielded but the last, which is pending;
-- a step taken with requests waiting and none running admits one (no livelock);
+  prompt and every token it yielded but the last, which is pending (mid-prompt: the start of its
+  prompt, no token yielded);
+- no two running requests compute the same prompt block (one waits for the other's);
+- a step taken with requests waiting and none running admits one (no livelock); each step's
+  record is what its mode schedules: whole prompts or decode tokens, or (chunked prefill) a decode
+  token of every request past its prompt and at most the budget, a prompt moving whenever the
+  decode tokens leave room and one is unfinished;
 - every finished greedy request's tokens equal the contiguous ``Generator``'s on its prompt alone,
   under the weights it ran with.
 
@@ -33,7 +40,7 @@ import test_llama
 from test_llama import CONFIG
 
 from models.llama.engine import Generator, PagedGenerator
-from models.llama.engine.block_pool import SCRATCH_BLOCK, blocks_for
+from models.llama.engine.block_pool import SCRATCH_BLOCK, blocks_for, prefix_keys
 from models.llama.engine.kv_cache import block_bytes
 from models.llama.model import DTYPES
 from models.llama.weights import load_checkpoint
@@ -42,13 +49,15 @@ checkpoint, graph = test_llama.checkpoint, test_llama.graph
 BS = 16
 FUZZ_EXAMPLES = int(os.environ.get("RFA_FUZZ_EXAMPLES", "0"))  # make fuzz: many random examples
 BUDGETS = ((3, 2), (6, 4), (12, 3))  # (usable blocks, max_batch): 3 blocks hold one 48-position sequence
+# max_num_batched_tokens: whole prompts twice as often; 2 is under every max_batch (decode tokens fill it)
+CHUNKS = (None, None, 2, 5, 16)
 _tokens = np.random.default_rng(99)
 PREFIXES = ([], [CONFIG.bos_token_id], [CONFIG.bos_token_id] + _tokens.integers(3, 256, 15).tolist(),
             [CONFIG.bos_token_id] + _tokens.integers(3, 256, 23).tolist())
 TAILS = [_tokens.integers(3, 256, 40).tolist() for _ in range(3)]
 TAIL_LENGTHS = (0, 1, 7, 8, 14, 15, 16, 17, 31, 32, 33)
 COUNTS = {"steps": 0, "rules": 0, "examples": 0, "finished": 0, "checked": 0, "added": 0, "aborted": 0,
-          "failed": 0}
+          "failed": 0, "chunked examples": 0, "mixed steps": 0, "split prompts": 0, "full steps": 0}
 
 
 @dataclass
@@ -62,15 +71,25 @@ class Shadow:
     state: str = "waiting"  # running, finished, aborted, failed
     tokens: list = field(default_factory=list)
     mixed: bool = False  # the weights changed while it was unfinished: no reference
+    cached: int | None = None  # prompt tokens it found cached when admitted (its step records say)
+    computed: int = 0  # prompt tokens computed for it so far
 
 
 class EngineMachine(RuleBasedStateMachine):
     resources = None  # set by the test: the model, its two weight sets, the generators, the references
 
-    @initialize(budget=st.sampled_from(range(len(BUDGETS))))
-    def start(self, budget):
+    @initialize(budget=st.sampled_from(range(len(BUDGETS))), chunk=st.sampled_from(CHUNKS))
+    def start(self, budget, chunk):
         r = self.resources
         self.paged = r["generators"][budget]
+        # every example starts alike (the last one's teardown drained the generator): the first weights and
+        # nothing cached, so that a replayed example behaves as it did (hypothesis refuses one that does not)
+        if r["version"]:
+            self._set_weights(0)
+        self.paged.reset_prefix_cache()
+        self.paged.max_num_batched_tokens = chunk
+        self.chunk, self.split = chunk, set()
+        COUNTS["chunked examples"] += chunk is not None
         self.poisoned, self.fail_next = set(), False
         self.shadow: dict[int, Shadow] = {}
         draw, call_prefill, call_decode = self.paged._draw, self.paged.prefill, self.paged.decode
@@ -120,6 +139,9 @@ class EngineMachine(RuleBasedStateMachine):
 
     def _step(self):
         before = [r.id for r in self.paged.waiting], [r.id for r in self.paged.running]
+        decoding = tuple(r.id for r in self.paged.running if r.seq.length >= len(r.prompt))
+        mid_prompt = any(r.seq.length < len(r.prompt) for r in self.paged.running)
+        counters = self.paged.prefilled_tokens, self.paged.cached_prompt_tokens
         COUNTS["steps"] += 1
         try:
             tokens = self.paged.step()
@@ -134,6 +156,7 @@ class EngineMachine(RuleBasedStateMachine):
             return
         if before[0] and not before[1]:
             assert self.paged.last_step == "prefill", "requests waited with nothing running, and none was admitted"
+        self._check_record(self.paged.last_record, tokens, decoding, mid_prompt or bool(before[0]), counters)
         for r in self.paged.running:
             if self.shadow[r.id].state == "waiting":
                 self.shadow[r.id].state = "running"
@@ -152,6 +175,43 @@ class EngineMachine(RuleBasedStateMachine):
                 assert len(record.tokens) == record.max_new or token.token in record.eos
                 record.state = "finished"
                 self._check_finished(record)
+
+    def _check_record(self, record, tokens, decoding, prompts_left, counters):
+        """What the step held, against the scheduling rule of its mode; the prompt token counters
+        and each request's cached and computed prompt tokens, against the records."""
+        if record is None:
+            assert not decoding and not prompts_left and not tokens
+            return
+        assert self.paged.prefilled_tokens - counters[0] == sum(n for _, n in record.prefill_tokens)
+        assert self.paged.cached_prompt_tokens - counters[1] == sum(n for _, n in record.cached_tokens)
+        for request, n in record.cached_tokens:
+            assert self.shadow[request].cached is None and request in dict(record.prefill_tokens)
+            self.shadow[request].cached = n
+        for request, n in record.prefill_tokens:
+            self.shadow[request].computed += n
+        for request in record.first_tokens:
+            shadow = self.shadow[request]
+            assert shadow.cached + shadow.computed == len(shadow.prompt)
+        assert self.paged.last_step == ("decode" if record.kind == "decode" else "prefill")
+        assert record.total_tokens == len(record.decode_requests) + sum(n for _, n in record.prefill_tokens) > 0
+        assert all(n > 0 for _, n in record.prefill_tokens) and len(self.paged.last_logits) == len(tokens)
+        sampled = {t.request for t in tokens if t.error is None}
+        assert set(record.first_tokens) == sampled - set(record.decode_requests)
+        if self.chunk is None:
+            assert record.kind in ("prefill", "decode")
+            assert record.decode_requests == (decoding if record.kind == "decode" else ())
+            return
+        assert record.decode_requests == decoding  # every request past its prompt, every step
+        assert record.total_tokens <= self.chunk
+        COUNTS["mixed steps"] += record.kind == "mixed"
+        COUNTS["full steps"] += record.total_tokens == self.chunk
+        for request, n in record.prefill_tokens:
+            if request not in record.first_tokens:
+                self.split.add(request)
+            elif request in self.split:
+                COUNTS["split prompts"] += 1
+        if len(decoding) < self.chunk and prompts_left and not self.paged.waiting:
+            assert record.prefill_tokens, "a prompt was unfinished and the budget had room, yet none moved"
 
     @rule()
     def step(self):
@@ -185,15 +245,18 @@ class EngineMachine(RuleBasedStateMachine):
     def fail_the_next_call(self, now):
         self.fail_next = self.fail_next or not now
 
-    @rule()
-    def swap_weights(self):
-        """New weights, then ``reset_prefix_cache``: nothing the old weights computed is reused."""
+    def _set_weights(self, version):
         r = self.resources
-        r["version"] = 1 - r["version"]
-        for parameter, value in zip(r["model"].get_parameters(), r["weights"][r["version"]]):
+        r["version"] = version
+        for parameter, value in zip(r["model"].get_parameters(), r["weights"][version]):
             parameter.set_data(ms.Tensor(value))
         for generator in r["generators"]:
             generator.reset_prefix_cache()
+
+    @rule()
+    def swap_weights(self):
+        """New weights, then ``reset_prefix_cache``: nothing the old weights computed is reused."""
+        self._set_weights(1 - self.resources["version"])
         for record in self.shadow.values():
             if record.state in ("waiting", "running"):
                 record.mixed = True
@@ -234,8 +297,24 @@ class EngineMachine(RuleBasedStateMachine):
         assert len(running) <= self.paged.max_batch
         for request in self.paged.running:
             record = self.shadow[request.id]
+            if not record.tokens:  # mid-prompt (chunked prefill): the start of its prompt computed
+                assert self.chunk is not None and 0 < request.seq.length < len(record.prompt)
+                assert request.seq.tokens == record.prompt[:request.seq.length]
+                continue
             assert request.seq.tokens == record.prompt + record.tokens[:-1]
             assert request.pending == record.tokens[-1]
+
+    @invariant()
+    def no_two_requests_compute_one_block(self):
+        """The prompt blocks mid-prompt requests have still to compute, by chain digest: a request
+        whose next block another is computing waits, so they never meet (requests from before a
+        reset aside: they register nothing, and the newer ones compute their own)."""
+        pool, seen = self.paged.pool, set()
+        for request in self.paged.running:
+            if request.seq.length < len(request.prompt) and request.seq.epoch == pool.epoch and pool.prefix_caching:
+                keys = set(prefix_keys(request.prompt, BS, request.root)[request.seq.length // BS:])
+                assert not keys & seen
+                seen |= keys
 
     def _check_finished(self, record):
         COUNTS["finished"] += 1
@@ -245,10 +324,11 @@ class EngineMachine(RuleBasedStateMachine):
         assert record.tokens == self.resources["reference"](record.prompt, record.max_new, record.eos)
 
     def teardown(self):
-        """Runs what is left to its end, then leaves the generator empty. Bounded: each unfinished
-        request needs at most its prefill and its new tokens' decode steps, so more is a livelock."""
+        """Runs what is left to its end, then leaves the generator empty. Bounded: each step
+        computes a prompt token or samples a token of an unfinished request, so more steps than
+        their prompt tokens and new tokens is a livelock."""
         try:
-            bound = sum(r.max_new + 1 for r in self.shadow.values() if r.state in ("waiting", "running"))
+            bound = sum(len(r.prompt) + r.max_new for r in self.shadow.values() if r.state in ("waiting", "running"))
             for _ in range(bound):
                 if not self.paged.has_unfinished:
                     break
@@ -291,5 +371,8 @@ def test_the_engine_holds_its_invariants_under_random_use(checkpoint, graph):
     print(f"\nengine state machine: {COUNTS['examples']} examples, {COUNTS['rules']} rules, "
           f"{COUNTS['steps']} engine steps, {COUNTS['finished']} requests finished, "
           f"{COUNTS['checked']} greedy ones checked against the contiguous generator; {COUNTS['added']} added, "
-          f"{COUNTS['aborted']} aborted, {COUNTS['failed']} ended by a failure")
+          f"{COUNTS['aborted']} aborted, {COUNTS['failed']} ended by a failure; chunked prefill: "
+          f"{COUNTS['chunked examples']} examples, {COUNTS['mixed steps']} mixed steps, {COUNTS['split prompts']} "
+          f"prompts prefilled over several steps, {COUNTS['full steps']} steps holding the whole budget")
     assert COUNTS["checked"] > 0 and COUNTS["steps"] > 0
+    assert COUNTS["mixed steps"] > 0 and COUNTS["split prompts"] > 0 and COUNTS["full steps"] > 0

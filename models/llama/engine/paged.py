@@ -9,22 +9,41 @@ prefix share its blocks (``block_pool.BlockPool``: reference counts, copy-on-wri
 per block), so the shared part is computed once.
 
 A server drives it with ``add_request`` (per-request sampling settings and cache salt) / ``step`` /
-``abort``; ``stream`` and ``generate`` are the ``Generator``'s own calls (``common.Engine``). Each
-``step`` either prefills the requests it admits (one packed call; the new keys rotated once and written by
-``rotary_cache_write``, attention over cached prefix + new tokens by the fused op with
-``key_rotated``) or decodes one token of every running request (one call of
-``rotary_paged_attention`` per layer, reading the blocks in place). A request is admitted when the
-blocks it can grow to (prompt + new tokens, less the full blocks it shares) fit beside what the
-running requests can still take, so a step never runs out of blocks and nothing is preempted;
-admission is first come, first served, and a request the cache can hold alone is admitted at the
-latest when nothing else runs.
+``abort``; ``stream`` and ``generate`` are the ``Generator``'s own calls (``common.Engine``). By
+default (``max_num_batched_tokens=None``) each ``step`` either prefills the requests it admits,
+whole prompts (one packed call; the new keys rotated once and written by ``rotary_cache_write``,
+attention over cached prefix + new tokens by the fused op with ``key_rotated``), or decodes one
+token of every running request (one call of ``rotary_paged_attention`` per layer, reading the
+blocks in place). A request is admitted when the blocks it can grow to (prompt + new tokens, less
+the full blocks it shares) fit beside what the running requests can still take, so a step never
+runs out of blocks and nothing is preempted; admission is first come, first served, and a request
+the cache can hold alone is admitted at the latest when nothing else runs.
+
+**Chunked prefill** (``max_num_batched_tokens=N``, vLLM's name): a long prompt no longer stops the
+running requests. Each step is one call holding one decode token of every running request whose
+prompt is done, then prompt tokens while the N - (decode tokens) left last: first of the requests
+already mid-prompt, then of those admitted now, in arrival order; a prompt is split over as many
+steps as it needs (its cached prefix counts as computed) and samples its first token in the step
+that computes its last token. Decode tokens are never held back: they all run, and when they alone
+fill N the step holds only them and the prompts wait until a decoding request ends (with N >=
+``max_batch`` that never happens while a prompt is unfinished: a request mid-prompt leaves at most
+``max_batch - 1`` decoding). They cannot pass N: a step completes at most as many prompts as it
+holds prompt tokens, at most N less its decode tokens. A step with prompt tokens runs the prefill
+graph, each decoding request a sequence of one new token over its whole context; a step of decode
+tokens only runs the decode graph. A chunk's full blocks are registered when its step has run, as a
+whole prompt's are; the block it fills partly stays its own and unregistered until a later chunk
+fills it (or the request is aborted: then, as a finished sequence's partial last block, it is
+registered with its keys final). A request whose next uncached block another request is computing
+(admitted this step, or mid-prompt) waits until that block is registered, then shares it, or until
+the other request ends. ``last_record`` (a ``StepRecord``) says what each step held.
 
 **A step is all or nothing.** The blocks it grows, the graph call and the sampling of every row
 happen first; if any of them raises, every request of the step ends (its blocks freed, nothing it
-wrote registered as cached) and the exception propagates. Only after all of them succeeded does the
-step commit: each request's written tokens enter its context and its new token becomes pending. A
-request whose own row cannot be sampled (``SamplingError``: NaN logits) ends alone, with a last
-``Token`` carrying the error; the others carry on.
+wrote registered as cached; under chunked prefill, every request with tokens in the call, the
+blocks its earlier chunks completed staying cached) and the exception propagates. Only after all of
+them succeeded does the step commit: each request's written tokens enter its context and its new
+token becomes pending. A request whose own row cannot be sampled (``SamplingError``: NaN logits)
+ends alone, with a last ``Token`` carrying the error; the others carry on.
 
 **Threads.** Every public call takes the generator's lock, so a server may ``abort`` or
 ``add_request`` from a request's thread while its engine thread runs ``step``: the call waits for
@@ -78,6 +97,67 @@ class _Request(Request):
     root: bytes = field(kw_only=True)  # its cache salt's chain root
     seq: SequenceBlocks | None = None
     reserved: int = 0      # blocks it may still allocate
+    keys: list[bytes] | None = None  # the chain digests of its prompt's full blocks (none without prefix caching)
+
+    @property
+    def prefilling(self) -> bool:
+        """Admitted, and part of its prompt not yet computed (chunked prefill only, between steps)."""
+        return self.seq.length < len(self.prompt)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one ``step`` scheduled (``PagedGenerator.last_record``). ``kind``: 'prefill' (prompt
+    tokens only), 'mixed' (prompt tokens and decode tokens in one call; chunked prefill only) or
+    'decode'. ``decode_requests``: the ids that decoded one token, in the call's order;
+    ``prefill_tokens``: (id, prompt tokens computed this step) in arrival order, a prompt split
+    over steps appearing in each; ``first_tokens``: the ids whose first token this step sampled
+    (those whose prompt's last token it computed), for a server's time to first token;
+    ``cached_tokens``: (id, prompt tokens found in the prefix cache) of each request admitted this
+    step, for its usage's cached tokens."""
+    kind: str
+    decode_requests: tuple[int, ...] = ()
+    prefill_tokens: tuple[tuple[int, int], ...] = ()
+    first_tokens: tuple[int, ...] = ()
+    cached_tokens: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(n for _, n in self.prefill_tokens)
+
+    @property
+    def total_tokens(self) -> int:
+        """The tokens of the model call: one per decoding request, plus the prompt tokens."""
+        return len(self.decode_requests) + self.prompt_tokens
+
+
+@dataclass
+class _Work:
+    """One sequence of a step: the tokens it writes (a prompt chunk, or a decoding request's pending
+    token) and whether its row is sampled (a decode token, or its prompt's last chunk)."""
+    request: _Request
+    ids: list[int]
+    decode: bool
+    samples: bool
+    joining: bool = False  # admitted this step: its cached prefix is counted when the step commits
+
+    @classmethod
+    def chunk(cls, request: _Request, tokens: int, joining: bool = False) -> "_Work":
+        """The next ``tokens`` tokens of the request's prompt."""
+        start = request.seq.length
+        return cls(request, request.prompt[start:start + tokens], False, start + tokens == len(request.prompt),
+                   joining)
+
+    @classmethod
+    def decoding(cls, request: _Request) -> "_Work":
+        return cls(request, [request.pending], True, True)
+
+
+def _check_batched_tokens(value):
+    if value is not None and (not is_int(value) or value < 1):
+        raise ValueError("max_num_batched_tokens: expected an int >= 1 (the tokens of one step: chunked prefill) "
+                         f"or None (whole prompts, then decode steps), got {value!r}")
+    return None if value is None else int(value)
 
 
 class PagedGenerator(Engine):
@@ -87,14 +167,19 @@ class PagedGenerator(Engine):
     positions, at most ``CACHE_MEMORY_FRACTION`` of the memory available), cut into blocks of
     ``block_size`` positions (a multiple of 16); ``max_batch`` bounds the sequences of one step.
     ``cache_dtype`` as the ``Generator``'s. ``prefix_caching=False`` computes every prompt whole.
-    CPU only: the paged ops have no Ascend kernel (docs/serving.md)."""
+    ``max_num_batched_tokens`` (vLLM's name): None, a step prefills whole prompts or decodes; an
+    int turns on chunked prefill, each step's call holding at most that many tokens (see the
+    module's docstring). CPU only: the paged ops have no Ascend kernel (docs/serving.md)."""
 
     def __init__(self, model: LlamaForCausalLM, *, max_cache_bytes: int | None = None, block_size: int = 16,
-                 max_batch: int = 8, cache_dtype=None, prefix_caching: bool = True):
+                 max_batch: int = 8, cache_dtype=None, prefix_caching: bool = True,
+                 max_num_batched_tokens: int | None = None):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch: expected a positive int, got {max_batch!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 16 or block_size % 16:
             raise ValueError(f"block_size: expected a positive multiple of 16, got {block_size!r}")
+        self._batched_tokens = _check_batched_tokens(max_num_batched_tokens)
+        self._room = None  # prompt tokens the step being scheduled has left (chunked prefill; _admit reads it)
         if model.parallel is not None:
             raise ValueError("model: the paged cache serves a model on one device; use Generator for tensor parallel")
         super().__init__(model, cache_dtype)
@@ -126,13 +211,31 @@ class PagedGenerator(Engine):
         self.reserved = 0  # blocks the running requests may still allocate
         self._next_id = 0
         self.compile_s = 0.0
-        self.last_step = None  # what the last step() ran: 'prefill', 'decode' or None (nothing to do)
+        # what the last step() ran: 'prefill' (any prompt tokens, decode tokens beside them or not), 'decode'
+        # or None (nothing to do); last_record says exactly what (a StepRecord)
+        self.last_step, self.last_record = None, None
         self.last_logits = None  # its logits (float32, one row per token it returned, in that order)
-        self.prefilled_tokens = self.cached_prompt_tokens = 0  # prompt tokens computed / found in the cache
+        # prompt tokens computed / found in the cache, counted when the step that computed / used them ran
+        self.prefilled_tokens = self.cached_prompt_tokens = 0
 
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
+
+    @property
+    def max_num_batched_tokens(self) -> int | None:
+        """The tokens one step may hold (chunked prefill), or None: whole-prompt prefill steps."""
+        return self._batched_tokens
+
+    @max_num_batched_tokens.setter
+    def max_num_batched_tokens(self, value: int | None) -> None:
+        """Changed only while no request is unfinished (a prompt half prefilled needs chunked steps)."""
+        value = _check_batched_tokens(value)
+        with self._lock:
+            if self.has_unfinished:
+                raise ValueError(f"max_num_batched_tokens: {len(self.waiting) + len(self.running)} requests are "
+                                 "unfinished; change it when none is")
+            self._batched_tokens = value
 
     @property
     def cached_tokens(self) -> int:
@@ -187,26 +290,37 @@ class PagedGenerator(Engine):
             self.pool.reset()
 
     def step(self) -> list[Token]:
-        """One call of the model: prefill of the requests that can be admitted, else one decode
-        token of every running request. Returns the tokens sampled (``Token.request``: the id), all
-        or nothing (see the module's docstring)."""
+        """One call of the model: what ``_schedule`` gives this step (see the module's docstring).
+        Returns the tokens sampled (``Token.request``: the id), all or nothing; ``last_record`` says
+        what the step held."""
         with self._lock:
-            joining = self._admit()
-            if joining:
-                kind, requests = "prefill", joining
-            elif self.running:
-                kind, requests = "decode", list(self.running)
-            else:
-                self.last_step, self.last_logits = None, None
+            work = self._schedule()
+            if not work:
+                self.last_step, self.last_record, self.last_logits = None, None, None
                 return []
+            requests = [w.request for w in work]
             try:
-                logits = self._run_prefill(requests) if kind == "prefill" else self._run_decode(requests)
-                drawn = [self._draw(request, row) for request, row in zip(requests, logits)]
+                if all(w.decode for w in work):
+                    logits = self._run_decode(requests)
+                else:
+                    logits = self._run_prefill(work)
+                drawn = [self._draw(w.request, row) if w.samples else None for w, row in zip(work, logits)]
             except BaseException:
                 self._failed(requests)
                 raise
-            self.last_step, self.last_logits = kind, logits
-            return self._commit(kind, requests, drawn)
+            self.last_logits = logits[[w.samples for w in work]]
+            self.last_record = self._record(work, drawn)
+            self.last_step = "decode" if self.last_record.kind == "decode" else "prefill"
+            return self._commit(work, drawn)
+
+    @staticmethod
+    def _record(work: list[_Work], drawn: list) -> StepRecord:
+        decode = tuple(w.request.id for w in work if w.decode)
+        prefill = tuple((w.request.id, len(w.ids)) for w in work if not w.decode)
+        first = tuple(w.request.id for w, token in zip(work, drawn) if not w.decode and isinstance(token, int))
+        cached = tuple((w.request.id, w.request.seq.length) for w in work if w.joining)  # before the commit
+        kind = "decode" if not prefill else "mixed" if decode else "prefill"
+        return StepRecord(kind, decode, prefill, first, cached)
 
     def _draw(self, request: _Request, row: np.ndarray):
         """The request's next token, or the ``SamplingError`` its row raised (it ends alone)."""
@@ -215,18 +329,23 @@ class PagedGenerator(Engine):
         except SamplingError as exc:
             return exc
 
-    def _commit(self, kind: str, requests: list[_Request], drawn: list) -> list[Token]:
+    def _commit(self, work: list[_Work], drawn: list) -> list[Token]:
         """The step ran for every request: what it wrote enters their contexts, their new tokens
         become pending; a request whose row could not be sampled ends with its error."""
         self.pool.settle()
         tokens = []
-        for request, token in zip(requests, drawn):
+        for item, token in zip(work, drawn):
+            request = item.request
+            if not item.decode:
+                self.prefilled_tokens += len(item.ids)
+                self.cached_prompt_tokens += request.seq.length if item.joining else 0
             if isinstance(token, Exception):
                 self._finish(request, keep=False)
                 tokens.append(Token(request.id, None, True, token))
                 continue
-            written = request.prompt[request.seq.length:] if kind == "prefill" else [request.pending]
-            self.pool.commit(request.seq, written)
+            self.pool.commit(request.seq, item.ids)
+            if token is None:  # a prompt chunk that is not its last: nothing sampled yet
+                continue
             finished = request.took(token)
             tokens.append(Token(request.id, token, finished))
             if finished:
@@ -234,15 +353,61 @@ class PagedGenerator(Engine):
         return tokens
 
     # ---- scheduling ----
+    def _schedule(self) -> list[_Work]:
+        """This step's sequences. Without a token budget: the requests admitted now, whole prompts,
+        else one decode token of every running request. With one (chunked prefill): one decode
+        token of every request past its prompt, then prompt tokens in arrival order (the requests
+        mid-prompt, then those admitted now) while the budget lasts. The decode tokens all run
+        even when they alone fill the budget; the prompts then wait for a step with room."""
+        if self._batched_tokens is None:
+            self._room = None
+            joining = self._admit()
+            if joining:
+                return [_Work.chunk(request, len(request.prompt) - request.seq.length, joining=True)
+                        for request in joining]
+            return [_Work.decoding(request) for request in self.running]
+        work = [_Work.decoding(request) for request in self.running if not request.prefilling]
+        room = self._batched_tokens - len(work)
+        for request in self.running:
+            if request.prefilling and room > 0:
+                tokens = min(room, len(request.prompt) - request.seq.length)
+                work.append(_Work.chunk(request, tokens))
+                room -= tokens
+        if room > 0:
+            self._room = room
+            for request in self._admit():  # the same split as _admit's
+                tokens = min(room, len(request.prompt) - request.seq.length)
+                work.append(_Work.chunk(request, tokens, joining=True))
+                room -= tokens
+        return work
+
+    def _keys(self, request: _Request) -> list[bytes]:
+        if request.keys is None:
+            request.keys = prefix_keys(request.prompt, self.block_size, request.root) if self.pool.prefix_caching \
+                else []
+        return request.keys
+
+    def _computing(self) -> set[bytes]:
+        """The chain digests of the full prompt blocks the running requests have still to compute
+        (mid-prompt under chunked prefill; registered once a step completes them)."""
+        computing, bs = set(), self.block_size
+        for request in self.running:
+            if request.prefilling and request.seq.epoch == self.pool.epoch:
+                computing.update(self._keys(request)[request.seq.length // bs:])
+        return computing
+
     def _admit(self) -> list[_Request]:
-        """Waiting requests, in order, while a batch has room and their blocks fit; a request whose
-        next uncached block a joining request is computing waits a step, then finds it cached."""
-        joining, computing = [], set()
-        bs = self.block_size
-        while self.waiting and len(self.running) < self.max_batch:
+        """Waiting requests, in order, while a batch has room, their blocks fit and (chunked
+        prefill) prompt tokens of the step remain (``_room``, set by ``_schedule``: an argument
+        would change the signature models.llama.serve wraps). A request whose next uncached block
+        a running or joining request is computing waits (a step, or until a chunked prompt has
+        reached past that block), then finds it cached."""
+        joining, computing = [], self._computing()
+        bs, room = self.block_size, self._room
+        while self.waiting and len(self.running) < self.max_batch and (room is None or room > 0):
             request = self.waiting[0]
             match = self.pool.match(request.prompt, request.root)
-            keys = prefix_keys(request.prompt, bs, request.root) if self.pool.prefix_caching else []
+            keys = self._keys(request)
             if match.tokens // bs < len(keys) and keys[match.tokens // bs] in computing:
                 break
             if not self._fits(request, match):
@@ -255,6 +420,8 @@ class PagedGenerator(Engine):
             request.reserved = self._growth_blocks(request, match)
             self.reserved += request.reserved
             self.running.append(request)
+            if room is not None:
+                room -= min(room, len(request.prompt) - match.tokens)
             joining.append(request)
             computing.update(keys)
         return joining
@@ -293,22 +460,31 @@ class PagedGenerator(Engine):
                 self._finish(request, keep=False)
 
     # ---- the two calls ----
-    def _run_prefill(self, joining: list[_Request]) -> np.ndarray:
+    def _check_pending(self, requests) -> None:
+        vocab = self.model.vocab_size
+        for request in requests:  # an id out of range would read a zero row of a float32 embedding, silently
+            if not 0 <= request.pending < vocab:
+                raise RuntimeError(f"PagedGenerator: request {request.id} would decode token id {request.pending}, "
+                                   f"outside [0, {vocab}) (a bug of the engine: please report it)")
+
+    def _run_prefill(self, work: list[_Work]) -> np.ndarray:
+        """The prefill graph over the step's sequences: prompt chunks (a whole prompt is one chunk)
+        and, under chunked prefill, decoding requests as sequences of one new token."""
+        self._check_pending([w.request for w in work if w.decode])
         bs = self.block_size
         slots, positions, context, copies, ids, q_lens, kv_lens = [], [], [], [], [], [], []
-        for request in joining:
-            start, length = request.seq.length, len(request.prompt)
+        for item in work:
+            request = item.request
+            start, length = request.seq.length, request.seq.length + len(item.ids)
             growth = self._grow(request, length - start)
             slots.append(growth.slots)
             copies += growth.copies
             positions.append(np.arange(start, length))
             keys = np.arange(length)
             context.append(np.stack([np.asarray(request.seq.blocks)[keys // bs], keys % bs], 1))
-            ids.append(request.prompt[start:])
+            ids.append(item.ids)
             q_lens.append(length - start)
             kv_lens.append(length)
-            self.prefilled_tokens += length - start
-            self.cached_prompt_tokens += start
         copies = copies or [(SCRATCH_BLOCK, SCRATCH_BLOCK)]  # the graph's copy takes at least one pair
         args = (np.concatenate(ids).astype(np.int32), np.cumsum(q_lens).astype(np.int64),
                 np.cumsum(kv_lens).astype(np.int64), np.concatenate(slots).astype(np.int32),
@@ -318,11 +494,7 @@ class PagedGenerator(Engine):
 
     def _run_decode(self, running: list[_Request]) -> np.ndarray:
         count = len(running)
-        vocab = self.model.vocab_size
-        for request in running:  # an id out of range would read a zero row of a float32 embedding, silently
-            if not 0 <= request.pending < vocab:
-                raise RuntimeError(f"PagedGenerator: request {request.id} would decode token id {request.pending}, "
-                                   f"outside [0, {vocab}) (a bug of the engine: please report it)")
+        self._check_pending(running)
         tokens = token_bucket(count)  # filler sequences of one token each: read the scratch block, write nothing
         slots = np.full(tokens, -1, np.int32)
         positions = np.zeros(tokens, np.int32)
