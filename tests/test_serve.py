@@ -11,7 +11,6 @@ soak leaving the pool full, the metric names, and a drain on SIGTERM. Pure parts
 template, protocol) first, without the server.
 """
 import asyncio
-import inspect
 import json
 import os
 import re
@@ -55,6 +54,7 @@ pytestmark = pytest.mark.xdist_group("serve")
 
 API_KEY = "test-key-5d1f"
 MAX_BATCH, MAX_WAITING, TOKENS_LIMIT, BODY_LIMIT = 4, 8, 64, 16 << 10
+CHUNK = 8  # the engine's max_num_batched_tokens
 PROMPTS = [[1, 5, 9, 77], [1] + list(range(100, 137))]  # the second crosses two blocks of 16
 NEW = 12
 
@@ -132,24 +132,21 @@ def test_protocol_names_the_field(body, param):
     assert chat.messages[0].text() == "a"
 
 
-def test_cli_passes_max_num_batched_tokens_only_when_given():
+def test_cli_builds_the_generator_options():
+    """Chunked prefill is on by default (128 tokens a step), off with --no-chunked-prefill."""
     from models.llama.serve.__main__ import build_parser, generator_options
-
-    class Chunked(PagedGenerator):  # the chunked prefill's constructor argument, as it is to land
-        def __init__(self, model, *, max_num_batched_tokens: int | None = None, **kwargs):
-            pass
 
     parser = build_parser()
     plain = parser.parse_args(["--model", "tiny", "--no-prefix-caching", "--cache-gib", "0.5"])
-    assert generator_options(plain, parser) == generator_options(plain, parser, Chunked) == \
-        dict(block_size=16, max_batch=8, prefix_caching=False, max_cache_bytes=1 << 29)
+    assert generator_options(plain, parser) == dict(block_size=16, max_batch=8, prefix_caching=False,
+                                                    max_cache_bytes=1 << 29, max_num_batched_tokens=128)
     chunked = parser.parse_args(["--model", "tiny", "--max-num-batched-tokens", "256"])
-    assert generator_options(chunked, parser, Chunked)["max_num_batched_tokens"] == 256
-    if "max_num_batched_tokens" not in inspect.signature(PagedGenerator.__init__).parameters:
+    assert generator_options(chunked, parser)["max_num_batched_tokens"] == 256
+    whole = parser.parse_args(["--model", "tiny", "--no-chunked-prefill"])
+    assert generator_options(whole, parser)["max_num_batched_tokens"] is None
+    for bad in (["--max-waiting", "0"], ["--max-num-batched-tokens", "0"]):
         with pytest.raises(SystemExit):
-            generator_options(chunked, parser)
-    with pytest.raises(SystemExit):
-        generator_options(parser.parse_args(["--model", "tiny", "--max-waiting", "0"]), parser)
+            generator_options(parser.parse_args(["--model", "tiny", *bad]), parser)
 
 
 # ---- the server ----
@@ -198,7 +195,8 @@ def served():
     ms.set_context(mode=ms.GRAPH_MODE)
     config = preset("tiny")
     model = LlamaForCausalLM(config, backend="fused")
-    generator = PagedGenerator(model, max_batch=MAX_BATCH)
+    # chunked prefill on, as the server runs by default: prompts longer than CHUNK tokens take several steps
+    generator = PagedGenerator(model, max_batch=MAX_BATCH, max_num_batched_tokens=CHUNK)
     # The generator's own greedy tokens, before it serves (it keeps their prefixes cached).
     reference = {tuple(p): generator.generate([p], NEW, eos_ids=()).tokens[0] for p in PROMPTS}
     tokenizer = Tokenizer.words(config.vocab_size, config.bos_token_id)

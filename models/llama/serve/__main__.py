@@ -12,7 +12,6 @@ compilation) runs after, with ``/ready`` answering 503 until it ends.
 from __future__ import annotations
 
 import argparse
-import inspect
 import logging
 import os
 from pathlib import Path
@@ -41,8 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-batch", type=int, default=8, help="most sequences in one engine step")
     parser.add_argument("--max-waiting", type=int, default=64,
                         help="most requests waiting for admission; more are refused with 429")
-    parser.add_argument("--max-num-batched-tokens", type=int,
-                        help="most tokens of one step (chunked prefill), passed to PagedGenerator when given")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=128,
+                        help="most tokens of one engine step (chunked prefill): a long prompt is computed in "
+                             "chunks between the running requests' decode tokens, so their inter-token latency "
+                             "stays about one such step (default 128)")
+    parser.add_argument("--no-chunked-prefill", action="store_true",
+                        help="prefill each prompt whole in a step of its own (the running requests wait)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt whole")
     parser.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask (default: the "
                                                              "model's context)")
@@ -85,9 +88,8 @@ def load(args):
     return model, tokenizer, ChatTemplate.from_directory(args.checkpoint), Path(args.checkpoint).resolve().name
 
 
-def generator_options(args, parser, generator=PagedGenerator) -> dict:
-    """``PagedGenerator``'s keyword arguments from the command line; ``max_num_batched_tokens`` only
-    when given (a generator without chunked prefill has no such argument: then it is refused)."""
+def generator_options(args, parser) -> dict:
+    """``PagedGenerator``'s keyword arguments from the command line."""
     for name in ("max_batch", "max_waiting", "max_num_batched_tokens", "max_tokens_limit", "max_body_bytes"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -95,10 +97,7 @@ def generator_options(args, parser, generator=PagedGenerator) -> dict:
     options = dict(block_size=args.block_size, max_batch=args.max_batch, prefix_caching=not args.no_prefix_caching)
     if args.cache_gib is not None:
         options["max_cache_bytes"] = max(1, int(args.cache_gib * GIB))
-    if args.max_num_batched_tokens is not None:
-        if "max_num_batched_tokens" not in inspect.signature(generator.__init__).parameters:
-            parser.error("--max-num-batched-tokens: this PagedGenerator has no chunked prefill yet")
-        options["max_num_batched_tokens"] = args.max_num_batched_tokens
+    options["max_num_batched_tokens"] = None if args.no_chunked_prefill else args.max_num_batched_tokens
     return options
 
 

@@ -74,6 +74,7 @@ class RequestStream:
         self.arrival = arrival
         self.engine_id: int | None = None
         self.cached_tokens = 0            # prompt tokens its admission found in the prefix cache
+        self.prefill_started_at: float | None = None  # the start of the first step computing its prompt
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.done = False                 # the engine holds nothing of it any more
@@ -122,8 +123,6 @@ class EngineService:
         self._streams: dict[int, RequestStream] = {}  # engine id -> stream (engine thread only)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="rfa-engine", daemon=True)
-        self._cached_at_admission: dict[int, int] = {}
-        self._record_admissions()
 
     # ---- the event loop's calls ----
     def start(self) -> None:
@@ -187,23 +186,6 @@ class EngineService:
         return self.in_flight == 0 and not self._inbox and not self.generator.has_unfinished
 
     # ---- the engine thread ----
-    def _record_admissions(self) -> None:
-        """Each admitted request's prefix-cache hit (its sequence's length at admission), for its
-        usage's ``cached_tokens``. ``PagedGenerator`` counts hits only in total
-        (``cached_prompt_tokens``), so its admission step is wrapped on this instance."""
-        admit = getattr(self.generator, "_admit", None)
-        if admit is None:
-            log.warning("PagedGenerator has no _admit: usage.prompt_tokens_details.cached_tokens reads 0")
-            return
-
-        def admit_and_record():
-            joining = admit()
-            for request in joining:
-                self._cached_at_admission[request.id] = request.seq.length
-            return joining
-
-        self.generator._admit = admit_and_record
-
     def _run(self) -> None:
         try:
             if self._warm:
@@ -238,7 +220,6 @@ class EngineService:
         prompt = [bos] + [3 + i % (vocab - 3) for i in range(gen.block_size)]
         for batch in _warm_up_batches(gen.max_batch):
             gen.warm_up([prompt] * batch)
-        self._cached_at_admission.clear()  # the warm-up's requests
         log.info("warm-up: %.1f s (prefill and decode graphs for batches %s)", time.perf_counter() - t0,
                  _warm_up_batches(gen.max_batch))
 
@@ -260,7 +241,6 @@ class EngineService:
     def _abort(self, stream: RequestStream) -> None:
         if stream.engine_id is not None and self._streams.pop(stream.engine_id, None) is not None:
             self.generator.abort(stream.engine_id)
-            self._cached_at_admission.pop(stream.engine_id, None)
         stream.done = True
 
     def _step(self) -> None:
@@ -277,9 +257,10 @@ class EngineService:
                     self._end(stream, Event(finished=True, error=exc))
             return
         t1 = self.clock()
-        kind = gen.last_step
+        kind, record = gen.last_step, gen.last_record
         if kind:
             metrics.attention_path(kind, self.paths.get(kind, gen.model.backend))
+        self._note_prompts(record, t0)
         hits, computed = gen.cached_prompt_tokens - hits0, gen.prefilled_tokens - computed0
         if hits or computed:
             metrics.prefix_queries.inc(hits + computed)
@@ -294,9 +275,9 @@ class EngineService:
                 continue
             if stream.first_token_at is None:
                 stream.first_token_at = t1
-                stream.cached_tokens = self._cached_at_admission.pop(token.request, 0)
-                metrics.queue.observe(max(0.0, t0 - stream.arrival))
-                metrics.prefill.observe(t1 - t0)
+                started = t0 if stream.prefill_started_at is None else stream.prefill_started_at
+                metrics.queue.observe(max(0.0, started - stream.arrival))
+                metrics.prefill.observe(t1 - started)
                 metrics.ttft.observe(t1 - stream.arrival)
             else:
                 metrics.itl.observe(t1 - stream.last_token_at)
@@ -308,6 +289,20 @@ class EngineService:
             else:
                 self._post(stream, event)
 
+    def _note_prompts(self, record, started: float) -> None:
+        """From the step's record: each admitted request's prefix-cache hit (its usage's cached tokens)
+        and when its prompt's first chunk ran (the end of its queue time; with chunked prefill its
+        prefill spans several steps, the last one sampling its first token)."""
+        if record is None:
+            return
+        for request_id, cached in record.cached_tokens:
+            if (stream := self._streams.get(request_id)) is not None:
+                stream.cached_tokens = cached
+        for request_id, _ in record.prefill_tokens:
+            stream = self._streams.get(request_id)
+            if stream is not None and stream.prefill_started_at is None:
+                stream.prefill_started_at = started
+
     def _update_gauges(self) -> None:
         pool = self.generator.pool
         self.metrics.running.set(len(self.generator.running))
@@ -316,7 +311,6 @@ class EngineService:
 
     def _end(self, stream: RequestStream, event: Event) -> None:
         self._streams.pop(stream.engine_id, None)
-        self._cached_at_admission.pop(stream.engine_id, None)
         stream.done = True
         self._post(stream, event)
 
