@@ -63,6 +63,17 @@ def to_numpy(t: ms.Tensor) -> np.ndarray:
     return t.astype(ms.float32).asnumpy().astype(np.float64)
 
 
+@pytest.fixture(autouse=True)
+def _execution_mode_restored():
+    """Every test starts in the worker's execution mode: a test that switches to GRAPH_MODE without
+    switching back would leave the tests after it in that worker (xdist's order varies from run to run)
+    compiling graphs they were not written for."""
+    previous = ms.get_context("mode")
+    yield
+    if ms.get_context("mode") != previous:
+        ms.set_context(mode=previous)
+
+
 @pytest.fixture(params=["pynative", "graph"])
 def mode(request):
     previous = ms.get_context("mode")
