@@ -12,12 +12,14 @@ MINDNLP_VENV := .venv-mindnlp
 MINDNLP := $(MINDNLP_VENV)/.installed
 LLAMA_CPP_VENV := .venv-llamacpp
 LLAMA_CPP := $(LLAMA_CPP_VENV)/.installed
+AIPERF_VENV := .venv-aiperf
+AIPERF := $(AIPERF_VENV)/.installed
 KERNEL_SOURCES := $(wildcard ms_rope_attention/csrc/*) $(wildcard ms_rope_attention/aclnn/*/*.h) $(wildcard ms_rope_attention/aclnn/*/*/*.h) \
 	$(wildcard ms_rope_attention/aclnn/*/*.cpp) $(wildcard ms_rope_attention/aclnn/*/*.cc)
 # An extra's requirements as pyproject.toml lists them (its one place), for installing them alone.
 EXTRA = $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['$(1)']))")
 
-.PHONY: test bench bench-full venv thirdparty clean sanitize fuzz serve
+.PHONY: test bench bench-full bench-serve venv thirdparty clean sanitize fuzz serve
 
 venv: $(STAMP)
 
@@ -97,6 +99,14 @@ bench-full: $(STAMP) $(PEERS) $(MINDFORMERS) $(LLAMA_CPP)
 		--systems fused-half fused-bfloat16 hf-static-float16 hf-static-bfloat16 --out benchmarks/results/full-depth
 	$(PY) benchmarks/serving.py --rounds 2
 
+# The HTTP server under load from aiperf (NVIDIA's load generator, in its own environment: make aiperf), with
+# chunked prefill and prefix caching on and each off, against llama.cpp's OpenAI server on the same weights
+# (Llama2-7B dimensions, 2 layers, float16): a shared-system-prompt chat trace and a random-length one at
+# Poisson 0.1 and 0.2 requests/s, 16 requests each, every run on a fresh server (benchmarks/serve_load.py;
+# docs/benchmarks.md). Writes benchmarks/results/serve_load.json and serve_load.png.
+bench-serve: $(STAMP) $(LLAMA_CPP) $(AIPERF)
+	$(PY) benchmarks/serve_load.py
+
 # The peers the TTFT benchmark measures beside this project: Hugging Face transformers on PyTorch (in
 # .venv), and MindFormers in a virtual environment of its own (it pins transformers 4.57; see
 # benchmarks/peers/mindformers.txt for what it is installed with and why).
@@ -108,8 +118,9 @@ $(PEERS): $(STAMP) pyproject.toml
 # installed into it as their users would (editable: the checkout is what runs). tests/test_fuse_thirdparty.py
 # runs tests/thirdparty/ in them; .ci/run installs them first (make thirdparty), and with them llama.cpp's
 # environment, which tests/test_benchmarks.py runs the llama.cpp peer in, and the peers extra in .venv
-# (transformers and PyTorch: tests/test_compute_dtype.py compares the bfloat16 model with them).
-thirdparty: $(MINDFORMERS) $(MINDNLP) $(LLAMA_CPP) $(PEERS)
+# (transformers and PyTorch: tests/test_compute_dtype.py compares the bfloat16 model with them), and aiperf's
+# environment (the load generator of benchmarks/serve_load.py, whose smoke run tests/test_benchmarks.py runs).
+thirdparty: $(MINDFORMERS) $(MINDNLP) $(LLAMA_CPP) $(PEERS) $(AIPERF)
 
 $(MINDFORMERS): benchmarks/peers/mindformers.txt pyproject.toml setup.py $(KERNEL_SOURCES)
 	test -x $(MINDFORMERS_VENV)/bin/python || $(PYTHON) -m venv $(MINDFORMERS_VENV)
@@ -143,6 +154,18 @@ $(LLAMA_CPP): benchmarks/peers/llama_cpp.txt
 		$(LLAMA_CPP_VENV)/bin/python -m pip install --quiet --no-binary llama-cpp-python -r benchmarks/peers/llama_cpp.txt
 	touch $(LLAMA_CPP)
 
+# aiperf (NVIDIA's load generator for OpenAI-compatible servers) for benchmarks/serve_load.py, in an environment
+# of its own: it brings its own transformers, pandas and more, which must not change .venv's. Wheels only (no
+# build, no PyTorch, no GPU); see benchmarks/peers/aiperf.txt.
+.PHONY: aiperf
+aiperf: $(AIPERF)
+
+$(AIPERF): benchmarks/peers/aiperf.txt
+	test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(AIPERF_VENV)/bin/python -m pip install --quiet -r benchmarks/peers/aiperf.txt
+	touch $(AIPERF)
+
 # The oldest Python pyproject.toml's requires-python admits, in a virtual environment of its own with this
 # project installed editable as a user would (its kernels built for that interpreter): tests/test_oldest_python.py
 # imports the package there and trains a step and a resume through the CLI, so the declaration is tested.
@@ -161,5 +184,5 @@ $(PY310): pyproject.toml setup.py $(KERNEL_SOURCES)
 	touch $(PY310)
 
 clean:
-	rm -rf build dist $(VENV) $(MINDFORMERS_VENV) $(MINDNLP_VENV) $(LLAMA_CPP_VENV) ms_rope_attention/_rfa_*.so *.egg-info
+	rm -rf build dist $(VENV) $(MINDFORMERS_VENV) $(MINDNLP_VENV) $(LLAMA_CPP_VENV) $(AIPERF_VENV) ms_rope_attention/_rfa_*.so *.egg-info
 	rm -rf $(PY310_VENV)

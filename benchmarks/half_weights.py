@@ -84,33 +84,6 @@ def gemm_point(out_features: int = 11008, in_features: int = 4096, repeats: int 
             "read_bandwidth": read, "shape": [out_features, in_features], "rows": rows}
 
 
-def write_half_checkpoint(model: str, layers: int, seed: int, directory: str) -> dict:
-    """The seeded random weights as a float16 Hugging Face checkpoint, one layer at a time (a
-    32-layer model never exists in float32 in this process)."""
-    import mindspore as ms
-    from mindspore.nn.utils import no_init_parameters
-
-    ms.set_device("CPU")
-    from models.llama import LlamaForCausalLM, preset
-    from models.llama.weights import save_hf_checkpoint
-
-    config = preset(model, num_hidden_layers=layers)
-    rng = np.random.default_rng(seed)
-    with no_init_parameters():  # the shapes only
-        one_layer = LlamaForCausalLM(config.replace(num_hidden_layers=1), dtype="float32", backend="unfused")
-    shapes = {name: tuple(p.shape) for name, p in one_layer.parameters_dict().items()}
-    state = {}
-    for name, shape in shapes.items():
-        names = [name] if ".layers.0." not in name else [name.replace(".layers.0.", f".layers.{i}.") for i in range(layers)]
-        for n in names:
-            if len(shape) == 1:
-                state[n] = np.ones(shape, np.float16)
-            else:  # 1/sqrt(fan_in): O(1) activations, as the model's own initialiser gives
-                state[n] = (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[1])).astype(np.float16)
-    save_hf_checkpoint(state, config, directory, max_shard_bytes=2 * 2**30)
-    return {"directory": directory, "bytes": int(sum(a.nbytes for a in state.values()))}
-
-
 def paired_point(checkpoint: str, context: int, new_tokens: int, seed: int, prefills: int = 3) -> dict:
     """This project's float32 and half weights of one checkpoint in one process, their graph calls
     alternating one at a time (which goes first turns each call): the host's drift (its read bandwidth
@@ -325,7 +298,7 @@ def main(argv=None) -> dict:
             row.update(peak_fractions(row["gflops"], peaks))
     with (tempfile.TemporaryDirectory(prefix="half-weights-") as scratch,
           tempfile.TemporaryDirectory(prefix="half-weights-gguf-") as gguf_directory):
-        written = run_isolated("half_weights", "write_half_checkpoint",
+        written = run_isolated("peers", "write_half_checkpoint",
                                {"model": args.model, "layers": args.layers, "seed": args.seed, "directory": scratch},
                                memory_limit_bytes=limit)
         if written["status"] != "ok":

@@ -52,6 +52,31 @@ def vocabulary(size: int) -> tuple[list[str], list[float], list[int]]:
     return tokens, [0.0] * size, types
 
 
+def tokenizer_vocabulary(path: str, size: int) -> tuple[list[str], list[float], list[int]]:
+    """(tokens, scores, token types) of the Hugging Face ``tokenizer.json`` at ``path``, a vocabulary of
+    ``size`` single characters and special tokens without merges (``peers.write_char_tokenizer``):
+    the same ids and texts in the GGUF file, where llama.cpp's SentencePiece-style tokenizer, finding
+    no token longer than a character, splits a text into the same ids as the ``tokenizers`` one.
+    Read as JSON: llama.cpp's environment has no ``tokenizers``."""
+    import gguf
+
+    spec = json.loads(Path(path).read_text())
+    model = spec.get("model", {})
+    if model.get("type") != "BPE" or model.get("merges"):
+        raise ValueError(f"tokenizer: expected a BPE vocabulary without merges (peers.write_char_tokenizer); "
+                         f"{path} has a {model.get('type')} model with {len(model.get('merges') or [])} merges")
+    by_id = {int(i): t for t, i in model["vocab"].items()}
+    if sorted(by_id) != list(range(size)):
+        raise ValueError(f"tokenizer: expected ids 0..{size - 1} (the checkpoint's vocab_size); {path} has "
+                         f"{len(by_id)} ids from {min(by_id, default=None)} to {max(by_id, default=None)}")
+    special = {int(t["id"]) for t in spec.get("added_tokens", []) if t.get("special")}
+    unk = model.get("unk_token")
+    tokens = [by_id[i] for i in range(size)]
+    types = [int(gguf.TokenType.UNKNOWN if t == unk else gguf.TokenType.CONTROL if i in special
+                 else gguf.TokenType.NORMAL) for i, t in enumerate(tokens)]
+    return tokens, [0.0] * size, types
+
+
 def rotate_half_to_pairs(weight: np.ndarray, heads: int) -> np.ndarray:
     """q/k projection rows from Hugging Face's rotate-half RoPE layout (per head: the first halves of
     the rotated pairs, then the second halves) to llama.cpp's Llama layout (adjacent pairs)."""
@@ -79,11 +104,14 @@ def _read_tensor(file: Path, name: str) -> np.ndarray:
         return f.get_tensor(name)
 
 
-def write_gguf(checkpoint: str, path: str, tensor_type: str, layers: int | None = None) -> dict:
+def write_gguf(checkpoint: str, path: str, tensor_type: str, layers: int | None = None,
+               tokenizer: str | None = None) -> dict:
     """The Llama checkpoint at ``checkpoint`` (a Hugging Face directory: config.json and safetensors)
     as a GGUF file at ``path``: matrices in ``tensor_type`` ("bf16" or "f16", rounded to nearest even
     from the checkpoint's values), norm weights in float32 (llama.cpp's convention), q/k rows in
-    llama.cpp's RoPE layout, the config as Llama metadata, a minimal vocabulary (``vocabulary``).
+    llama.cpp's RoPE layout, the config as Llama metadata, a minimal vocabulary (``vocabulary``), or
+    the vocabulary of ``tokenizer`` (a ``tokenizer.json`` of one character per token,
+    ``peers.write_char_tokenizer``: ``tokenizer_vocabulary``) for a server that tokenizes text.
     ``layers`` (default: the checkpoint's) blocks, block i from the checkpoint's layer i mod its
     layers. Returns the file's path, size and layer count."""
     import gguf
@@ -122,7 +150,11 @@ def write_gguf(checkpoint: str, path: str, tensor_type: str, layers: int | None 
     writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     writer.add_vocab_size(config["vocab_size"])
-    tokens, scores, types = vocabulary(config["vocab_size"])
+    if tokenizer is None:
+        tokens, scores, types = vocabulary(config["vocab_size"])
+    else:
+        tokens, scores, types = tokenizer_vocabulary(tokenizer, config["vocab_size"])
+        writer.add_add_space_prefix(False)  # the tokenizer puts no space before a text; nor may llama.cpp
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
@@ -170,6 +202,18 @@ def write_gguf_pair(checkpoint: str, directory: str, tensor_type: str) -> dict:
              for key, n in (("model", layers), ("deeper_model", layers + 1))}
     return {"model": files["model"]["path"], "deeper_model": files["deeper_model"]["path"],
             "bytes": files["model"]["bytes"], "layers": layers}
+
+
+def tokenize_point(model: str, texts: list[str]) -> dict:
+    """llama.cpp's token ids of each text (no BOS, special-token texts not parsed) and the texts it
+    decodes them back to, from the GGUF ``model``'s vocabulary alone: the load benchmark's check that
+    llama.cpp splits a prompt into the ids the server's tokenizer does."""
+    import llama_cpp
+
+    lm = llama_cpp.Llama(model, vocab_only=True, verbose=False)
+    ids = [lm.tokenize(text.encode(), add_bos=False, special=False) for text in texts]
+    return {"ids": ids, "texts": [lm.detokenize(i).decode(errors="replace") for i in ids],
+            "version": llama_cpp.__version__, "system_info": system_info()}
 
 
 def system_info() -> str:

@@ -1,7 +1,8 @@
 """The systems and inputs the benchmarks share, so that no benchmark script imports another.
 
 - One model for every system: ``write_checkpoint`` writes the seeded random Llama as a Hugging Face
-  checkpoint that each system loads; ``prompt_ids`` and ``prompts_for`` are the seeded prompts;
+  checkpoint that each system loads (``write_half_checkpoint``: float16 weights, one layer at a time),
+  ``write_char_tokenizer`` a tokenizer for it; ``prompt_ids`` and ``prompts_for`` are the seeded prompts;
   ``weights_checksum`` and ``logits_probe`` prove that the systems computed the same model.
 - The prefill points (``benchmarks/ttft.py``'s peers, ``fuse.py`` and ``projections.py`` reuse the
   parts): ``timed_prefill``, transformers' prefill (``hf_prefill_point``), MindFormers' Llama loaded
@@ -50,6 +51,86 @@ def write_checkpoint(model: str, layers: int, seed: int, directory: str) -> dict
     lm = LlamaForCausalLM(config, dtype="float32", backend="unfused", logits="last")
     save_hf_checkpoint(model_state(lm), config, directory)
     return {"directory": directory}
+
+
+def write_half_checkpoint(model: str, layers: int, seed: int, directory: str) -> dict:
+    """The seeded random weights as a float16 Hugging Face checkpoint, one layer at a time (a
+    32-layer model never exists in float32 in this process)."""
+    import mindspore as ms
+    from mindspore.nn.utils import no_init_parameters
+
+    ms.set_device("CPU")
+    from models.llama import LlamaForCausalLM, preset
+    from models.llama.weights import save_hf_checkpoint
+
+    config = preset(model, num_hidden_layers=layers)
+    rng = np.random.default_rng(seed)
+    with no_init_parameters():  # the shapes only
+        one_layer = LlamaForCausalLM(config.replace(num_hidden_layers=1), dtype="float32", backend="unfused")
+    shapes = {name: tuple(p.shape) for name, p in one_layer.parameters_dict().items()}
+    state = {}
+    for name, shape in shapes.items():
+        names = [name] if ".layers.0." not in name else [name.replace(".layers.0.", f".layers.{i}.") for i in range(layers)]
+        for n in names:
+            if len(shape) == 1:
+                state[n] = np.ones(shape, np.float16)
+            else:  # 1/sqrt(fan_in): O(1) activations, as the model's own initialiser gives
+                state[n] = (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[1])).astype(np.float16)
+    save_hf_checkpoint(state, config, directory, max_shard_bytes=2 * 2**30)
+    return {"directory": directory, "bytes": int(sum(a.nbytes for a in state.values()))}
+
+
+CHAR_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2: Llama 2's unknown, begin and end of sequence
+SPACE = "\u2581"  # SentencePiece's space, as Llama's tokenizers and llama.cpp's "llama" vocabulary write it
+
+
+def char_vocabulary(vocab_size: int) -> list[str]:
+    """The tokens of ``write_char_tokenizer``, by id: Llama 2's three special tokens, then one
+    character per id: the space (as ``SPACE``), the newline, the tab, printable ASCII, then CJK
+    ideographs from U+4E00 to fill ``vocab_size``."""
+    chars = [SPACE, "\n", "\t", *(chr(c) for c in range(0x21, 0x7F))]
+    fill = vocab_size - len(CHAR_SPECIAL_TOKENS) - len(chars)
+    if fill < 0:
+        raise ValueError(f"vocab_size: a character tokenizer needs at least "
+                         f"{len(CHAR_SPECIAL_TOKENS) + len(chars)} ids (printable ASCII), got {vocab_size}")
+    if fill > 0x9FFF - 0x4E00:
+        raise ValueError(f"vocab_size: at most {len(CHAR_SPECIAL_TOKENS) + len(chars) + 0x9FFF - 0x4E00} ids, "
+                         f"got {vocab_size}")
+    return [*CHAR_SPECIAL_TOKENS, *chars, *(chr(0x4E00 + i) for i in range(fill))]
+
+
+def write_char_tokenizer(directory: str, vocab_size: int) -> dict:
+    """A tokenizer of one character per token for a random checkpoint, written with the
+    ``tokenizers`` package into ``directory`` (``tokenizer.json``, and a ``tokenizer_config.json``
+    naming the special tokens, which transformers' ``AutoTokenizer`` reads: a load generator's
+    client-side tokenizer). Its vocabulary is ``char_vocabulary``: no merges and no byte tokens, so
+
+    - llama.cpp reads the same vocabulary from a GGUF file (``llama_cpp_peer.write_gguf(...,
+      tokenizer=...)``) and its SentencePiece-style tokenizer, which merges only into tokens that
+      exist, splits any text of these characters exactly as this one does: a prompt is the same
+      tokens for every server;
+    - a text of N characters is N tokens, and any ids decode to whole characters (a random model's
+      output counted again on the client gives back its token count).
+
+    A space is ``SPACE`` inside (normalised in, decoded back), as Llama's SentencePiece tokenizer
+    has it; nothing is added (the server adds BOS). Characters outside the vocabulary are ``<unk>``
+    here and have no id at all in llama.cpp (no byte tokens to fall back on): the texts it is for (aiperf's
+    Shakespeare corpus, Llama 2's chat template) are ASCII."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    tokens = char_vocabulary(vocab_size)
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[], unk_token=CHAR_SPECIAL_TOKENS[0]))
+    tok.normalizer = normalizers.Replace(" ", SPACE)
+    tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.Fuse()])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHAR_SPECIAL_TOKENS])
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    unk, bos, eos = CHAR_SPECIAL_TOKENS
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": unk, "bos_token": bos, "eos_token": eos,
+        "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False}, indent=2))
+    return {"directory": str(path), "vocab_size": vocab_size}
 
 
 def weights_checksum(down_proj_rows: np.ndarray) -> float:

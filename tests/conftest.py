@@ -21,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THIRDPARTY_VENVS = {"mindformers": (os.path.join(ROOT, ".venv-mindformers"), ".installed", "make thirdparty"),
                     "mindnlp": (os.path.join(ROOT, ".venv-mindnlp"), ".installed", "make thirdparty"),
                     "llama.cpp": (os.path.join(ROOT, ".venv-llamacpp"), ".installed", "make llama-cpp"),
+                    "aiperf": (os.path.join(ROOT, ".venv-aiperf"), ".installed", "make aiperf"),
                     "python3.10": (os.path.join(ROOT, ".venv-py310"), ".installed", "make oldest-python"),
                     "transformers": (os.path.join(ROOT, ".venv"), ".peers", "make thirdparty")}
 

@@ -20,6 +20,7 @@ import half_weights  # noqa: E402
 import harness  # noqa: E402
 import peers  # noqa: E402
 import projections  # noqa: E402
+import serve_load  # noqa: E402
 import serving  # noqa: E402
 import train  # noqa: E402
 import ttft  # noqa: E402
@@ -515,7 +516,7 @@ def test_llama_cpp_peer_computes_the_checkpoint(tmp_path):
     python = thirdparty_python("llama.cpp")
     checkpoint, files = tmp_path / "checkpoint", tmp_path / "gguf"
     files.mkdir()
-    written = harness.run_isolated("half_weights", "write_half_checkpoint",
+    written = harness.run_isolated("peers", "write_half_checkpoint",
                                    {"model": "tiny", "layers": 2, "seed": 0, "directory": str(checkpoint)})
     assert written["status"] == "ok", written
     config = read_config(checkpoint)[0]
@@ -589,3 +590,249 @@ def test_serving_benchmark_on_the_tiny_model(tmp_path):
     assert trace["budget"]["status"] == "ok" and trace["budget"]["paged_sequences"] > 0
     assert (tmp_path / "serving.json").exists() and (tmp_path / "serving.png").exists()
     assert "paged / contiguous" in serving.table(results)
+
+
+# ---- the load benchmark over HTTP (benchmarks/serve_load.py): its pure parts, then its smoke run ----
+
+def _aiperf_export(ttft_p50=1200.0, ttft_p99=3400.0, itl_p50=60.0, itl_p99=95.0, tokens_per_s=42.0, requests=16,
+                   errors=None) -> dict:
+    """An aiperf summary export (profile_export_aiperf.json, schema 1.4) of the metrics the benchmark reads."""
+    export = {"schema_version": "1.4", "aiperf_version": "0.13.0", "was_cancelled": False, "is_complete": True,
+              "request_count": {"unit": "requests", "avg": float(requests)},
+              "time_to_first_token": {"unit": "ms", "avg": (ttft_p50 + ttft_p99) / 2, "p50": ttft_p50,
+                                      "p99": ttft_p99, "min": 10.0, "max": ttft_p99, "count": requests},
+              "inter_token_latency": {"unit": "ms", "avg": itl_p50, "p50": itl_p50, "p99": itl_p99},
+              "output_token_throughput": {"unit": "tokens/sec", "avg": tokens_per_s},
+              "request_throughput": {"unit": "requests/sec", "avg": 0.1},
+              "input_sequence_length": {"unit": "tokens", "avg": 1040.0},
+              "output_sequence_length": {"unit": "tokens", "avg": 48.0},
+              "usage_completion_tokens_diff_pct": {"unit": "%", "avg": 0.0},
+              "total_usage_prompt_cache_read_tokens": {"unit": "tokens", "avg": 15000.0}}
+    if errors is not None:
+        export["error_request_count"] = {"unit": "requests", "avg": float(errors)}
+    return export
+
+
+def test_serve_load_reads_the_aiperf_export():
+    """TTFT and inter-token latency p50 / p99 / mean in ms whatever unit aiperf names, output tokens/s,
+    the request and error counts; a metric aiperf left out is None, an unknown unit an error."""
+    parsed = serve_load.parse_aiperf_export(_aiperf_export())
+    assert parsed["ttft_p50_ms"] == 1200.0 and parsed["ttft_p99_ms"] == 3400.0 and parsed["ttft_mean_ms"] == 2300.0
+    assert parsed["itl_p50_ms"] == 60.0 and parsed["itl_p99_ms"] == 95.0
+    assert parsed["output_tokens_per_s"] == 42.0 and parsed["requests"] == 16 and parsed["errors"] == 0
+    assert parsed["input_tokens_mean"] == 1040.0 and parsed["complete"] and parsed["aiperf_version"] == "0.13.0"
+    assert parsed["output_tokens_vs_usage_pct"] == 0.0 and parsed["usage_cached_tokens"] == 15000.0
+    in_seconds = _aiperf_export()
+    in_seconds["time_to_first_token"] = {"unit": "s", "p50": 1.5, "p99": 2.0, "avg": 1.75}
+    in_seconds["inter_token_latency"] = {"unit": "ns", "p50": 6e7, "p99": 9e7}
+    parsed = serve_load.parse_aiperf_export(in_seconds)
+    assert parsed["ttft_p50_ms"] == 1500.0 and parsed["itl_p99_ms"] == pytest.approx(90.0)
+    assert parsed["itl_mean_ms"] is None
+    del in_seconds["output_token_throughput"], in_seconds["usage_completion_tokens_diff_pct"]
+    parsed = serve_load.parse_aiperf_export(in_seconds)  # llama.cpp's stream reports no usage
+    assert parsed["output_tokens_per_s"] is None and parsed["output_tokens_vs_usage_pct"] is None
+    assert serve_load.parse_aiperf_export({**_aiperf_export(errors=2), "was_cancelled": True})["errors"] == 2
+    assert not serve_load.parse_aiperf_export({**_aiperf_export(), "was_cancelled": True})["complete"]
+    with pytest.raises(ValueError, match="furlongs"):
+        serve_load.parse_aiperf_export({"time_to_first_token": {"unit": "furlongs", "p50": 1.0}})
+
+
+def test_serve_load_histogram_means_and_hit_rate_from_the_servers_metrics():
+    """/metrics as the server writes it (its own Metrics class), scraped before and after: the TTFT
+    and inter-token histograms' means over what was observed in between only, the prefix-cache hit
+    rate from the two counters, the finished reasons; a server without /metrics says so."""
+    from models.llama.serve.metrics import Metrics
+
+    metrics = Metrics("m")
+    metrics.ttft.observe(50.0)  # before the run: the warm-up request
+    metrics.prefix_queries.inc(10)
+    before = serve_load.parse_prometheus(metrics.render().decode())
+    for ttft in (1.0, 2.0, 4.5):
+        metrics.ttft.observe(ttft)
+    for itl in (0.05, 0.07):
+        metrics.itl.observe(itl)
+    metrics.prefix_queries.inc(3000)
+    metrics.prefix_hits.inc(2000)
+    metrics.generation_tokens.inc(144)
+    metrics.finished("length", 9.0)
+    after = serve_load.parse_prometheus(metrics.render().decode())
+    assert ("vllm:time_to_first_token_seconds_count", {"model_name": "m"}, 4.0) in after
+    assert serve_load.histogram_mean(before, after, "vllm:time_to_first_token_seconds") == (pytest.approx(2.5), 3)
+    assert serve_load.histogram_mean(before, after, "vllm:request_queue_time_seconds") == (None, 0)
+    figures = serve_load.server_figures(before, after)
+    assert figures["ttft_mean_ms"] == pytest.approx(2500.0) and figures["ttft_count"] == 3
+    assert figures["itl_mean_ms"] == pytest.approx(60.0) and figures["itl_count"] == 2
+    assert figures["prefix_cache_hit_rate"] == pytest.approx(2 / 3) and figures["prefix_cache_queries"] == 3000
+    assert figures["generation_tokens"] == 144 and figures["finished"] == {"stop": 0, "length": 1, "abort": 0,
+                                                                           "error": 0}
+    assert serve_load.server_figures(None, None) == {"metrics": False}
+    assert serve_load.metric_total(after, "vllm:request_success_total", finished_reason="length") == 1
+    samples = serve_load.parse_prometheus('# HELP x y\nx_total{a="1",b="q\\"uote"} 2.5e1 1700000000\n\ny 3\n')
+    assert samples == [("x_total", {"a": "1", "b": 'q\\"uote'}, 25.0), ("y", {}, 3.0)]
+    with pytest.raises(ValueError, match="not a sample"):
+        serve_load.parse_prometheus("what is this\n")
+
+
+LLAMA_CPP_LOG = """Llama.generate: 1 prefix-match hit, remaining 147 prompt tokens to eval
+llama_perf_context_print:        load time =       0.22 ms
+llama_perf_context_print: prompt eval time =       0.09 ms /   147 tokens (    0.00 ms per token, 1670454.55 tokens per second)
+llama_perf_context_print:        eval time =       1.49 ms /     7 runs   (    0.21 ms per token,  4707.46 tokens per second)
+INFO:     127.0.0.1:40544 - "POST /v1/chat/completions HTTP/1.1" 200 OK
+Llama.generate: 122 prefix-match hit, remaining 21 prompt tokens to eval
+llama_perf_context_print: prompt eval time =       1.28 ms /    21 tokens (    0.06 ms per token, 16431.92 tokens per second)
+llama_perf_context_print: prompt eval time =       9.99 ms /    52 tokens (    0.19 ms per token, 5205.21 tokens per second)
+"""  # llama-cpp-python's server log (verbose), as a smoke run wrote it: three requests, the last reusing nothing
+
+
+def test_serve_load_reads_llama_cpps_prefix_reuse_from_its_log():
+    """llama.cpp's server has no /metrics: its prefix reuse comes from its log, kept tokens over kept
+    and evaluated ones."""
+    reuse = serve_load.llama_cpp_prefix_reuse(LLAMA_CPP_LOG)
+    assert reuse == {"requests": 3, "prompt_tokens": 343, "reused_tokens": 123, "hit_rate": pytest.approx(123 / 343)}
+    assert serve_load.llama_cpp_prefix_reuse("") == {"requests": 0, "prompt_tokens": 0, "reused_tokens": 0,
+                                                     "hit_rate": None}
+
+
+def _load_run(system, trace, rate, ttft_p50, tokens_per_s, metrics=True, status="ok"):
+    if status != "ok":
+        return {"system": system, "trace": trace, "rate": rate, "status": status, "error": "it broke"}
+    before = serve_load.parse_prometheus('vllm:time_to_first_token_seconds_sum{model_name="m"} 1.0\n'
+                                         'vllm:time_to_first_token_seconds_count{model_name="m"} 1.0\n'
+                                         'vllm:prefix_cache_queries_total{model_name="m"} 10.0\n'
+                                         'vllm:prefix_cache_hits_total{model_name="m"} 0.0\n')
+    after = serve_load.parse_prometheus('vllm:time_to_first_token_seconds_sum{model_name="m"} 17.0\n'
+                                        'vllm:time_to_first_token_seconds_count{model_name="m"} 17.0\n'
+                                        'vllm:prefix_cache_queries_total{model_name="m"} 1010.0\n'
+                                        'vllm:prefix_cache_hits_total{model_name="m"} 750.0\n')
+    run = {"system": system, "trace": trace, "rate": rate, "status": "ok",
+           "aiperf": _aiperf_export(ttft_p50=ttft_p50, tokens_per_s=tokens_per_s),
+           "metrics_before": before if metrics else None, "metrics_after": after if metrics else None}
+    return run if metrics else {**run, "server_log": serve_load.llama_cpp_prefix_reuse(LLAMA_CPP_LOG)}
+
+
+def test_serve_load_summary_ratios_table_and_plot(tmp_path):
+    """One row per run with the client's and the server's figures (none from a server without
+    /metrics), each system's ratios against llama.cpp at the same trace and rate only, a failed
+    run's row and no ratio for it, the table and the plot."""
+    runs = [_load_run("fused", "chat", 0.1, 800.0, 40.0), _load_run("llama.cpp", "chat", 0.1, 1600.0, 20.0, False),
+            _load_run("no-prefix-caching", "chat", 0.1, 0, 0, status="error"),
+            _load_run("fused", "chat", 0.2, 900.0, 60.0), _load_run("llama.cpp", "random", 0.2, 100.0, 10.0, False),
+            _load_run("fused", "random", 0.2, 300.0, 30.0)]
+    rows = serve_load.summarize(runs)
+    fused = rows[0]
+    assert fused["server_ttft_mean_ms"] == pytest.approx(1000.0) and fused["prefix_cache_hit_rate"] == 0.75
+    assert rows[1]["server_ttft_mean_ms"] is None and not rows[1]["server"]["metrics"]
+    assert rows[1]["prefix_cache_hit_rate"] == pytest.approx(123 / 343)  # from llama.cpp's log
+    assert rows[2] == {"system": "no-prefix-caching", "trace": "chat", "rate": 0.1, "status": "error",
+                       "error": "it broke"}
+    found = {(r["system"], r["trace"], r["rate"]): r for r in serve_load.ratios(rows)}
+    assert set(found) == {("fused", "chat", 0.1), ("fused", "random", 0.2)}  # chat at 0.2 has no llama.cpp run
+    assert found[("fused", "chat", 0.1)]["ttft_p50_ms"] == 0.5
+    assert found[("fused", "chat", 0.1)]["output_tokens_per_s"] == 2.0
+    assert found[("fused", "random", 0.2)]["ttft_p50_ms"] == 3.0
+    results = {"summary": rows, "ratios": serve_load.ratios(rows), "machine": {"cpus": 2},
+               "settings": {"model": "7b", "layers": 2, "requests": 16}}
+    text = serve_load.table(results)
+    assert "| chat | 0.1 | fused | 16 (0) | 800 / 3400 | 2100 / 1000 | 60.0 / 95.0 | 40.0 | 75% |" in text
+    assert "| 10.0 | 36% (its log) |" in text  # llama.cpp, random at 0.2: its prefix reuse from its log
+    assert "no /metrics" in text and "| chat | 0.1 | no-prefix-caching | error: it broke" in text
+    assert "| chat | 0.1 | fused | 0.50x |" in text
+    serve_load.plot(results, tmp_path / "serve_load.png")
+    assert (tmp_path / "serve_load.png").stat().st_size > 0
+
+
+def test_serve_load_commands():
+    """Each system's server command line and the load generator's: this server with each feature
+    off, llama.cpp never cutting a stream short for a waiting request, greedy requests of exactly the
+    asked length for both, one seed and Poisson arrivals, each trace's shape."""
+    args = argparse.Namespace(llama_cpp_python="/x/python", context=4096, threads=2, max_batch=8, cache_gib=2.0,
+                              aiperf="/x/aiperf", requests=16, seed=3, request_timeout=900.0, system_prompt=1000,
+                              user_turn=32, user_turn_stddev=8, chat_new_tokens=48, prompt_tokens=256,
+                              random_new_tokens=48, range_ratio=0.75)
+    fused = serve_load.server_command("fused", args, "/ckpt", None, 8123)
+    assert fused[1:3] == ["-m", "models.llama.serve"] and "--no-chunked-prefill" not in fused
+    assert fused[fused.index("--port") + 1] == "8123" and fused[fused.index("--cache-gib") + 1] == "2.0"
+    assert "--no-chunked-prefill" in serve_load.server_command("no-chunked-prefill", args, "/ckpt", None, 1)
+    assert "--no-prefix-caching" in serve_load.server_command("no-prefix-caching", args, "/ckpt", None, 1)
+    llama = serve_load.server_command("llama.cpp", args, "/ckpt", "/m.gguf", 8124)
+    assert llama[:3] == ["/x/python", "-m", "llama_cpp.server"] and llama[llama.index("--model") + 1] == "/m.gguf"
+    assert llama[llama.index("--interrupt_requests") + 1] == "false" and llama[llama.index("--verbose") + 1] == "true"
+    assert llama[llama.index("--model_alias") + 1] == fused[fused.index("--served-model-name") + 1]
+    assert serve_load.extra_inputs("fused") == {"temperature": 0, "ignore_eos": True}
+    assert serve_load.extra_inputs("llama.cpp") == {"temperature": 0, "logit_bias": {"2": -100}}
+    chat = serve_load.aiperf_command(args, "fused", "chat", 0.1, "http://127.0.0.1:8123", "/ckpt", "/art")
+    flags = dict(zip(chat, chat[1:]))
+    assert chat[:2] == ["/x/aiperf", "profile"] and "--streaming" in chat and "--use-legacy-max-tokens" in chat
+    assert flags["--request-rate"] == "0.1" and flags["--arrival-pattern"] == "poisson"
+    assert flags["--random-seed"] == "3" and flags["--request-count"] == "16" and flags["--tokenizer"] == "/ckpt"
+    assert json.loads(flags["--extra-inputs"]) == {"temperature": 0, "ignore_eos": True}
+    assert flags["--shared-system-prompt-length"] == "1000" and flags["--isl"] == "32" and flags["--osl"] == "48"
+    random = serve_load.aiperf_command(args, "llama.cpp", "random", 0.2, "u", "/ckpt", "/art")
+    flags = dict(zip(random, random[1:]))
+    assert flags["--random-range-ratio"] == "0.75" and flags["--isl"] == "256"
+    assert "--shared-system-prompt-length" not in random
+    assert json.loads(flags["--extra-inputs"])["logit_bias"] == {"2": -100}
+
+
+def test_char_tokenizer_round_trips_and_the_server_reads_it(tmp_path):
+    """The benchmark's tokenizer: one id per character, a space as SentencePiece's, ids that decode
+    back to the text; the server's tokenizer (from the checkpoint directory) adds BOS to the same ids."""
+    from tokenizers import Tokenizer
+
+    from models.llama.tokenizer import Tokenizer as ServerTokenizer
+
+    peers.write_char_tokenizer(str(tmp_path), 256)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    text = "Shall I compare thee\nto a summer's day?\t~"
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert len(ids) == len(text) and tok.decode(ids) == text and 0 not in ids
+    vocab = peers.char_vocabulary(256)
+    assert [vocab[i] for i in ids][5] == peers.SPACE and vocab[:3] == ["<unk>", "<s>", "</s>"]
+    assert tok.decode(list(range(3, 256))).replace(" ", "") == "".join(vocab[3:]).replace(peers.SPACE, "")
+    assert ServerTokenizer.from_directory(tmp_path, 1).encode(text) == [1, *ids]
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["bos_token"] == "<s>"
+    with pytest.raises(ValueError, match="at least"):
+        peers.char_vocabulary(50)
+
+
+def test_llama_cpp_splits_text_as_the_char_tokenizer_does(tmp_path):
+    """The tiny checkpoint with the character tokenizer as a GGUF file: llama.cpp, from its vocabulary
+    alone, gives the benchmark's probe texts the ids the tokenizers package gives them, and decodes
+    them back (the check serve_load runs before llama.cpp's server)."""
+    python = thirdparty_python("llama.cpp")
+    checkpoint = tmp_path / "checkpoint"
+    written = harness.run_isolated("peers", "write_half_checkpoint",
+                                   {"model": "tiny", "layers": 1, "seed": 0, "directory": str(checkpoint)})
+    assert written["status"] == "ok", written
+    peers.write_char_tokenizer(str(checkpoint), 256)
+    gguf = str(tmp_path / "tiny.gguf")
+    converted = harness.run_isolated("llama_cpp_peer", "write_gguf", {
+        "checkpoint": str(checkpoint), "path": gguf, "tensor_type": "f16",
+        "tokenizer": str(checkpoint / "tokenizer.json")}, python=python)
+    assert converted["status"] == "ok", converted
+    assert serve_load.check_tokenizers_agree(gguf, str(checkpoint / "tokenizer.json"), python)["tokens"] > 100
+    point = harness.run_isolated("llama_cpp_peer", "tokenize_point", {"model": gguf,
+                                                                      "texts": list(serve_load.TOKENIZER_PROBES)},
+                                 python=python)
+    assert point["texts"] == list(serve_load.TOKENIZER_PROBES)
+
+
+def test_serve_load_smoke_run(tmp_path):
+    """benchmarks/serve_load.py --smoke: the server on the tiny model in its own process, loaded by
+    aiperf (its own environment) with both traces: every request done with exactly its tokens as the
+    client counts them (equal to the server's usage), the server's TTFT histogram over aiperf's
+    requests only, the chat trace's shared system prompt found in the prefix cache (as /metrics and
+    the responses' usage both say), JSON and plot written."""
+    thirdparty_python("aiperf")
+    results = serve_load.main(["--smoke", "--out", str(tmp_path)])
+    rows = {r["trace"]: r for r in results["summary"]}
+    assert set(rows) == {"chat", "random"} and {r["system"] for r in rows.values()} == {"fused"}
+    for row in rows.values():
+        assert row["status"] == "ok" and row["requests"] == 3 and row["errors"] == 0, row
+        assert row["ttft_p50_ms"] > 0 and row["itl_p50_ms"] > 0 and row["output_tokens_per_s"] > 0
+        assert row["server"]["ttft_count"] == 3 and row["server_ttft_mean_ms"] > 0  # not the warm-up request
+        assert row["output_tokens_vs_usage_pct"] == 0.0 and row["server"]["finished"]["length"] == 3
+    chat = rows["chat"]
+    assert chat["output_tokens_mean"] == 8 and chat["input_tokens_mean"] >= 96
+    assert chat["prefix_cache_hit_rate"] > 0.3 and chat["usage_cached_tokens"] == chat["server"]["prefix_cache_hits"]
+    assert (tmp_path / "serve_load.json").exists() and (tmp_path / "serve_load.png").exists()
