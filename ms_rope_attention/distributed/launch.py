@@ -275,6 +275,10 @@ def launch(script, args=(), *, workers: int = 2, log_dir=None, timeout: float = 
         received: list[int] = []
         previous = {}
         if threading.current_thread() is threading.main_thread():
+            # A blocked signal mask survives exec: a parent that had a stop signal blocked (seen in the test
+            # suite's workers for SIGQUIT) would leave the launcher deaf to it, its job running on. Ignored
+            # signals stay ignored (nohup's SIGHUP).
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
             for signum in STOP_SIGNALS:
                 if signal.getsignal(signum) not in (signal.SIG_IGN, None):
                     previous[signum] = signal.signal(signum, lambda signum, frame: received.append(signum))
