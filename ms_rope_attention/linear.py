@@ -171,20 +171,28 @@ def linear_op(compute_dtype: str = "float32", packed_out_features: int = 0) -> o
     dynamic sequence lengths compiles once. A value the library cannot compute is refused here,
     naming ``compute_dtype``, not at the first launch."""
     lib = library()  # OpenBLAS first (its thread count), and fail here, not inside MindSpore
-    if isinstance(compute_dtype, str):  # the library's reasons (float16, a build without oneDNN) come first
-        problem = lib.RfaLinearComputeProblem(compute_dtype.encode()).decode()
-        if problem:
-            raise ValueError(problem)
-    values = attr_values(load_contract(str(LINEAR_PATH)), {"compute_dtype": compute_dtype,
-                                                           "packed_out_features": packed_out_features})
-    if values["packed_out_features"] < 0 or values["packed_out_features"] and compute_dtype != "bfloat16":
-        raise ValueError(f"packed_out_features: expected 0, or the out_features of a weight packed for compute_dtype "
-                         f"'bfloat16', got {packed_out_features!r} with compute_dtype {compute_dtype!r}")
+    values = _checked_attrs(LINEAR_PATH, lib.RfaLinearComputeProblem, "a weight", compute_dtype, packed_out_features)
     # Not graph-launched, as before the runtime was shared (and the embedding likewise): a graph launch
     # gives bit-equal values and gradients here, but a 1x4096 by 4096x4096 product took the same
     # 8.7 ms eagerly either way on 2 busy cores, while the launch graph compiled 7 times for 3 shapes
     # with their gradients. Switching is a change to measure on its own (benchmarks/projections.py).
     return _primitive(values["compute_dtype"], values["packed_out_features"])
+
+
+def _checked_attrs(contract_path, compute_problem, packed_what: str, compute_dtype, packed_out_features) -> dict:
+    """The projection ops' attributes (``compute_dtype``, ``packed_out_features``) by their contract, each
+    refused by name: the library's reasons for a compute dtype (float16, a build without oneDNN) first,
+    then the contract's values, then packed weights outside bfloat16 arithmetic."""
+    if isinstance(compute_dtype, str):
+        problem = compute_problem(compute_dtype.encode()).decode()
+        if problem:
+            raise ValueError(problem)
+    values = attr_values(load_contract(str(contract_path)), {"compute_dtype": compute_dtype,
+                                                             "packed_out_features": packed_out_features})
+    if values["packed_out_features"] < 0 or values["packed_out_features"] and compute_dtype != "bfloat16":
+        raise ValueError(f"packed_out_features: expected 0, or the out_features of {packed_what} packed for "
+                         f"compute_dtype 'bfloat16', got {packed_out_features!r} with compute_dtype {compute_dtype!r}")
+    return values
 
 
 @functools.lru_cache(maxsize=None)
@@ -251,15 +259,7 @@ def swiglu_op(compute_dtype: str = "float32", packed_out_features: int = 0) -> o
     gradient through them). Contract: ``op_info/swiglu.yaml``. Shapes from the library's C++ InferShape;
     a value the library cannot compute is refused here, naming ``compute_dtype``."""
     lib = library()
-    if isinstance(compute_dtype, str):
-        problem = lib.RfaSwiGLUComputeProblem(compute_dtype.encode()).decode()
-        if problem:
-            raise ValueError(problem)
-    values = attr_values(load_contract(str(SWIGLU_PATH)), {"compute_dtype": compute_dtype,
-                                                           "packed_out_features": packed_out_features})
-    if values["packed_out_features"] < 0 or values["packed_out_features"] and compute_dtype != "bfloat16":
-        raise ValueError(f"packed_out_features: expected 0, or the out_features of weights packed for compute_dtype "
-                         f"'bfloat16', got {packed_out_features!r} with compute_dtype {compute_dtype!r}")
+    values = _checked_attrs(SWIGLU_PATH, lib.RfaSwiGLUComputeProblem, "weights", compute_dtype, packed_out_features)
     return _swiglu_primitive(values["compute_dtype"], values["packed_out_features"])
 
 
