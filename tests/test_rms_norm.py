@@ -140,7 +140,7 @@ class Norm(nn.Cell):
 
 
 class OldNorm(nn.Cell):
-    """models/llama/layers.py's RMSNorm ops before the fused op (float32 activations)."""
+    """models/llama/layers.py's RMSNorm cell before the fused op (at f2e2ae6), on the given weight."""
 
     def __init__(self, weight, eps=EPS):
         super().__init__()
@@ -248,32 +248,16 @@ def test_mindspore_model_computing_in_bfloat16_runs_the_op_close_to_the_old_ops(
     assert error <= 2 ** -8
 
 
-class TodaysRMSNorm(nn.Cell):
-    """The RMSNorm cell's construct before the fused op (models/llama/layers.py at f2e2ae6), on the
-    given weight."""
-
-    def __init__(self, weight, eps):
-        super().__init__()
-        self.weight = ms.Parameter(Tensor(weight.asnumpy()), name="weight")
-        self.eps = eps
-
-    def construct(self, x):
-        xf = x.astype(ms.float32)
-        inverse_rms = ops.rsqrt((xf * xf).mean(-1, keep_dims=True) + self.eps)
-        normed = (xf * inverse_rms.broadcast_to(xf.shape)).astype(x.dtype)
-        return normed * self.weight.astype(x.dtype).broadcast_to(normed.shape)
-
-
 def test_mindspore_model_computing_in_float32_never_runs_the_op_and_is_bit_identical(graph, rng):
     """compute_dtype="float32" keeps MindSpore's ops: the same logits, bit for bit, as the same weights
     with every norm replaced by the cell as it was."""
     model, today = _model("float32", "float32"), _model("float32", "float32")
     assert len(_norms(model)) == 5 and not any(cell.use_op or cell.op is not None for cell in _norms(model))
     for layer in today.model.layers:
-        layer.input_layernorm = TodaysRMSNorm(layer.input_layernorm.weight, layer.input_layernorm.eps)
-        layer.post_attention_layernorm = TodaysRMSNorm(layer.post_attention_layernorm.weight,
-                                                       layer.post_attention_layernorm.eps)
-    today.model.norm = TodaysRMSNorm(today.model.norm.weight, today.model.norm.eps)
+        layer.input_layernorm = OldNorm(layer.input_layernorm.weight.asnumpy(), layer.input_layernorm.eps)
+        layer.post_attention_layernorm = OldNorm(layer.post_attention_layernorm.weight.asnumpy(),
+                                                 layer.post_attention_layernorm.eps)
+    today.model.norm = OldNorm(today.model.norm.weight.asnumpy(), today.model.norm.eps)
     assert not _norms(today)
     ids = Tensor(rng.integers(0, 256, (2, 33)).astype(np.int32))
     assert np.array_equal(model(ids).asnumpy(), today(ids).asnumpy())
