@@ -75,6 +75,15 @@ def _execution_mode_restored():
         ms.set_context(mode=previous)
 
 
+@pytest.fixture
+def graph():
+    """The test in GRAPH_MODE."""
+    previous = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    yield
+    ms.set_context(mode=previous)
+
+
 @pytest.fixture(params=["pynative", "graph"])
 def mode(request):
     previous = ms.get_context("mode")

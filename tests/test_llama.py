@@ -53,14 +53,6 @@ def checkpoint(tmp_path_factory):
     return state, save_hf_checkpoint(state, CONFIG, tmp_path_factory.mktemp("hf"))
 
 
-@pytest.fixture
-def graph():
-    previous = ms.get_context("mode")
-    ms.set_context(mode=ms.GRAPH_MODE)
-    yield
-    ms.set_context(mode=previous)
-
-
 def ids_of(rng, *lengths):
     return [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in lengths]
 

@@ -201,14 +201,6 @@ needs_bf16 = pytest.mark.skipif("bfloat16" not in native_half_dtypes(),
                                 reason="this CPU has no bfloat16 instructions (avx512_bf16/AMX-BF16)")
 
 
-@pytest.fixture
-def graph():
-    previous = ms.get_context("mode")
-    ms.set_context(mode=ms.GRAPH_MODE)
-    yield
-    ms.set_context(mode=previous)
-
-
 def _norms(model):
     from models.llama.layers import RMSNorm
     return [cell for _, cell in model.cells_and_names() if isinstance(cell, RMSNorm)]
