@@ -45,7 +45,7 @@ from models.llama.engine.kv_cache import block_bytes
 from models.llama.model import DTYPES
 from models.llama.weights import load_checkpoint
 
-checkpoint, graph = test_llama.checkpoint, test_llama.graph
+checkpoint = test_llama.checkpoint  # the tiny checkpoint fixture; graph comes from conftest.py
 BS = 16
 FUZZ_EXAMPLES = int(os.environ.get("RFA_FUZZ_EXAMPLES", "0"))  # make fuzz: many random examples
 BUDGETS = ((3, 2), (6, 4), (12, 3))  # (usable blocks, max_batch): 3 blocks hold one 48-position sequence

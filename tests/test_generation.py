@@ -16,7 +16,7 @@ from models.llama.weights import load_checkpoint
 import test_llama
 from test_llama import ATOL, bsh_logits, ids_of
 
-checkpoint, graph = test_llama.checkpoint, test_llama.graph  # the tiny checkpoint and GRAPH_MODE fixtures
+checkpoint = test_llama.checkpoint  # the tiny checkpoint fixture; graph comes from conftest.py
 # One worker runs this file, in order: MindSpore 2.10 compiles a jit Cell's dynamic-shape graph once
 # more, at its first new input shape, for instances after the first of the same construct in a
 # process (a minimal Cell with set_inputs does it too), so the compile counts below depend on what

@@ -20,7 +20,7 @@ from models.llama.engine.kv_cache import block_bytes
 from models.llama.model import DTYPES
 from models.llama.weights import load_checkpoint
 
-checkpoint, graph = test_llama.checkpoint, test_llama.graph
+checkpoint = test_llama.checkpoint  # the tiny checkpoint fixture; graph comes from conftest.py
 SYSTEM = np.random.default_rng(11).integers(3, CONFIG.vocab_size, 37).tolist()  # ends inside block 3 of 16
 
 
