@@ -20,7 +20,9 @@ has started, OpenBLAS sized its pool to one thread (measured: every projection r
 ``OPENBLAS_NUM_THREADS`` still decides when it is set.
 
 ``compute_dtype="bfloat16"``: x is rounded once to bfloat16 (to nearest even) inside the op and multiplied
-by a bfloat16 W on oneDNN's matmul (AMX or AVX512-BF16 kernels, float32 accumulation). oneDNN is a private
+by a bfloat16 W on oneDNN's matmul (AMX or AVX512-BF16 kernels, float32 accumulation), or the same
+products on the float32 FMAs where this CPU's bfloat16 dot products are slower than those (``bf16_engine()``
+says which, and why; csrc/rfa_cpu_linear.cc measured both). oneDNN is a private
 copy inside the package (``_onednn/libdnnl_rfa.so.3``: setup.py says why); the library is refused at load
 when another oneDNN was bound in its place (``onednn()`` names the one in use). A bfloat16 W runs either as
 stored or, faster, reordered once at load into oneDNN's blocked layout for this CPU: ``pack_weight(w)``
@@ -51,7 +53,7 @@ from .op_info import LINEAR_PATH, SWIGLU_PATH, attr_values, load_contract
 STEM, WHAT = "_rfa_cpu_linear", "projection GEMM library"
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 ENTRY_TEXTS = ("RfaLinearLastError", "RfaLinearIsa", "RfaLinearOnednn", "RfaLinearOnednnProblem", "RfaLinearComputeProblem",
-               "RfaSwiGLULastError", "RfaSwiGLUComputeProblem")
+               "RfaLinearBf16Engine", "RfaSwiGLULastError", "RfaSwiGLUComputeProblem")
 ENTRY_COUNTS = ("RfaLinearPackedBytes",)
 
 
@@ -89,6 +91,14 @@ def onednn(isa: str | None = None) -> str:
     """The oneDNN the projection library runs its bfloat16 arithmetic on, as it reports itself
     (``"oneDNN 3.2.0 (OpenMP runtime)"``); ``""`` for a build without oneDNN."""
     return library(isa).RfaLinearOnednn().decode()
+
+
+def bf16_engine(isa: str | None = None) -> str:
+    """Which units run this process's bfloat16 products past a few rows, and why: ``"onednn: AMX"``,
+    ``"fma: vdpbf16ps 83 GFLOP/s, float32 FMA 183 GFLOP/s on one thread"`` (the same arithmetic on the
+    float32 FMAs, where this CPU's bfloat16 dot products are the slower units), or the
+    ``RFA_BF16_GEMM`` override (``auto``, ``onednn`` or ``fma``)."""
+    return library(isa).RfaLinearBf16Engine().decode()
 
 
 def library_isa() -> str:

@@ -93,6 +93,20 @@ def mode(request):
 
 
 @pytest.fixture
+def bf16_engines(monkeypatch):
+    """``for engine in bf16_engines(compute_dtype): ...`` runs the body once per engine of bfloat16
+    arithmetic (oneDNN's bfloat16 units, and the same products on the float32 FMAs: RFA_BF16_GEMM,
+    csrc/rfa_cpu_linear.cc says why two), so every CPU tests both; once, as the process would choose,
+    for any other compute dtype."""
+    def engines(compute_dtype: str = "bfloat16"):
+        for engine in ("onednn", "fma") if compute_dtype == "bfloat16" else ("auto",):
+            monkeypatch.setenv("RFA_BF16_GEMM", engine)
+            yield engine
+        monkeypatch.delenv("RFA_BF16_GEMM")
+    return engines
+
+
+@pytest.fixture
 def rng():
     return np.random.default_rng(1234)
 

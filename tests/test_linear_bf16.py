@@ -44,64 +44,124 @@ def reference(x, w):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("m", [1, 2, 16, 17, 37, 512])
 @pytest.mark.parametrize("n, k", [(40, 72), (72, 40), (11, 1), (1, 11), (1, 1), (130, 257), (4099, 33)])
-def test_equals_float64_reference_on_rounded_inputs(m, n, k, isa, rng):
+def test_equals_float64_reference_on_rounded_inputs(m, n, k, isa, rng, bf16_engines):
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = bf16(rng.standard_normal((n, k)))
-    y = linear.multiply(x, w, isa=isa, compute_dtype="bfloat16")
     expected, tol = reference(x, w)
-    assert y.shape == (m, n) and y.dtype == np.float32
-    assert np.all(np.abs(y - expected) <= tol), np.max(np.abs(y - expected) / tol)
+    for _ in bf16_engines():
+        y = linear.multiply(x, w, isa=isa, compute_dtype="bfloat16")
+        assert y.shape == (m, n) and y.dtype == np.float32
+        assert np.all(np.abs(y - expected) <= tol), np.max(np.abs(y - expected) / tol)
 
 
 @needs_onednn
-def test_leading_dimensions_and_a_long_sum(rng):
+def test_leading_dimensions_and_a_long_sum(rng, bf16_engines):
     x = rng.standard_normal((2, 3, 5, 4096)).astype(np.float32)
     w = bf16(rng.standard_normal((19, 4096)))
-    y = linear.multiply(x, w, compute_dtype="bfloat16")
     expected, tol = reference(x.reshape(-1, 4096), w)
-    assert y.shape == (2, 3, 5, 19) and np.all(np.abs(y.reshape(-1, 19) - expected) <= tol)
+    for _ in bf16_engines():
+        y = linear.multiply(x, w, compute_dtype="bfloat16")
+        assert y.shape == (2, 3, 5, 19) and np.all(np.abs(y.reshape(-1, 19) - expected) <= tol)
 
 
 @needs_onednn
 @pytest.mark.parametrize("m", [1, 37])
-def test_exact_where_the_math_is_exact(m, rng):
+def test_exact_where_the_math_is_exact(m, rng, bf16_engines):
     """Small integers: bfloat16 holds them, and every partial sum is an integer below 2^24, so any
-    float32 summation order gives the exact result, bit for bit."""
+    float32 summation order gives the exact result, bit for bit, on either engine."""
     x = rng.integers(-8, 9, (m, 300)).astype(np.float32)
     w = rng.integers(-8, 9, (45, 300)).astype(BF16)
-    y = linear.multiply(x, w, compute_dtype="bfloat16")
-    assert np.array_equal(y, (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32))
+    for _ in bf16_engines():
+        y = linear.multiply(x, w, compute_dtype="bfloat16")
+        assert np.array_equal(y, (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32))
 
 
 @needs_onednn
-def test_x_is_rounded_to_nearest_even():
+def test_x_is_rounded_to_nearest_even(bf16_engines):
     """Halfway cases between bfloat16 neighbours (7 stored mantissa bits) go to the even one, others
-    to the nearest: not truncation. K = 1 and W = 1, so y is bf16(x) itself."""
+    to the nearest: not truncation. K = 1 and W = 1, so y is bf16(x) itself; 5 rows (past the decode
+    path), on either engine, and 4 rows (the decode path)."""
     half_ulp = 2.0 ** -8
     x = np.array([1 + half_ulp, 1 + 3 * half_ulp, 1 + 1.5 * half_ulp, -(1 + 3 * half_ulp), 1 + 0.5 * half_ulp],
                  np.float32)[:, None]
-    y = linear.multiply(x, np.ones((1, 1), BF16), compute_dtype="bfloat16")[:, 0]
-    assert np.array_equal(y, np.array([1, 1 + 4 * half_ulp, 1 + 2 * half_ulp, -(1 + 4 * half_ulp), 1], np.float32))
-    assert np.array_equal(y, x[:, 0].astype(BF16).astype(np.float32))
+    expected = np.array([1, 1 + 4 * half_ulp, 1 + 2 * half_ulp, -(1 + 4 * half_ulp), 1], np.float32)
+    for _ in bf16_engines():
+        for rows in (slice(0, 5), slice(0, 4)):
+            y = linear.multiply(x[rows], np.ones((1, 1), BF16), compute_dtype="bfloat16")[:, 0]
+            assert np.array_equal(y, expected[rows])
+            assert np.array_equal(y, x[rows, 0].astype(BF16).astype(np.float32))
 
 
 @needs_onednn
-def test_non_finite_values_propagate(rng):
-    x = rng.standard_normal((4, 24)).astype(np.float32)
+@pytest.mark.parametrize("m", [4, 9])  # the decode path; past it
+def test_non_finite_values_propagate(m, rng, bf16_engines):
+    x = rng.standard_normal((m, 24)).astype(np.float32)
     w = bf16(rng.standard_normal((3, 24)))
     x[1, 2] = np.nan
     x[2, 5] = np.float32(3.4e38)  # rounds up past bfloat16's largest finite value: +inf
-    y = linear.multiply(x, w, compute_dtype="bfloat16")
-    assert np.isnan(y[1]).all() and np.isinf(y[2]).all()
-    assert np.isfinite(y[[0, 3]]).all()
+    for _ in bf16_engines():
+        y = linear.multiply(x, w, compute_dtype="bfloat16")
+        assert np.isnan(y[1]).all() and np.isinf(y[2]).all()
+        assert np.isfinite(np.delete(y, [1, 2], axis=0)).all()
 
 
 @needs_onednn
-def test_empty_sum_and_empty_outputs():
-    y = linear.multiply(np.zeros((3, 0), np.float32), np.zeros((4, 0), BF16), compute_dtype="bfloat16")
-    assert np.array_equal(y, np.zeros((3, 4), np.float32))
-    assert linear.multiply(np.zeros((0, 8), np.float32), np.zeros((4, 8), BF16), compute_dtype="bfloat16").shape == (0, 4)
-    assert linear.multiply(np.zeros((2, 8), np.float32), np.zeros((0, 8), BF16), compute_dtype="bfloat16").shape == (2, 0)
+def test_empty_sum_and_empty_outputs(bf16_engines):
+    for _ in bf16_engines():
+        for m in (3, 9):
+            y = linear.multiply(np.zeros((m, 0), np.float32), np.zeros((4, 0), BF16), compute_dtype="bfloat16")
+            assert np.array_equal(y, np.zeros((m, 4), np.float32))
+        assert linear.multiply(np.zeros((0, 8), np.float32), np.zeros((4, 8), BF16), compute_dtype="bfloat16").shape == (0, 4)
+        assert linear.multiply(np.zeros((9, 8), np.float32), np.zeros((0, 8), BF16), compute_dtype="bfloat16").shape == (9, 0)
+
+
+# The engines of bfloat16 arithmetic past 4 rows (csrc/rfa_cpu_linear.cc: ChosenBf16Engine): oneDNN on the
+# bfloat16 units, or the same products on the float32 FMAs where this CPU's vdpbf16ps is the slower.
+ENGINE_REPORT = re.compile(r"(onednn|fma): vdpbf16ps (\d+) GFLOP/s, float32 FMA (\d+) GFLOP/s on one thread")
+
+
+@needs_onednn
+def test_the_engine_is_the_faster_units_by_the_probe(monkeypatch):
+    """Unforced, the report names the engine and the rates it was chosen by: the FMA engine exactly where
+    0.95 x the dot-product rate is below 0.65 x the FMA rate (AMX: always oneDNN)."""
+    monkeypatch.delenv("RFA_BF16_GEMM", raising=False)
+    report = linear.bf16_engine()
+    if report == "onednn: AMX":
+        return
+    match = ENGINE_REPORT.fullmatch(report)
+    assert match, report
+    dot, fma = float(match[2]), float(match[3])
+    assert dot > 0 and fma > 0
+    assert match[1] == ("fma" if 0.95 * dot < 0.65 * fma else "onednn"), report
+    for forced in ("onednn", "fma"):
+        monkeypatch.setenv("RFA_BF16_GEMM", forced)
+        assert linear.bf16_engine() == f"{forced}: RFA_BF16_GEMM={forced}"
+
+
+@needs_onednn
+def test_both_engines_agree_within_the_bound_and_differ_only_in_order(rng, bf16_engines):
+    """The same arithmetic on other units: both within the float64 bound, and not bit-identical in
+    general (another float32 summation order), at a prefill-sized product."""
+    x = rng.standard_normal((64, 1000)).astype(np.float32)
+    w = bf16(rng.standard_normal((48, 1000)))
+    expected, tol = reference(x, w)
+    results = {engine: linear.multiply(x, w, compute_dtype="bfloat16") for engine in bf16_engines()}
+    for y in results.values():
+        assert np.all(np.abs(y - expected) <= tol)
+    assert not np.array_equal(results["onednn"], results["fma"])
+
+
+@needs_onednn
+@pytest.mark.parametrize("value", ["FMA", "amx", "1", " fma"])
+def test_a_bad_engine_setting_is_refused_by_name(value, monkeypatch):
+    monkeypatch.setenv("RFA_BF16_GEMM", value)
+    x, w = np.ones((9, 3), np.float32), np.ones((4, 3), BF16)
+    with pytest.raises(ValueError, match=re.escape(f"RFA_BF16_GEMM: expected 'auto', 'onednn' or 'fma', got '{value}'")):
+        linear.multiply(x, w, compute_dtype="bfloat16")
+    for m in (1, 9):  # float32 arithmetic never reads it
+        assert (linear.multiply(np.ones((m, 3), np.float32), w) == 3).all()
+    monkeypatch.setenv("RFA_BF16_GEMM", "auto")
+    assert (linear.multiply(x, w, compute_dtype="bfloat16") == 3).all()
 
 
 @pytest.mark.parametrize("weight_dtype", [np.float32, np.float16])
@@ -249,7 +309,8 @@ def test_onednn_runs_on_the_openmp_pool_of_the_process(omp_threads):
     """One OpenMP runtime (libgomp) for our kernels and oneDNN: its thread count is the process's
     cores, or OMP_NUM_THREADS; as oneDNN's verbose mode reports it."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    env.update(PYTHONPATH=str(ROOT), ONEDNN_VERBOSE="1", **({"OMP_NUM_THREADS": omp_threads} if omp_threads else {}))
+    env.update(PYTHONPATH=str(ROOT), ONEDNN_VERBOSE="1", RFA_BF16_GEMM="onednn",
+               **({"OMP_NUM_THREADS": omp_threads} if omp_threads else {}))
     code = ("import numpy as np, ml_dtypes; from ms_rope_attention import linear; "
             "linear.multiply(np.ones((64, 32), np.float32), np.ones((16, 32), ml_dtypes.bfloat16), "
             "compute_dtype='bfloat16')")
@@ -293,7 +354,8 @@ assert (linear.multiply(x, w) == 3).all()
 @needs_onednn
 @pytest.mark.parametrize("m", [1, 17, 512])
 @pytest.mark.parametrize("n, k", [(40, 72), (11, 1), (1, 11), (4099, 33)])
-def test_packed_weight_gives_the_plain_weights_result(m, n, k, rng):
+def test_packed_weight_gives_the_plain_weights_result(m, n, k, rng, monkeypatch):
+    monkeypatch.setenv("RFA_BF16_GEMM", "onednn")  # the plain weight on oneDNN too: the bits compared below
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = bf16(rng.standard_normal((n, k)))
     packed = linear.pack_weight(w)

@@ -38,7 +38,7 @@ needs_bf16 = pytest.mark.skipif(bool(BF16_PROBLEM), reason=BF16_PROBLEM)
 # (compute_dtype, weight dtype): bfloat16 arithmetic takes bfloat16 weights only.
 ARITHMETIC = [("float32", "float32"), ("float32", "float16"), ("float32", "bfloat16"),
               pytest.param("bfloat16", "bfloat16", marks=needs_bf16)]
-ROWS = (1, 2, 3, 4, 5, 37, 130)  # up to 4: the decode-sized products (bfloat16: vdpbf16ps); 5 on: oneDNN / SGEMM
+ROWS = (1, 2, 3, 4, 5, 37, 130)  # up to 4: the decode-sized products (bfloat16: vdpbf16ps); 5 on: oneDNN or FMA / SGEMM
 
 
 def operands(x, compute_dtype):
@@ -74,24 +74,26 @@ def weights(rng, shape, dtype):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("compute_dtype, weight_dtype", ARITHMETIC)
 @pytest.mark.parametrize("k, f", [(40, 37), (72, 100), (256, 37)])
-def test_kernel_equals_float64_reference(k, f, compute_dtype, weight_dtype, isa, rng):
+def test_kernel_equals_float64_reference(k, f, compute_dtype, weight_dtype, isa, rng, bf16_engines):
     gate, up = weights(rng, (f, k), weight_dtype)
     for m in ROWS:
         x = rng.standard_normal((m, k)).astype(np.float32)
-        y = linear.multiply_swiglu(x, gate, up, isa=isa, compute_dtype=compute_dtype)
-        assert_close(y, x, gate, up, compute_dtype)
+        for _ in bf16_engines(compute_dtype):
+            y = linear.multiply_swiglu(x, gate, up, isa=isa, compute_dtype=compute_dtype)
+            assert_close(y, x, gate, up, compute_dtype)
 
 
 @pytest.mark.parametrize("compute_dtype, weight_dtype", [("float32", "float16"), pytest.param("bfloat16", "bfloat16",
                                                                                               marks=needs_bf16)])
-def test_a_long_sum_and_leading_dimensions(compute_dtype, weight_dtype, rng):
+def test_a_long_sum_and_leading_dimensions(compute_dtype, weight_dtype, rng, bf16_engines):
     """K = 4096 (a 7B layer's hidden size), at decode and prefill sizes, x with leading dimensions."""
     gate, up = weights(rng, (129, 4096), weight_dtype)
     for shape in ((1, 4096), (2, 3, 4096)):
         x = rng.standard_normal(shape).astype(np.float32)
-        y = linear.multiply_swiglu(x, gate, up, compute_dtype=compute_dtype)
-        assert y.shape == shape[:-1] + (129,)
-        assert_close(y, x, gate, up, compute_dtype)
+        for _ in bf16_engines(compute_dtype):
+            y = linear.multiply_swiglu(x, gate, up, compute_dtype=compute_dtype)
+            assert y.shape == shape[:-1] + (129,)
+            assert_close(y, x, gate, up, compute_dtype)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -113,10 +115,11 @@ def test_the_products_are_rfalinears_and_the_epilogue_is_within_its_bound(comput
 
 @needs_bf16
 @pytest.mark.parametrize("k, f", [(72, 100), (40, 37)])
-def test_packed_weights_give_the_plain_weights_result(k, f, rng):
+def test_packed_weights_give_the_plain_weights_result(k, f, rng, monkeypatch):
     """Both weights packed for oneDNN (linear.pack_weight): oneDNN at every M, with the epilogue as
     its post-ops. Where the plain weights take oneDNN too (M > 16, as RfaLinear's test has it) the
     results are the same bits; below, both are within the reference's bound."""
+    monkeypatch.setenv("RFA_BF16_GEMM", "onednn")  # the plain weights on oneDNN too: the bits compared below
     gate, up = weights(rng, (f, k), "bfloat16")
     packed_gate, packed_up = linear.pack_weight(gate), linear.pack_weight(up)
     for m in (1, 4, 5, 37):
@@ -129,29 +132,31 @@ def test_packed_weights_give_the_plain_weights_result(k, f, rng):
 
 @pytest.mark.parametrize("compute_dtype, weight_dtype", ARITHMETIC)
 @pytest.mark.parametrize("m", [4, 37])
-def test_non_finite_values_stay_in_their_rows(m, compute_dtype, weight_dtype, rng):
+def test_non_finite_values_stay_in_their_rows(m, compute_dtype, weight_dtype, rng, bf16_engines):
     """NaN or Inf in a row of x makes that row's outputs non-finite and leaves the others as the
     reference has them; with bfloat16 arithmetic 3.4e38 rounds past bfloat16's largest finite value
     to +inf (float32 arithmetic gets +inf itself there)."""
     gate, up = weights(rng, (37, 40), weight_dtype)
     x = rng.standard_normal((m, 40)).astype(np.float32)
     x[0, 3], x[1, 7], x[2, 11] = np.nan, -np.inf, np.float32(3.4e38) if compute_dtype == "bfloat16" else np.inf
-    y = linear.multiply_swiglu(x, gate, up, compute_dtype=compute_dtype)
-    assert not np.isfinite(y[:3]).any()
-    assert_close(y[3:], x[3:], gate, up, compute_dtype)
+    for _ in bf16_engines(compute_dtype):
+        y = linear.multiply_swiglu(x, gate, up, compute_dtype=compute_dtype)
+        assert not np.isfinite(y[:3]).any()
+        assert_close(y[3:], x[3:], gate, up, compute_dtype)
 
 
 @pytest.mark.parametrize("compute_dtype, weight_dtype", ARITHMETIC)
-def test_silu_at_the_extremes(compute_dtype, weight_dtype):
+def test_silu_at_the_extremes(compute_dtype, weight_dtype, bf16_engines):
     """K = 1 and W = 1, so g = u = x: silu(-inf) = -inf * sigmoid(-inf) = -inf * 0 is NaN, as
     g * sigmoid(g) is in float32 (and MindSpore's SiLU); silu(inf) * inf = inf; e^-100 underflows to 0;
     silu(100) = 100. On 8 rows (oneDNN's swish where bfloat16) and on 4 (the library's loop)."""
     x = np.array([[-np.inf], [np.inf], [np.nan], [-100], [100], [0], [-0.0], [1]], np.float32)
     w = np.ones((3, 1), WEIGHT_DTYPES[weight_dtype])
-    for rows in (slice(0, 8), slice(0, 4), slice(4, 8)):
-        y = linear.multiply_swiglu(x[rows], w, w, compute_dtype=compute_dtype)[:, 0]
-        expected = np.array([np.nan, np.inf, np.nan, 0, 1e4, 0, 0, 1 / (1 + np.exp(-1.0))], np.float32)[rows]
-        assert np.allclose(y, expected, rtol=1e-6, atol=0, equal_nan=True), y
+    for _ in bf16_engines(compute_dtype):
+        for rows in (slice(0, 8), slice(0, 4), slice(4, 8)):
+            y = linear.multiply_swiglu(x[rows], w, w, compute_dtype=compute_dtype)[:, 0]
+            expected = np.array([np.nan, np.inf, np.nan, 0, 1e4, 0, 0, 1 / (1 + np.exp(-1.0))], np.float32)[rows]
+            assert np.allclose(y, expected, rtol=1e-6, atol=0, equal_nan=True), y
 
 
 def test_empty_sums_and_empty_outputs():

@@ -21,6 +21,7 @@ bool Built() { return false; }
 std::string BoundLibrary() { return ""; }
 std::string BoundLibraryProblem() { return ""; }
 std::string NativeBf16Problem() { return ""; }
+bool UsesAmx() { return false; }
 void MultiplyBf16(int64_t, int64_t, int64_t, const float *, const uint16_t *, float *) {}
 int64_t PackedBytes(int64_t, int64_t) { return 0; }
 void Pack(int64_t, int64_t, const uint16_t *, void *) {}
@@ -107,6 +108,11 @@ std::string NativeBf16Problem() {
     if (isa == native) return "";
   return std::string("needs bfloat16 instructions (AVX512-BF16 or AMX-BF16), which oneDNN does not find on this CPU "
                      "(its best: ") + IsaName(isa) + ", within ONEDNN_MAX_CPU_ISA if set); use 'float32'";
+}
+
+bool UsesAmx() {
+  const dnnl::cpu_isa isa = dnnl::get_effective_cpu_isa();
+  return isa == dnnl::cpu_isa::avx512_core_amx || isa == dnnl::cpu_isa::avx512_core_amx_fp16;
 }
 
 namespace {

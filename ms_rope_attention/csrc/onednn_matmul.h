@@ -32,6 +32,9 @@ std::string BoundLibraryProblem();
 // them, slower than the float32 arithmetic: refused, never run silently (as compute.py does).
 std::string NativeBf16Problem();
 
+// Whether oneDNN runs bfloat16 products on AMX tiles here (its effective ISA, within ONEDNN_MAX_CPU_ISA).
+bool UsesAmx();
+
 // y = round_to_nearest_even_bf16(x) W^T for x (m, k) float32, w (n, k) bfloat16 bits, y (m, n)
 // float32, all row-major and dense; m, n, k >= 1. x is rounded once into a buffer of this thread;
 // the primitive comes from oneDNN's own cache (bounded, thread-safe) keyed by the shapes. Throws

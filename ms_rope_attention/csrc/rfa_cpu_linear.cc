@@ -27,7 +27,9 @@
 // epilogue is the gate product's post-ops). Its entries RfaSwiGLURun / RfaSwiGLUInit / RfaSwiGLUInferShape
 // / RfaSwiGLUInferType / RfaSwiGLULastError / RfaSwiGLUComputeProblem are RfaLinear's counterparts.
 #include <algorithm>
+#include <chrono>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <string>
@@ -86,6 +88,8 @@ std::string ParseCompute(const char *text, Compute *compute, const std::string &
   }
   return "";
 }
+
+std::string Bf16EngineProblem();  // below, with the engines
 
 // Checks x (..., K) float32, weight (N, K) float32/float16/bfloat16 (bfloat16 only, computing in
 // bfloat16) or a packed uint8 buffer (packed_n = N >= 1; 0 for a plain weight) and y (..., N)
@@ -156,7 +160,7 @@ std::string Validate(const int *ndims, int64_t *const *shapes, const char *const
   for (int i = 0; same && i + 1 < nx; ++i) same = y[i] == x[i];
   if (!same) return "y: expected shape x.shape[:-1] + (out_features,), got y " + ShapeText(ndims[2], y) + " for x " +
                     ShapeText(nx, x) + " and " + wn + " " + ShapeText(ndims[1], w);
-  return "";
+  return compute == Compute::kBFloat16 ? Bf16EngineProblem() : "";
 }
 
 // Decode-sized products: a few rows of x (one token per sequence). OpenBLAS's SGEMM ran them far
@@ -237,6 +241,126 @@ void PanelGemm(const Gemm &g, const float *x, const W *w, float *y) {
   }
 }
 
+// ---- Which units run bfloat16 arithmetic past kFewRowsBF16 rows ---------------------------------------
+// The arithmetic is fixed: x rounded once to bfloat16, W bfloat16, every product exact in float32,
+// float32 sums. Which units run it is a question about this CPU. oneDNN runs it on the bfloat16 units
+// (AMX tiles, or vdpbf16ps) at close to their rate: brg:avx512_core_bf16 at 97% of the vdpbf16ps peak,
+// x (512, 4096) by W (4096, 4096). Where vdpbf16ps is slower than the float32 FMAs, the same products
+// on the FMAs are faster (the FMA engine): x rounded and widened back into a buffer, W's panels
+// widened exactly, SGEMM (PanelGemm, about 65% of the FMA peak at these shapes). Measured on 2 cores
+// of an Intel Xeon (family 6, model 207, under KVM, AMX not offered), benchmarks/peaks.c: vdpbf16ps
+// 166 GFLOP/s against float32 FMA 366, where Zen 4's vdpbf16ps runs at twice its FMA rate (468 against
+// 233) and AMX at many times. So oneDNN wherever it runs on AMX; otherwise one probe per process times
+// a vdpbf16ps loop against an FMA loop on the launching thread (about 1 ms) and takes the FMA engine
+// where 0.95 x the dot-product rate falls below 0.65 x the FMA rate (0.45x here, 2x on Zen 4: far from
+// the line either way). The engines differ only in the order of the float32 sums and in vdpbf16ps's
+// flushing of subnormals. RFA_BF16_GEMM=onednn or fma overrides the choice (read at each launch: the
+// tests run both engines on every CPU); a weight packed for oneDNN always runs on oneDNN.
+enum class Bf16Engine { kOnednn, kFma };
+
+struct Bf16Rates {
+  double dot = 0, fma = 0;  // FLOP/s of one thread: vdpbf16ps (0 where this build has none), float32 FMA
+};
+
+#ifdef RFA_BF16_DOT_PRODUCT
+volatile float g_probe_sink;  // the loops' results land here, so neither is optimised away
+
+#define RFA_REP16(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
+// `iters` x 16 independent vdpbf16ps (64 FLOP each) or float32 FMAs (32 FLOP each) on zmm registers.
+__attribute__((target("avx512f,avx512bf16"))) void DotLoop(int64_t iters) {
+#define RFA_DECL(i) __m512 c##i = _mm512_set1_ps(0.01f * (i));
+#define RFA_STEP(i) c##i = _mm512_dpbf16_ps(c##i, a, b);
+#define RFA_SUM(i) s = _mm512_add_ps(s, c##i);
+  const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3a83);  // 1, ~0.001
+  RFA_REP16(RFA_DECL)
+  for (int64_t n = 0; n < iters; ++n) { RFA_REP16(RFA_STEP) }
+  __m512 s = _mm512_setzero_ps();
+  RFA_REP16(RFA_SUM)
+  g_probe_sink = _mm512_reduce_add_ps(s);
+#undef RFA_STEP
+}
+
+__attribute__((target("avx512f,fma"))) void FmaLoop(int64_t iters) {
+#define RFA_STEP(i) c##i = _mm512_fmadd_ps(c##i, a, b);
+  const __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-6f);
+  RFA_REP16(RFA_DECL)
+  for (int64_t n = 0; n < iters; ++n) { RFA_REP16(RFA_STEP) }
+  __m512 s = _mm512_setzero_ps();
+  RFA_REP16(RFA_SUM)
+  g_probe_sink = _mm512_reduce_add_ps(s);
+#undef RFA_STEP
+#undef RFA_DECL
+#undef RFA_SUM
+}
+#undef RFA_REP16
+
+double SecondsOf(void (*loop)(int64_t), int64_t iters) {
+  const auto start = std::chrono::steady_clock::now();
+  loop(iters);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+#endif
+
+// The best of 5 alternating runs of each loop (a run preempted or slowed by a neighbour loses to the
+// others), once per process.
+Bf16Rates ProbedBf16Rates() {
+  static const Bf16Rates rates = [] {
+    Bf16Rates best;
+#ifdef RFA_BF16_DOT_PRODUCT
+    if (!rfa::weights::HasBF16DotProduct()) return best;
+    constexpr int64_t kIters = 4096;  // 64K instructions a run: ~0.03-0.1 ms
+    for (int run = 0; run < 5; ++run) {
+      best.dot = std::max(best.dot, 16.0 * 64 * kIters / SecondsOf(DotLoop, kIters));
+      best.fma = std::max(best.fma, 16.0 * 32 * kIters / SecondsOf(FmaLoop, kIters));
+    }
+#endif
+    return best;
+  }();
+  return rates;
+}
+
+// RFA_BF16_GEMM's value: "" (unset or "auto"), "onednn" or "fma"; "?" for anything else.
+std::string Bf16EngineOverride() {
+  const char *value = std::getenv("RFA_BF16_GEMM");
+  const std::string text = value ? value : "";
+  if (text.empty() || text == "auto") return "";
+  return text == "onednn" || text == "fma" ? text : "?";
+}
+
+// "" or why RFA_BF16_GEMM cannot be followed (checked with the arguments, before any memory is touched).
+std::string Bf16EngineProblem() {
+  if (Bf16EngineOverride() != "?") return "";
+  return std::string("RFA_BF16_GEMM: expected 'auto', 'onednn' or 'fma', got '") + std::getenv("RFA_BF16_GEMM") + "'";
+}
+
+Bf16Engine ChosenBf16Engine() {
+  const std::string forced = Bf16EngineOverride();
+  if (forced == "fma") return Bf16Engine::kFma;
+  if (forced == "onednn" || rfa::onednn::UsesAmx()) return Bf16Engine::kOnednn;
+  const Bf16Rates rates = ProbedBf16Rates();
+  return rates.dot > 0 && 0.95 * rates.dot < 0.65 * rates.fma ? Bf16Engine::kFma : Bf16Engine::kOnednn;
+}
+
+// x (count values) rounded to bfloat16 and widened back to float32, in a buffer of this launching
+// thread (kept between calls; sized exactly in the sanitizer build): the FMA engine's operand.
+const float *RoundedToBf16(const float *x, int64_t count) {
+  thread_local std::vector<float> buffer;
+#ifdef RFA_EXACT_SCRATCH
+  std::vector<float>().swap(buffer);
+#endif
+  buffer.resize(static_cast<size_t>(count));
+  float *const out = buffer.data();  // this thread's: inside the loop `buffer` is each worker's own
+  constexpr int64_t kChunk = 4096;
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < count; c += kChunk) {
+    uint16_t bits[kChunk];
+    const int64_t len = std::min(kChunk, count - c);
+    rfa::weights::FloatToBFloat16(x + c, bits, len);
+    rfa::weights::RowToFloat(reinterpret_cast<const rfa::weights::BFloat16 *>(bits), out + c, len);
+  }
+  return out;
+}
+
 template <typename W>
 void Multiply(const Gemm &g, Compute compute, const float *x, const W *w, float *y) {
   if (g.k == 0) {  // an empty sum: BLAS may leave y untouched
@@ -257,7 +381,10 @@ void Multiply(const Gemm &g, Compute compute, const float *x, const W *w, float 
         return;
       }
 #endif
-      rfa::onednn::MultiplyBf16(g.m, g.n, g.k, x, reinterpret_cast<const uint16_t *>(w), y);
+      if (ChosenBf16Engine() == Bf16Engine::kFma)
+        Multiply(g, Compute::kFloat32, RoundedToBf16(x, g.m * g.k), w, y);
+      else
+        rfa::onednn::MultiplyBf16(g.m, g.n, g.k, x, reinterpret_cast<const uint16_t *>(w), y);
       return;
     }
   }
@@ -379,7 +506,8 @@ void SwiGluSmallRowsBF16(const Gemm &g, const float *x, const rfa::weights::BFlo
 
 // y = silu(x Wg^T) * (x Wu^T) for weights as stored (m, n, k >= 1). bfloat16 arithmetic: up to
 // kFewRowsBF16 rows stream both weights into vdpbf16ps (SwiGluSmallRowsBF16), more take oneDNN with the
-// epilogue as the gate product's post-ops (onednn::SwiGluBf16); x is rounded once either way. float32
+// epilogue as the gate product's post-ops (onednn::SwiGluBf16), or the FMA engine (ChosenBf16Engine: the
+// float32 path below on the rounded x); x is rounded once either way. float32
 // arithmetic: RfaLinear's products for this weight dtype (Multiply), gate into y and up into the buffer,
 // then the epilogue as a pass of its own.
 template <typename W>
@@ -392,9 +520,13 @@ void SwiGlu(const Gemm &g, Compute compute, const float *x, const W *gate, const
         return;
       }
 #endif
-      rfa::onednn::SwiGluBf16(g.m, g.n, g.k, x, reinterpret_cast<const uint16_t *>(gate),
-                              reinterpret_cast<const uint16_t *>(up), y);
-      return;
+      if (ChosenBf16Engine() == Bf16Engine::kOnednn) {
+        rfa::onednn::SwiGluBf16(g.m, g.n, g.k, x, reinterpret_cast<const uint16_t *>(gate),
+                                reinterpret_cast<const uint16_t *>(up), y);
+        return;
+      }
+      x = RoundedToBf16(x, g.m * g.k);  // the FMA engine: float32 products of the rounded x, as below
+      compute = Compute::kFloat32;
     }
   }
   float *const u = UpScratch(g.m * g.n);
@@ -421,6 +553,23 @@ extern "C" RFA_EXPORT const char *RfaLinearOnednn() {
 extern "C" RFA_EXPORT const char *RfaLinearOnednnProblem() {
   thread_local std::string text;
   text = rfa::onednn::BoundLibraryProblem();
+  return text.c_str();
+}
+
+// Which units run this process's bfloat16 products past a few rows, and why: "onednn: ...", "fma: ..."
+// (ChosenBf16Engine). Kept per thread like the last error.
+extern "C" RFA_EXPORT const char *RfaLinearBf16Engine() {
+  thread_local std::string text;
+  const std::string forced = Bf16EngineOverride();
+  const Bf16Rates rates = ProbedBf16Rates();
+  const auto gflops = [](double flops) { return std::to_string(static_cast<int>(flops / 1e9 + 0.5)); };
+  const std::string probe = "vdpbf16ps " + gflops(rates.dot) + " GFLOP/s, float32 FMA " + gflops(rates.fma) +
+                            " GFLOP/s on one thread";
+  if (forced == "?") text = Bf16EngineProblem();
+  else if (!forced.empty()) text = forced + ": RFA_BF16_GEMM=" + forced;
+  else if (rfa::onednn::UsesAmx()) text = "onednn: AMX";
+  else if (rates.dot == 0) text = "onednn: this build has no vdpbf16ps probe";
+  else text = std::string(ChosenBf16Engine() == Bf16Engine::kFma ? "fma: " : "onednn: ") + probe;
   return text.c_str();
 }
 
