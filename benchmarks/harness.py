@@ -406,6 +406,7 @@ def machine_info() -> dict:
     import mindspore
     import numpy
 
+    from ms_rope_attention import linear
     from ms_rope_attention.cpu_kernel import kernel_isa
 
     model = ""
@@ -416,7 +417,10 @@ def machine_info() -> dict:
         pass
     return {"platform": platform.platform(), "cpu": model, "cpus": os.cpu_count(),
             "memory_gib": round(memory_total_bytes() / 2**30, 1), "python": platform.python_version(),
-            "mindspore": mindspore.__version__, "numpy": numpy.__version__, "kernel_isa": kernel_isa()}
+            "mindspore": mindspore.__version__, "numpy": numpy.__version__, "kernel_isa": kernel_isa(),
+            # which units run bfloat16 products past a few rows in this process (and so in each child: the
+            # same CPU and RFA_BF16_GEMM), and why
+            "bf16_engine": linear.bf16_engine() if linear.onednn() else "none: built without oneDNN"}
 
 
 if __name__ == "__main__":

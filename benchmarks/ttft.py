@@ -40,7 +40,7 @@ PEERS = {"hf": "Hugging Face transformers LlamaForCausalLM (sdpa), PyTorch",
          "mindformers": "MindFormers LlamaForCausalLM, MindSpore GRAPH_MODE (its own virtual environment)"}
 # The checkpoint's weights rounded to bfloat16 at load: this project computing in bfloat16 (compute_dtype,
 # float32 activations between its ops) and transformers in bfloat16 (every activation bfloat16).
-BFLOAT16 = {"fused-bfloat16": "this project, compute_dtype='bfloat16' (fused op; projections on oneDNN)",
+BFLOAT16 = {"fused-bfloat16": "this project, compute_dtype='bfloat16' (fused op; projections on machine.bf16_engine's units)",
             "hf-bfloat16": "Hugging Face transformers LlamaForCausalLM (sdpa), PyTorch, torch.bfloat16"}
 MINDFORMERS_PYTHON = Path(__file__).resolve().parent.parent / ".venv-mindformers" / "bin" / "python"
 SYSTEMS = BACKENDS + tuple(PEERS) + tuple(BFLOAT16)
