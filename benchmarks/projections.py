@@ -77,11 +77,13 @@ def op_series(length: int, out_features: int, in_features: int) -> dict:
               "OpenBLAS op (this project)": lambda: blas(xt, wt).asnumpy()}
     if bfloat16_compute() is None:
         bf16, wt16 = Projection(linear_op("bfloat16")), Tensor(w.astype(ml_dtypes.bfloat16))
-        series["bfloat16 op (this project, oneDNN)"] = lambda: bf16(xt, wt16).asnumpy()
+        # W as stored runs on this process's engine (machine.bf16_engine: oneDNN, or the float32 FMAs where
+        # this CPU's vdpbf16ps is the slower unit); packed W always on oneDNN
+        series["bfloat16 op (this project, W as stored)"] = lambda: bf16(xt, wt16).asnumpy()
         packed = Projection(linear_op("bfloat16", packed_out_features=out_features))
         wpacked = Tensor(np.zeros(packed_bytes(out_features, in_features), np.uint8))
         pack_weight(w.astype(ml_dtypes.bfloat16), out=wpacked.asnumpy())  # in the tensor's memory: its alignment
-        series["bfloat16 op, packed W"] = lambda: packed(xt, wpacked).asnumpy()
+        series["bfloat16 op, packed W (oneDNN)"] = lambda: packed(xt, wpacked).asnumpy()
     series["numpy"] = lambda: x @ w.T
     try:
         import torch
