@@ -265,6 +265,16 @@ struct Bf16Rates {
 #ifdef RFA_BF16_DOT_PRODUCT
 volatile float g_probe_sink;  // the loops' results land here, so neither is optimised away
 
+// The lanes' sum into g_probe_sink (stored and added: GCC 12's _mm512_reduce_add_ps warns of its own
+// uninitialised temporaries).
+__attribute__((target("avx512f"))) void Sink(__m512 s) {
+  float lanes[16];
+  _mm512_storeu_ps(lanes, s);
+  float sum = 0;
+  for (float lane : lanes) sum += lane;
+  g_probe_sink = sum;
+}
+
 #define RFA_REP16(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
 // `iters` x 16 independent vdpbf16ps (64 FLOP each) or float32 FMAs (32 FLOP each) on zmm registers.
 __attribute__((target("avx512f,avx512bf16"))) void DotLoop(int64_t iters) {
@@ -276,7 +286,7 @@ __attribute__((target("avx512f,avx512bf16"))) void DotLoop(int64_t iters) {
   for (int64_t n = 0; n < iters; ++n) { RFA_REP16(RFA_STEP) }
   __m512 s = _mm512_setzero_ps();
   RFA_REP16(RFA_SUM)
-  g_probe_sink = _mm512_reduce_add_ps(s);
+  Sink(s);
 #undef RFA_STEP
 }
 
@@ -287,7 +297,7 @@ __attribute__((target("avx512f,fma"))) void FmaLoop(int64_t iters) {
   for (int64_t n = 0; n < iters; ++n) { RFA_REP16(RFA_STEP) }
   __m512 s = _mm512_setzero_ps();
   RFA_REP16(RFA_SUM)
-  g_probe_sink = _mm512_reduce_add_ps(s);
+  Sink(s);
 #undef RFA_STEP
 #undef RFA_DECL
 #undef RFA_SUM
