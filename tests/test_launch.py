@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ms_rope_attention.distributed.launch import TIMEOUT_STATUS, launch, processes_with, reserve_port
+from ms_rope_attention.distributed.launch import STOP_SIGNALS, TIMEOUT_STATUS, launch, processes_with, reserve_port
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULTY = ROOT / "tests" / "distributed" / "faulty_ranks.py"
@@ -147,6 +147,10 @@ def _cli(job, *options, blocked=()):
                                 env={**os.environ, "FAULTY_RANKS": _mark(job), "TMPDIR": str(job)}, cwd=ROOT,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
                                 preexec_fn=lambda: (resource.setrlimit(resource.RLIMIT_CORE, (0, 0)),
+                                                    # a terminal's foreground job: the stop signals at their default
+                                                    # action (the suite's worker may have one ignored, and the launcher
+                                                    # leaves an ignored signal ignored, as nohup and shells expect)
+                                                    [signal.signal(s, signal.SIG_DFL) for s in STOP_SIGNALS],
                                                     signal.pthread_sigmask(signal.SIG_BLOCK, blocked)))
     deadline = time.monotonic() + 60
     while len(_pids(job)) < 3 or [_text(log).count("RESULT sleeping") for log in job.glob("*/worker_*.log")] != [1, 1]:
