@@ -68,4 +68,13 @@ inline const Attrs *AttrsOf(void *extra, std::string *error) {
   return data && data->error.empty() ? &data->attrs : nullptr;
 }
 
+// A launch's attributes of an entry that keeps its own AotKernelData (RfaLinear's, RfaSwiGLU's, RfaRMSNorm's):
+// as its Init kept them, or `defaults` for a direct call (a null `extra`: the aot convention without
+// MindSpore, as the tests and the Python wrappers call it); null when Init did not run.
+template <typename Kept>
+const Kept *LaunchAttrs(void *extra, const Kept &defaults) {
+  if (!extra) return &defaults;
+  return static_cast<const Kept *>(static_cast<mindspore::AotExtra *>(extra)->KernelData());
+}
+
 }  // namespace rfa

@@ -196,6 +196,29 @@ void OnThreadRows(int64_t n, Product product) {
   }
 }
 
+// `buffer` (a thread_local of the caller's: MindSpore may launch on several threads at once) holding
+// `count` values, kept between calls; in the sanitizer build (RFA_EXACT_SCRATCH) sized exactly at each
+// call, so an overrun is caught.
+template <typename T>
+T *Scratch(std::vector<T> &buffer, int64_t count) {
+#ifdef RFA_EXACT_SCRATCH
+  std::vector<T>().swap(buffer);
+#endif
+  buffer.resize(static_cast<size_t>(count));
+  return buffer.data();
+}
+
+#ifdef RFA_BF16_DOT_PRODUCT
+// x (count values) rounded once to bfloat16 bits (to nearest even), in a buffer of this launching
+// thread: the decode-sized products' operand.
+const uint16_t *BFloat16Bits(const float *x, int64_t count) {
+  thread_local std::vector<uint16_t> buffer;
+  uint16_t *const bits = Scratch(buffer, count);
+  rfa::weights::FloatToBFloat16(x, bits, count);
+  return bits;
+}
+#endif
+
 template <typename W>
 void SmallRows(const Gemm &g, const float *x, const W *w, float *y) {
   OnThreadRows(g.n, [&](int64_t n0, int64_t n1) { rfa::weights::SmallRowsProduct(g.m, g.n, g.k, x, w, y, n0, n1); });
@@ -205,10 +228,7 @@ void SmallRows(const Gemm &g, const float *x, const W *w, float *y) {
 // The bfloat16 form of SmallRows: x rounded to bfloat16 once (a thread's buffer, kept between calls),
 // then W's rows split across threads as there.
 void SmallRowsBF16(const Gemm &g, const float *x, const rfa::weights::BFloat16 *w, float *y) {
-  thread_local std::vector<uint16_t> rounded;
-  rounded.resize(static_cast<size_t>(g.m * g.k));
-  rfa::weights::FloatToBFloat16(x, rounded.data(), g.m * g.k);
-  const uint16_t *const x_bf16 = rounded.data();  // this thread's: inside the loop `rounded` is each worker's
+  const uint16_t *const x_bf16 = BFloat16Bits(x, g.m * g.k);
   OnThreadRows(g.n, [&](int64_t n0, int64_t n1) {
     rfa::weights::SmallRowsProductBF16(g.m, g.n, g.k, x_bf16, w, y, n0, n1);
   });
@@ -312,21 +332,18 @@ double SecondsOf(void (*loop)(int64_t), int64_t iters) {
 #endif
 
 // The best of 5 alternating runs of each loop (a run preempted or slowed by a neighbour loses to the
-// others), once per process.
+// others); run once per process, by AutomaticBf16Choice.
 Bf16Rates ProbedBf16Rates() {
-  static const Bf16Rates rates = [] {
-    Bf16Rates best;
+  Bf16Rates best;
 #ifdef RFA_BF16_DOT_PRODUCT
-    if (!rfa::weights::HasBF16DotProduct()) return best;
-    constexpr int64_t kIters = 4096;  // 64K instructions a run: ~0.03-0.1 ms
-    for (int run = 0; run < 5; ++run) {
-      best.dot = std::max(best.dot, 16.0 * 64 * kIters / SecondsOf(DotLoop, kIters));
-      best.fma = std::max(best.fma, 16.0 * 32 * kIters / SecondsOf(FmaLoop, kIters));
-    }
+  if (!rfa::weights::HasBF16DotProduct()) return best;
+  constexpr int64_t kIters = 4096;  // 64K instructions a run: ~0.03-0.1 ms
+  for (int run = 0; run < 5; ++run) {
+    best.dot = std::max(best.dot, 16.0 * 64 * kIters / SecondsOf(DotLoop, kIters));
+    best.fma = std::max(best.fma, 16.0 * 32 * kIters / SecondsOf(FmaLoop, kIters));
+  }
 #endif
-    return best;
-  }();
-  return rates;
+  return best;
 }
 
 // RFA_BF16_GEMM's value: "" (unset or "auto"), "onednn" or "fma"; "?" for anything else.
@@ -343,23 +360,37 @@ std::string Bf16EngineProblem() {
   return std::string("RFA_BF16_GEMM: expected 'auto', 'onednn' or 'fma', got '") + std::getenv("RFA_BF16_GEMM") + "'";
 }
 
+struct Bf16Choice {
+  Bf16Engine engine;
+  std::string why;  // RfaLinearBf16Engine's text
+};
+
+// The process's own choice, without RFA_BF16_GEMM: made once, at the first bfloat16 launch.
+const Bf16Choice &AutomaticBf16Choice() {
+  static const Bf16Choice choice = []() -> Bf16Choice {
+    if (rfa::onednn::UsesAmx()) return {Bf16Engine::kOnednn, "onednn: AMX"};
+    const Bf16Rates rates = ProbedBf16Rates();
+    if (rates.dot == 0) return {Bf16Engine::kOnednn, "onednn: this build has no vdpbf16ps probe"};
+    const auto gflops = [](double flops) { return std::to_string(static_cast<int>(flops / 1e9 + 0.5)); };
+    const bool fma = 0.95 * rates.dot < 0.65 * rates.fma;
+    return {fma ? Bf16Engine::kFma : Bf16Engine::kOnednn, std::string(fma ? "fma" : "onednn") + ": vdpbf16ps " +
+            gflops(rates.dot) + " GFLOP/s, float32 FMA " + gflops(rates.fma) + " GFLOP/s on one thread"};
+  }();
+  return choice;
+}
+
 Bf16Engine ChosenBf16Engine() {
   const std::string forced = Bf16EngineOverride();
   if (forced == "fma") return Bf16Engine::kFma;
-  if (forced == "onednn" || rfa::onednn::UsesAmx()) return Bf16Engine::kOnednn;
-  const Bf16Rates rates = ProbedBf16Rates();
-  return rates.dot > 0 && 0.95 * rates.dot < 0.65 * rates.fma ? Bf16Engine::kFma : Bf16Engine::kOnednn;
+  if (forced == "onednn") return Bf16Engine::kOnednn;
+  return AutomaticBf16Choice().engine;
 }
 
 // x (count values) rounded to bfloat16 and widened back to float32, in a buffer of this launching
-// thread (kept between calls; sized exactly in the sanitizer build): the FMA engine's operand.
+// thread (Scratch): the FMA engine's operand. Rounded and widened a chunk at a time on the OpenMP threads.
 const float *RoundedToBf16(const float *x, int64_t count) {
   thread_local std::vector<float> buffer;
-#ifdef RFA_EXACT_SCRATCH
-  std::vector<float>().swap(buffer);
-#endif
-  buffer.resize(static_cast<size_t>(count));
-  float *const out = buffer.data();  // this thread's: inside the loop `buffer` is each worker's own
+  float *const out = Scratch(buffer, count);  // this thread's: inside the loop `buffer` is each worker's own
   constexpr int64_t kChunk = 4096;
 #pragma omp parallel for schedule(static)
   for (int64_t c = 0; c < count; c += kChunk) {
@@ -415,15 +446,10 @@ rfa::LastError g_swiglu_error("RfaSwiGLU");
 
 int FailSwiGlu(const std::string &message) { return g_swiglu_error.Fail(message); }
 
-// A float32 buffer of `count` values for the up product, this launching thread's, kept between calls;
-// in the sanitizer build (RFA_EXACT_SCRATCH) sized exactly at each call, so an overrun is caught.
+// A float32 buffer of `count` values for the up product, this launching thread's (Scratch).
 float *UpScratch(int64_t count) {
   thread_local std::vector<float> buffer;
-#ifdef RFA_EXACT_SCRATCH
-  std::vector<float>().swap(buffer);
-#endif
-  buffer.resize(static_cast<size_t>(count));
-  return buffer.data();
+  return Scratch(buffer, count);
 }
 
 // e^x for x <= 0, one vector: n = round(x log2 e), r = x - n ln 2 in two parts (Cody and Waite: n C1 is
@@ -501,10 +527,7 @@ void SiluTimesParallel(int64_t count, const float *g, const float *u, float *h) 
 // it is in cache: the one epilogue loop, no pass of its own.
 void SwiGluSmallRowsBF16(const Gemm &g, const float *x, const rfa::weights::BFloat16 *gate,
                          const rfa::weights::BFloat16 *up, float *y) {
-  thread_local std::vector<uint16_t> rounded;
-  rounded.resize(static_cast<size_t>(g.m * g.k));
-  rfa::weights::FloatToBFloat16(x, rounded.data(), g.m * g.k);
-  const uint16_t *const x_bf16 = rounded.data();  // this thread's: inside the loop `rounded` is each worker's
+  const uint16_t *const x_bf16 = BFloat16Bits(x, g.m * g.k);
   float *const u = UpScratch(g.m * g.n);
   OnThreadRows(g.n, [&](int64_t n0, int64_t n1) {
     rfa::weights::SmallRowsProductBF16(g.m, g.n, g.k, x_bf16, gate, y, n0, n1);
@@ -571,15 +594,9 @@ extern "C" RFA_EXPORT const char *RfaLinearOnednnProblem() {
 extern "C" RFA_EXPORT const char *RfaLinearBf16Engine() {
   thread_local std::string text;
   const std::string forced = Bf16EngineOverride();
-  const Bf16Rates rates = ProbedBf16Rates();
-  const auto gflops = [](double flops) { return std::to_string(static_cast<int>(flops / 1e9 + 0.5)); };
-  const std::string probe = "vdpbf16ps " + gflops(rates.dot) + " GFLOP/s, float32 FMA " + gflops(rates.fma) +
-                            " GFLOP/s on one thread";
   if (forced == "?") text = Bf16EngineProblem();
   else if (!forced.empty()) text = forced + ": RFA_BF16_GEMM=" + forced;
-  else if (rfa::onednn::UsesAmx()) text = "onednn: AMX";
-  else if (rates.dot == 0) text = "onednn: this build has no vdpbf16ps probe";
-  else text = std::string(ChosenBf16Engine() == Bf16Engine::kFma ? "fma: " : "onednn: ") + probe;
+  else text = AutomaticBf16Choice().why;
   return text.c_str();
 }
 
@@ -707,11 +724,8 @@ extern "C" RFA_EXPORT int RfaLinearRun(const char *compute_dtype, int64_t packed
 extern "C" RFA_EXPORT int RfaLinear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
                                     void *extra) {
   const LinearAttrs defaults;
-  const LinearAttrs *data = &defaults;
-  if (extra) {
-    data = static_cast<const LinearAttrs *>(static_cast<mindspore::AotExtra *>(extra)->KernelData());
-    if (!data) return Fail("kernel attributes missing (RfaLinearInit did not run)");
-  }
+  const LinearAttrs *data = rfa::LaunchAttrs(extra, defaults);
+  if (!data) return Fail("kernel attributes missing (RfaLinearInit did not run)");
   return RfaLinearRun(data->compute_dtype.c_str(), data->packed_out_features, nparam, params, ndims, shapes, dtypes);
 }
 
@@ -812,10 +826,7 @@ extern "C" RFA_EXPORT int RfaSwiGLURun(const char *compute_dtype, int64_t packed
 extern "C" RFA_EXPORT int RfaSwiGLU(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
                                     void *extra) {
   const LinearAttrs defaults;
-  const LinearAttrs *data = &defaults;
-  if (extra) {
-    data = static_cast<const LinearAttrs *>(static_cast<mindspore::AotExtra *>(extra)->KernelData());
-    if (!data) return FailSwiGlu("kernel attributes missing (RfaSwiGLUInit did not run)");
-  }
+  const LinearAttrs *data = rfa::LaunchAttrs(extra, defaults);
+  if (!data) return FailSwiGlu("kernel attributes missing (RfaSwiGLUInit did not run)");
   return RfaSwiGLURun(data->compute_dtype.c_str(), data->packed_out_features, nparam, params, ndims, shapes, dtypes);
 }

@@ -216,10 +216,7 @@ extern "C" RFA_EXPORT int RfaRMSNormRun(double eps, int nparam, void **params, i
 extern "C" RFA_EXPORT int RfaRMSNorm(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
                                      void *extra) {
   const NormAttrs defaults;
-  const NormAttrs *data = &defaults;
-  if (extra) {
-    data = static_cast<const NormAttrs *>(static_cast<mindspore::AotExtra *>(extra)->KernelData());
-    if (!data) return Fail("kernel attributes missing (RfaRMSNormInit did not run)");
-  }
+  const NormAttrs *data = rfa::LaunchAttrs(extra, defaults);
+  if (!data) return Fail("kernel attributes missing (RfaRMSNormInit did not run)");
   return RfaRMSNormRun(data->eps, nparam, params, ndims, shapes, dtypes);
 }
