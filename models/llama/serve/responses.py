@@ -38,50 +38,48 @@ class _SendTimeout(Exception):
 class TextFormat:
     """/v1/completions' bodies."""
     prefix = "cmpl"
+    chunk_shape = CompletionResponse  # a streamed event's shape, the usage-only event's included
 
     def __init__(self, model: str):
         self.id, self.created, self.model = new_id(self.prefix), now(), model
+
+    def _body(self, shape, choices: list, usage=None):
+        """One body of this request: ``shape`` with its id, creation time and model."""
+        return shape(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
 
     def opening(self):
         return None  # no role chunk
 
     def chunk(self, text: str, finish_reason, usage=None) -> dict:
-        return CompletionResponse(id=self.id, created=self.created, model=self.model, usage=usage,
-                                  choices=[CompletionChoice(text=text, finish_reason=finish_reason)]
-                                  ).model_dump(exclude_none=True)
+        return self._body(CompletionResponse, [CompletionChoice(text=text, finish_reason=finish_reason)],
+                          usage).model_dump(exclude_none=True)
 
     def usage_chunk(self, usage) -> dict:
-        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[],
-                                  usage=usage).model_dump(exclude_none=True)
+        return self._body(self.chunk_shape, [], usage).model_dump(exclude_none=True)
 
     def response(self, text: str, finish_reason, usage) -> dict:
-        return CompletionResponse(id=self.id, created=self.created, model=self.model, usage=usage,
-                                  choices=[CompletionChoice(text=text, finish_reason=finish_reason)]).model_dump()
+        return self._body(CompletionResponse, [CompletionChoice(text=text, finish_reason=finish_reason)],
+                          usage).model_dump()
 
 
 class ChatFormat(TextFormat):
     """/v1/chat/completions' bodies."""
     prefix = "chatcmpl"
+    chunk_shape = ChatCompletionChunk
 
     def opening(self):
-        return self._chunk(ChatDelta(role="assistant", content=""), None)
+        return self._delta(ChatDelta(role="assistant", content=""), None)
 
     def chunk(self, text: str, finish_reason, usage=None) -> dict:
-        return self._chunk(ChatDelta(content=text), finish_reason, usage)
+        return self._delta(ChatDelta(content=text), finish_reason, usage)
 
-    def _chunk(self, delta, finish_reason, usage=None) -> dict:
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, usage=usage,
-                                   choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)]
-                                   ).model_dump(exclude_none=True)
-
-    def usage_chunk(self, usage) -> dict:
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
-                                   usage=usage).model_dump(exclude_none=True)
+    def _delta(self, delta, finish_reason, usage=None) -> dict:
+        return self._body(ChatCompletionChunk, [ChatChunkChoice(delta=delta, finish_reason=finish_reason)],
+                          usage).model_dump(exclude_none=True)
 
     def response(self, text: str, finish_reason, usage) -> dict:
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, usage=usage,
-                                      choices=[ChatChoice(message=ChatMessageOut(content=text),
-                                                          finish_reason=finish_reason)]).model_dump()
+        return self._body(ChatCompletionResponse, [ChatChoice(message=ChatMessageOut(content=text),
+                                                              finish_reason=finish_reason)], usage).model_dump()
 
 
 def _json(data) -> bytes:
