@@ -370,7 +370,7 @@ const Bf16Choice &AutomaticBf16Choice() {
   static const Bf16Choice choice = []() -> Bf16Choice {
     if (rfa::onednn::UsesAmx()) return {Bf16Engine::kOnednn, "onednn: AMX"};
     const Bf16Rates rates = ProbedBf16Rates();
-    if (rates.dot == 0) return {Bf16Engine::kOnednn, "onednn: this build has no vdpbf16ps probe"};
+    if (rates.dot == 0) return {Bf16Engine::kOnednn, "onednn: no vdpbf16ps in this CPU or build to probe"};
     const auto gflops = [](double flops) { return std::to_string(static_cast<int>(flops / 1e9 + 0.5)); };
     const bool fma = 0.95 * rates.dot < 0.65 * rates.fma;
     return {fma ? Bf16Engine::kFma : Bf16Engine::kOnednn, std::string(fma ? "fma" : "onednn") + ": vdpbf16ps " +
