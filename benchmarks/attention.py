@@ -8,10 +8,11 @@ measured in the same run, the fused/unfused ratio, and the in-kernel RoPE cost (
 rotation switched off). The kernel-direct series (with and without rotation, and PyTorch's SDPA in
 the same process) take up to 10 rounds when they fit in about 30 s, and never fewer than --repeats.
 ``--compute-dtype`` sets the op's compute_dtype (several: the kernel-direct series of each run side by
-side in one process, ``fused_direct`` the first, ``fused_direct_<dtype>`` the others; bfloat16 also as
-``..._vdpbf16ps`` with the AMX tiles switched off, where the CPU has them), and the
-GFLOP/s are also given as fractions of the float32 FMA / bfloat16 dot-product / AMX peaks measured
-in the same run (harness.arithmetic_peaks). Writes JSON and a plot.
+side in one process, ``fused_direct`` the first, ``fused_direct_<dtype>`` the others; bfloat16 on the
+units this process chose (machine.bf16_attention_units), and on each other unit this CPU runs too, as
+``..._vdpbf16ps`` and ``..._fma`` (RFA_BF16_ATTENTION: csrc/bf16.h ChosenUnits)), and the GFLOP/s are
+also given as fractions of the float32 FMA / bfloat16 dot-product / AMX peaks measured in the same run
+(harness.arithmetic_peaks). Writes JSON and a plot.
 
     python benchmarks/attention.py --lengths 1024 2048 --repeats 3 --out benchmarks/results
     python benchmarks/attention.py --lengths 2048 8192 --compute-dtype float32 bfloat16 --competitors fused_direct
@@ -82,24 +83,32 @@ def run_direct(length, heads, kv_heads, head_dim, dtype, repeats, compute_dtypes
     q, k, v = _inputs(length, heads, kv_heads, head_dim)
     cos, sin = rope_tables(head_dim, length)
     keep = []
-    amx = cpu_kernel.bfloat16_tiles() == "amx"
+    # The units the process chose for bfloat16 (csrc/bf16.h ChosenUnits), and the others this CPU runs,
+    # each its own series: AMX wins the automatic choice wherever it runs.
+    os.environ.pop("RFA_BF16_ATTENTION", None)
+    chosen = cpu_kernel.bfloat16_tiles() if "bfloat16" in compute_dtypes else None
+    others = [u for u in ("avx512_bf16", "fma") if chosen and u != chosen]
 
-    def kernel(rotate, compute_dtype, allow_amx=True):
+    def kernel(rotate, compute_dtype, units=None):
         args, _, buffers = cpu_direct.prepare(q, k, v, cos, sin, head_num=heads, dtype=dtype, with_lse=False,
                                               with_rotated_key=False, compute_dtype=compute_dtype)
         keep.append(buffers)
 
         def call():
-            if amx:
-                cpu_kernel.bfloat16_tiles(allow_amx)  # a process-wide switch: set before every call
+            if chosen:  # process-wide switches, read at each launch: set before every call
+                if units:
+                    os.environ["RFA_BF16_ATTENTION"] = "fma" if units == "fma" else "dot"
+                else:
+                    os.environ.pop("RFA_BF16_ATTENTION", None)
+                cpu_kernel.bfloat16_tiles(units in (None, "amx"))
             if cpu_direct.launch(args, rotate=rotate) != 0:
                 raise RuntimeError(f"the kernel refused the call: {last_error()}")
         return call
 
     series = {"fused_direct": kernel(1, compute_dtypes[0]), "fused_direct_no_rope": kernel(0, compute_dtypes[0])}
     series.update({f"fused_direct_{c}": kernel(1, c) for c in compute_dtypes[1:]})
-    if amx and "bfloat16" in compute_dtypes:
-        series["fused_direct_bfloat16_vdpbf16ps"] = kernel(1, "bfloat16", allow_amx=False)
+    series.update({f"fused_direct_bfloat16_{'vdpbf16ps' if u == 'avx512_bf16' else u}": kernel(1, "bfloat16", u)
+                   for u in others})
     try:
         import torch
         import torch.nn.functional as F

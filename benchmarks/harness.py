@@ -407,7 +407,7 @@ def machine_info() -> dict:
     import numpy
 
     from ms_rope_attention import linear
-    from ms_rope_attention.cpu_kernel import kernel_isa
+    from ms_rope_attention.cpu_kernel import bfloat16_units, kernel_isa
 
     model = ""
     try:
@@ -420,7 +420,9 @@ def machine_info() -> dict:
             "mindspore": mindspore.__version__, "numpy": numpy.__version__, "kernel_isa": kernel_isa(),
             # which units run bfloat16 products past a few rows in this process (and so in each child: the
             # same CPU and RFA_BF16_GEMM), and why
-            "bf16_engine": linear.bf16_engine() if linear.onednn() else "none: built without oneDNN"}
+            "bf16_engine": linear.bf16_engine() if linear.onednn() else "none: built without oneDNN",
+            # which units the fused attention's bfloat16 products run on, and why ("" without bfloat16 arithmetic)
+            "bf16_attention_units": bfloat16_units()}
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ def library(isa: str | None = None) -> ctypes.CDLL:
     """The selected kernel build (or ``isa``'s), opened once per process (the handle MindSpore's
     dlopen gets)."""
     return open_library(library_path(STEM, WHAT, isa), ABI,
-                        texts=("RotaryFlashAttentionLastError", "RotaryFlashAttentionIsa"),
+                        texts=("RotaryFlashAttentionLastError", "RotaryFlashAttentionIsa",
+                               "RotaryFlashAttentionBf16Units"),
                         counts=("RotaryFlashAttentionDecodeCalls", "RotaryFlashAttentionNativeBf16",
                                 "RotaryFlashAttentionAmx"))
 
@@ -56,13 +57,25 @@ def native_bfloat16(isa: str | None = None) -> bool:
     return bool(library(isa).RotaryFlashAttentionNativeBf16())
 
 
+def bfloat16_units(isa: str | None = None) -> str:
+    """What the bfloat16 forward's tiled path multiplies on in this process, and why: 'amx' (AMX-BF16
+    tiles), 'avx512_bf16: <rates>' (vdpbf16ps), 'fma: <rates>' (the same rounded operands on the float32
+    FMAs, where this CPU's vdpbf16ps is the slower unit: csrc/bf16_probe.h), or '<unit>:
+    RFA_BF16_ATTENTION=<value>' when that variable chooses; '' where this build and CPU have no bfloat16
+    arithmetic."""
+    return library(isa).RotaryFlashAttentionBf16Units().decode()
+
+
 def bfloat16_tiles(allow_amx: bool | None = None, isa: str | None = None) -> str | None:
-    """What the bfloat16 forward multiplies on: 'amx' (AMX-BF16 tiles), 'avx512_bf16' (vdpbf16ps), or
-    None (no bfloat16 arithmetic in this build on this CPU). ``allow_amx`` switches the tiles on or
-    off for this process first (tests and benchmarks measure both; default on)."""
-    lib = library(isa)
-    amx = lib.RotaryFlashAttentionAmx(ctypes.c_int64(-1 if allow_amx is None else int(allow_amx)))
-    return "amx" if amx else "avx512_bf16" if lib.RotaryFlashAttentionNativeBf16() else None
+    """The unit the bfloat16 forward multiplies on: 'amx', 'avx512_bf16', 'fma' (``bfloat16_units``
+    without its reason), or None (no bfloat16 arithmetic in this build on this CPU). ``allow_amx``
+    switches the tiles on or off for this process first (tests and benchmarks measure both; default
+    on); RFA_BF16_ATTENTION=dot|fma chooses between the others (a bad value: ValueError)."""
+    library(isa).RotaryFlashAttentionAmx(ctypes.c_int64(-1 if allow_amx is None else int(allow_amx)))
+    units = bfloat16_units(isa)
+    if units.startswith("RFA_BF16_ATTENTION"):
+        raise ValueError(units)
+    return units.split(":")[0] or None
 
 
 def compute_dtype_for(requested: str, input_dtype: str, isa: str | None = None) -> str:

@@ -8,8 +8,8 @@ interleaved rotary, S = 1, odd lengths and lengths not a multiple of the tile (s
 every tail), TND with empty and uneven sequences, float32 / float16 / bfloat16 inputs; the decode
 path and the paged cache; NaN/Inf as in float32; 'float32' bit for bit today's arithmetic; the
 refusals. One MindSpore check (GRAPH_MODE and PyNative) runs the op as a model does. The tiled
-path's products run on AMX tiles where the CPU has them, else on vdpbf16ps: both are swept here
-(the ``tiles`` fixture) where both run.
+path's products run on AMX tiles where the CPU has them, else on vdpbf16ps, or on the float32 FMAs
+where those are faster: every one this CPU runs is swept here (the ``tiles`` fixture).
 """
 import re
 
@@ -33,15 +33,22 @@ needs_bf16 = pytest.mark.skipif(not NATIVE, reason="no kernel build computes bfl
 # The MindSpore-level tests run the selected build (RFA_CPU_ISA may force one without bfloat16).
 needs_selected_bf16 = pytest.mark.skipif(not (NATIVE and cpu_kernel.native_bfloat16()),
                                          reason="the selected kernel build does not compute bfloat16")
-TILES = ["avx512_bf16"] + (["amx"] if NATIVE and cpu_kernel.bfloat16_tiles(isa=NATIVE[0]) == "amx" else [])
+# The units the tiled path's products run on (csrc/bf16.h ChosenUnits): vdpbf16ps, the float32 FMAs on the
+# same rounded operands (RFA_BF16_ATTENTION=fma), and AMX tiles where the CPU has them: every one this CPU
+# runs is swept (the ``tiles`` fixture).
+TILES = ["avx512_bf16", "fma"] + (["amx"] if NATIVE and cpu_kernel.bfloat16_tiles(isa=NATIVE[0]) == "amx" else [])
 
 
 @pytest.fixture(params=TILES)
-def tiles(request):
-    """The tiled path's bfloat16 products on AMX tiles or on vdpbf16ps (then the default again)."""
+def tiles(request, monkeypatch):
+    """The tiled path's bfloat16 products on AMX tiles, on vdpbf16ps or on the float32 FMAs (then the
+    default again)."""
+    monkeypatch.setenv("RFA_BF16_ATTENTION", "fma" if request.param == "fma" else "dot")
     assert cpu_kernel.bfloat16_tiles(request.param == "amx", isa=NATIVE[0]) == request.param
     yield request.param
     cpu_kernel.bfloat16_tiles(True, isa=NATIVE[0])
+
+
 # lse: float32 statistics of the unrounded P; a rotated element whose float32 and float64 rotations
 # round to neighbouring bfloat16 values moves one score by 2^-8 of one |q_d k_d| scale (< 1e-2 for
 # these unit-normal inputs); float32 sums stay far below.
@@ -171,6 +178,54 @@ def test_rows_that_never_meet_nan_are_bit_identical(path, tiles):
     hit[0, 1, q.shape[2] // 2] = True
     assert np.isnan(out[hit]).all() and np.isnan(lse[hit]).all()
     assert (out[~hit] == clean[~hit]).all() and (lse[~hit] == clean_lse[~hit]).all()
+
+
+# RotaryFlashAttentionBf16Units' report of the automatic choice (csrc/bf16_probe.h).
+UNITS_REPORT = re.compile(r"(avx512_bf16|fma): vdpbf16ps (\d+) GFLOP/s, float32 FMA (\d+) GFLOP/s on one thread")
+
+
+@needs_bf16
+def test_the_units_are_the_faster_by_the_probe(monkeypatch):
+    """Unforced, the report names the units and the rates they were chosen by: the float32 FMAs exactly
+    where 0.95 x the dot-product rate is below 0.65 x the FMA rate (AMX: always the tiles)."""
+    monkeypatch.delenv("RFA_BF16_ATTENTION", raising=False)
+    report = cpu_kernel.bfloat16_units(NATIVE[0])
+    if report != "amx":
+        match = UNITS_REPORT.fullmatch(report)
+        assert match, report
+        dot, fma = float(match[2]), float(match[3])
+        assert dot > 0 and fma > 0 and match[1] == ("fma" if 0.95 * dot < 0.65 * fma else "avx512_bf16"), report
+    monkeypatch.setenv("RFA_BF16_ATTENTION", "fma")
+    assert cpu_kernel.bfloat16_units(NATIVE[0]) == "fma: RFA_BF16_ATTENTION=fma"
+
+
+@needs_bf16
+def test_the_units_compute_the_same_products_in_another_order(monkeypatch, rng):
+    """vdpbf16ps and the FMAs multiply the same rounded operands exactly: their outputs agree far inside
+    the bound of the rounded reference, and are not bit for bit the same (the sums' order differs)."""
+    case, tiling = SWEEP[2]
+    runs = []
+    for units in ("dot", "fma"):
+        monkeypatch.setenv("RFA_BF16_ATTENTION", units)
+        runs.append(run_bf16(case, np.random.default_rng(5), "float32", isa=NATIVE[0], stream_q_max=-1, **tiling))
+    (dot, *_), (fma, _, ref_out, _, v) = runs
+    assert np.abs(dot - fma).max() <= tolerance(v, "float32", ref_out) / 8 and not np.array_equal(dot, fma)
+
+
+@needs_bf16
+@pytest.mark.parametrize("value", ["amx", "FMA", " dot"])
+def test_a_bad_units_variable_is_refused_before_any_write(value, monkeypatch, rng):
+    """RFA_BF16_ATTENTION is read at each launch: a value other than auto / dot / fma refuses a bfloat16
+    call by name with the outputs untouched; float32 arithmetic does not read it."""
+    case, _ = SWEEP[0]
+    q, k, v, cos, sin, _, _ = case.make(rng)
+    monkeypatch.setenv("RFA_BF16_ATTENTION", value)
+    args, outputs, keep = kd.prepare(q, k, v, cos, sin, compute_dtype="bfloat16", **case.kwargs)
+    assert kd.launch(args, isa=NATIVE[0]) != 0 and np.isnan(outputs[1]).all()
+    assert kd.cpu_library(NATIVE[0]).RotaryFlashAttentionLastError().decode() == (
+        f"RFA_BF16_ATTENTION: expected 'auto', 'dot' or 'fma', got '{value}'")
+    assert kd.run(q, k, v, cos, sin, compute_dtype="float32", isa=NATIVE[0], **case.kwargs)[0] == 0
+    del keep
 
 
 @needs_bf16

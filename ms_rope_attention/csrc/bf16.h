@@ -15,20 +15,25 @@
 // is loaded: 16 output columns per instruction. The same layouts are AMX's: A tiles are 16 rows of 32
 // bfloat16 values, B tiles 16 pair rows of 16 words (Intel's "VNNI" layout), C tiles 16 x 16 float32.
 //
-// Why AMX too: on Sapphire Rapids vdpbf16ps runs at about half the float32 FMA rate (measured on this
-// project's Xeon: 84 against 166 GFLOP/s, benchmarks/harness.py arithmetic_peaks), so only the tiles
-// make bfloat16 faster there; on Zen 4 (no AMX) vdpbf16ps runs at twice the FMA rate.
+// Why AMX too, and the FMA units: on Sapphire Rapids vdpbf16ps runs at about half the float32 FMA rate
+// (measured on this project's Xeon: 84 against 166 GFLOP/s, benchmarks/harness.py arithmetic_peaks), so
+// only the tiles make bfloat16 faster there; on Zen 4 (no AMX) vdpbf16ps runs at twice the FMA rate.
+// Where there are no tiles and vdpbf16ps is the slower unit (bf16_probe.h), the tiled path runs the
+// same products on the float32 FMAs instead (ChosenUnits): the rounded operands widened back to float32
+// in the float32 layouts, and the float32 GEMM.
 #pragma once
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #if defined(__AVX512F__)
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
 
+#include "bf16_probe.h"
 #include "simd.h"
 
 namespace rfa {
@@ -228,6 +233,49 @@ inline void AmxGemm(int64_t, int64_t, int64_t, const uint16_t *, int64_t, const 
 // and the benchmark switch it off to run the vdpbf16ps GEMM on the same machine.
 inline std::atomic<bool> amx_allowed{true};
 inline bool UseAmx() { return amx_allowed.load(std::memory_order_relaxed) && Native() && AmxPermitted(); }
+
+// The units the tiled path's bfloat16 products run on: AMX tiles, vdpbf16ps on bfloat16 pairs, or the
+// float32 FMAs on the same rounded operands widened back to float32.
+enum class Units { kAmx, kDot, kFma };
+
+// RFA_BF16_ATTENTION's value: "" (unset or "auto"), "dot" (the bfloat16 units: AMX tiles where allowed,
+// else vdpbf16ps) or "fma"; "?" for anything else. Read at each launch: the tests run every unit on
+// every CPU that has them.
+inline std::string UnitsOverride() {
+  const char *value = std::getenv("RFA_BF16_ATTENTION");
+  const std::string text = value ? value : "";
+  if (text.empty() || text == "auto") return "";
+  return text == "dot" || text == "fma" ? text : "?";
+}
+
+// "" or why RFA_BF16_ATTENTION cannot be followed (checked with the arguments, before any memory is read).
+inline std::string UnitsProblem() {
+  if (UnitsOverride() != "?") return "";
+  return std::string("RFA_BF16_ATTENTION: expected 'auto', 'dot' or 'fma', got '") + std::getenv("RFA_BF16_ATTENTION") +
+         "'";
+}
+
+// This launch's units (a bfloat16 launch: Native()): RFA_BF16_ATTENTION's, else AMX where allowed, else
+// the probe's faster unit.
+inline Units ChosenUnits() {
+  const std::string forced = UnitsOverride();
+  if (forced == "fma") return Units::kFma;
+  if (UseAmx()) return Units::kAmx;
+  if (forced == "dot") return Units::kDot;
+  return bf16_probe::FmaFaster(bf16_probe::ProcessRates()) ? Units::kFma : Units::kDot;
+}
+
+// ChosenUnits and why: "amx", "avx512_bf16: <rates>", "fma: <rates>" or "<unit>: RFA_BF16_ATTENTION=<value>";
+// "" where this build and CPU have no bfloat16 arithmetic.
+inline std::string UnitsReport() {
+  if (!Native()) return "";
+  const std::string forced = UnitsOverride();
+  if (forced == "?") return UnitsProblem();
+  const Units units = ChosenUnits();
+  const std::string name = units == Units::kAmx ? "amx" : units == Units::kDot ? "avx512_bf16" : "fma";
+  if (!forced.empty()) return name + ": RFA_BF16_ATTENTION=" + forced;
+  return units == Units::kAmx ? name : name + ": " + bf16_probe::Describe(bf16_probe::ProcessRates());
+}
 
 // The build and CPU, as ResolveCompute's refusal names them.
 inline const char *Build() {

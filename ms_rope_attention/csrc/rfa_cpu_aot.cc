@@ -56,6 +56,13 @@ extern "C" RFA_EXPORT int64_t RotaryFlashAttentionNativeBf16() { return rfa::cpu
 // Whether the bfloat16 forward runs its products on AMX tiles: `allow` 0 or 1 sets whether it may
 // (tests and benchmarks measure both on one machine), -1 keeps it; the answer is whether it will.
 extern "C" RFA_EXPORT int64_t RotaryFlashAttentionAmx(int64_t allow) { return rfa::cpu::UseAmx(allow) ? 1 : 0; }
+// The units the bfloat16 forward's tiled path multiplies on, and why (rfa::cpu::Bf16Units). Kept per thread
+// like the last error.
+extern "C" RFA_EXPORT const char *RotaryFlashAttentionBf16Units() {
+  thread_local std::string text;
+  text = rfa::cpu::Bf16Units();
+  return text.c_str();
+}
 
 extern "C" RFA_EXPORT int RotaryFlashAttentionInit(int *, int64_t **, const char **, AotExtra *extra) {
   return rfa::InitAttrs(extra, rfa::Attrs());

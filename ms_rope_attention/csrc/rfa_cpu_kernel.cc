@@ -29,7 +29,9 @@
 // the softmax). P is rounded to bfloat16 before P V, as PyTorch's CPU flash attention and FlashAttention
 // do; the running max, sum and O stay float32. The packed tiles are half the float32 ones. Where the
 // CPU has AMX-BF16 the two products run on tiles (blocks of 16 rows, head_dim padded to 32 with zeros),
-// else on vdpbf16ps (bf16.h).
+// else on vdpbf16ps (bf16.h), unless vdpbf16ps is the slower unit here: then the same rounded operands are
+// widened back to float32 in the float32 layouts and the float32 GEMM computes the same products
+// (Plan::widened; bf16.h ChosenUnits).
 #include "rfa_cpu_kernel.h"
 
 #include <omp.h>
@@ -74,6 +76,8 @@ struct Chunk {
 struct Plan {
   int64_t group_size, block_q, rows_max, kv_block, head_pad, nsplit;
   bool amx = false;       // bfloat16 on AMX tiles
+  bool widened = false;   // bfloat16 on the float32 FMAs: operands rounded, kept as float32, float32 layouts
+  bool pairs = false;     // bfloat16 pairs layouts (vdpbf16ps or AMX): p.bf16 && !widened
   int64_t row_block = 0;  // rows of a GEMM block: the micro-tile's, or 16 (a tile) with AMX
   int64_t feat_pad = 0;   // bfloat16: head_dim padded to 32 (an AMX tile's reduction), zeros past it
   int64_t tile_floats;               // one packed K^T tile (head_dim x kv_block) and V tile (kv_block x head_pad),
@@ -136,10 +140,13 @@ Plan MakePlan(const Problem &p, const Tiling &t, int threads, bool emit_keys) {
   // than that is a chunk of its own). A chunk's tasks run heaviest first (causal blocks near the end
   // of a sequence see the most keys) under dynamic scheduling, so it ends on light tasks.
   const int64_t units = p.batch * p.kv_heads;
-  plan.amx = p.bf16 && bf16::UseAmx();
+  const bf16::Units chosen = p.bf16 ? bf16::ChosenUnits() : bf16::Units::kDot;
+  plan.amx = p.bf16 && chosen == bf16::Units::kAmx;
+  plan.widened = p.bf16 && chosen == bf16::Units::kFma;
+  plan.pairs = p.bf16 && !plan.widened;
   plan.row_block = plan.amx ? 16 : simd::kRows;
   plan.feat_pad = RoundUp(p.head_dim, 32);
-  plan.tile_floats = p.bf16 ? (plan.feat_pad * plan.kv_block + plan.kv_block * plan.head_pad) / 2  // kv_block is even
+  plan.tile_floats = plan.pairs ? (plan.feat_pad * plan.kv_block + plan.kv_block * plan.head_pad) / 2  // kv_block is even
                             : p.head_dim * plan.kv_block + plan.kv_block * plan.head_pad;
   std::vector<int64_t> unit_cost(units, 0);
   for (const Task &task : plan.tasks) unit_cost[task.unit] += task.cost;
@@ -211,7 +218,7 @@ class Worker {
     regions.Add(&row_, Dp).Add(&orig_, Dp).Add(&tmp_, Dp).Add(&ctmp_, rd).Add(&stmp_, rd).Add(&stage_, kLanes * Dp);
     // bfloat16 rows, two to a float slot: Q, P, the staged K rows and one V row, rounded.
     float *q16 = nullptr, *p16 = nullptr, *stage16 = nullptr, *row16 = nullptr;
-    const int64_t halves = p_.bf16 ? 1 : 0;
+    const int64_t halves = plan_.pairs ? 1 : 0;
     regions.Add(&q16, halves * Rt * plan_.feat_pad / 2).Add(&p16, halves * Rt * BK / 2);
     regions.Add(&stage16, halves * kLanes * plan_.feat_pad / 2).Add(&row16, halves * Dp / 2);
     if (!regions.Carve(scratch)) return false;
@@ -235,7 +242,7 @@ class Worker {
     const int64_t M = G * t.nq, mode = p_.attrs.rotary_mode, F = plan_.feat_pad, RB = plan_.row_block;
     const int64_t lq = p_.q_lens[t.seq], lk = p_.kv_lens[t.seq];
     const int64_t q_off = lk - lq;  // bottom-right: query i sits at position lk - lq + i
-    const bool rotate = tiling_.rotate, bf16 = p_.bf16;
+    const bool rotate = tiling_.rotate, bf16 = p_.bf16, pairs = plan_.pairs;
     // float32 scales Q into log2 units; bfloat16 rounds Q unscaled and scales the float32 scores instead.
     const float qmul = p_.scale * kLog2e, qscale = bf16 ? 1.0f : qmul, smul = bf16 ? qmul : 1.0f;
     const int64_t qseq = t.seq * p_.q.batch + p_.q_start[t.seq] * p_.q.row;
@@ -252,10 +259,12 @@ class Worker {
         } else {
           for (int64_t d = 0; d < D; ++d) dst[d] = x[d] * qscale;
         }
-        if (bf16) {
+        if (pairs) {
           uint16_t *q16 = q16_ + (gi * t.nq + i) * F;
           bf16::Round(dst, q16, D);
           std::memset(q16 + D, 0, (F - D) * sizeof(uint16_t));
+        } else if (bf16) {
+          bf16::RoundInPlace(dst, D);
         }
       }
     }
@@ -287,7 +296,7 @@ class Worker {
       // 4. Scores, then online softmax per row.
       if (plan_.amx)
         bf16::AmxGemm(RoundUp(M, RB), np, F, q16_, F, kt16, 2 * BK, s_, np, false, diagonal ? nlim_.data() : nullptr);
-      else if (bf16)
+      else if (pairs)
         bf16::Gemm(M, np, D, q16_, F, kt16, 2 * BK, s_, np, false, diagonal ? nlim_.data() : nullptr);
       else
         simd::Gemm(M, np, D, q_, D, kt, BK, s_, np, false, diagonal ? nlim_.data() : nullptr);
@@ -297,7 +306,7 @@ class Worker {
         const int64_t valid = valid_[r];
         if (valid == 0) {  // this row sees no key of the tile: contributes nothing to P V
           std::memset(srow, 0, np * sizeof(float));
-          if (bf16) std::memset(p16_ + r * BK, 0, np * sizeof(uint16_t));
+          if (pairs) std::memset(p16_ + r * BK, 0, np * sizeof(uint16_t));
           continue;
         }
         for (int64_t j = valid; j < np; ++j) srow[j] = kNegInf;
@@ -328,9 +337,11 @@ class Worker {
           vsum += e;
         }
         l_[r] += simd::ReduceSum(vsum);
-        if (bf16) bf16::Round(srow, p16_ + r * BK, np);  // the sum above is of the float32 P
+        // P rounded to bfloat16 after the sum above (of the float32 P) took it.
+        if (pairs) bf16::Round(srow, p16_ + r * BK, np);
+        else if (bf16) bf16::RoundInPlace(srow, np);
       }
-      if (bf16) {
+      if (pairs) {
         PairsTimesV(M, n, diagonal, v16);
         continue;
       }
@@ -417,9 +428,11 @@ class Worker {
       }
       if (j % kLanes == kLanes - 1 || j == n - 1) {
         const int64_t first = j - j % kLanes, count = j - first + 1;
-        if (p_.bf16) {
+        if (plan_.pairs) {
           PackKeyPairs(count, kt16 + 2 * first);
         } else {
+          if (plan_.widened)
+            for (int64_t jj = 0; jj < count; ++jj) bf16::RoundInPlace(stage_ + jj * Dp, D);
           for (int64_t d = 0; d < D; ++d) {
             simd::vf col = {};
             for (int64_t jj = 0; jj < count; ++jj) col[jj] = stage_[jj * Dp + d];
@@ -427,10 +440,11 @@ class Worker {
           }
         }
       }
-      float *vrow = p_.bf16 ? tmp_ : v + j * Dp;
+      float *vrow = plan_.pairs ? tmp_ : v + j * Dp;
       LoadRow(p_.qkv_dtype, buf_.value, off, D, vrow);
       for (int64_t d = D; d < Dp; ++d) vrow[d] = 0.f;
-      if (p_.bf16) {  // key j is the low (even j) or high half of its pair's words
+      if (plan_.widened) bf16::RoundInPlace(vrow, D);
+      if (plan_.pairs) {  // key j is the low (even j) or high half of its pair's words
         bf16::Round(vrow, row16_, Dp);
         uint16_t *pairs = v16 + (j / 2) * 2 * Dp + j % 2;
         for (int64_t d = 0; d < Dp; ++d) pairs[2 * d] = row16_[d];
@@ -509,8 +523,11 @@ bool UseAmx(int64_t allow) {
 }
 
 std::string ResolveCompute(Compute requested, Problem *p) {
-  return rfa::ResolveCompute(requested, bf16::Native(), bf16::Build(), p);
+  const std::string err = rfa::ResolveCompute(requested, bf16::Native(), bf16::Build(), p);
+  return err.empty() && p->bf16 ? bf16::UnitsProblem() : err;
 }
+
+std::string Bf16Units() { return bf16::UnitsReport(); }
 
 namespace {
 std::atomic<int64_t> g_decode_calls{0};

@@ -58,12 +58,16 @@ void RunBackward(const Problem &p, const GradBuffers &buf, const GradTiling &til
 const char *Isa();
 
 // Sets p->bf16 from the compute_dtype attribute for this build and CPU (rfa::ResolveCompute); "" or
-// the refusal of an explicit bfloat16 the kernel cannot compute. Every entry calls it before Run.
+// the refusal of an explicit bfloat16 the kernel cannot compute, or of a bad RFA_BF16_ATTENTION for a
+// bfloat16 call. Every entry calls it before Run.
 std::string ResolveCompute(Compute requested, Problem *p);
 // Whether this build and CPU compute bfloat16 dot products (what "auto" and "bfloat16" need).
 bool NativeBf16();
 // Whether the bfloat16 forward uses AMX tiles; allow 0/1 sets whether it may (default 1), -1 keeps it.
 bool UseAmx(int64_t allow);
+// The units the tiled path's bfloat16 products run on in this process and why (bf16.h UnitsReport):
+// "amx", "avx512_bf16: ...", "fma: ..."; "" without bfloat16 arithmetic.
+std::string Bf16Units();
 
 }  // namespace cpu
 }  // namespace rfa

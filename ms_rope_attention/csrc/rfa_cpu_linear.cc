@@ -27,7 +27,6 @@
 // epilogue is the gate product's post-ops). Its entries RfaSwiGLURun / RfaSwiGLUInit / RfaSwiGLUInferShape
 // / RfaSwiGLUInferType / RfaSwiGLULastError / RfaSwiGLUComputeProblem are RfaLinear's counterparts.
 #include <algorithm>
-#include <chrono>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
@@ -41,6 +40,7 @@
 
 #include "aot_abi.h"
 #include "aot_attrs.h"
+#include "bf16_probe.h"
 #include "last_error.h"
 #include "onednn_matmul.h"
 #include "rfa_problem.h"  // rfa::ShapeText
@@ -263,88 +263,15 @@ void PanelGemm(const Gemm &g, const float *x, const W *w, float *y) {
 
 // ---- Which units run bfloat16 arithmetic past kFewRowsBF16 rows ---------------------------------------
 // The arithmetic is fixed: x rounded once to bfloat16, W bfloat16, every product exact in float32,
-// float32 sums. Which units run it is a question about this CPU. oneDNN runs it on the bfloat16 units
-// (AMX tiles, or vdpbf16ps) at close to their rate: brg:avx512_core_bf16 at 97% of the vdpbf16ps peak,
-// x (512, 4096) by W (4096, 4096). Where vdpbf16ps is slower than the float32 FMAs, the same products
-// on the FMAs are faster (the FMA engine): x rounded and widened back into a buffer, W's panels
-// widened exactly, SGEMM (PanelGemm, about 65% of the FMA peak at these shapes). Measured on 2 cores
-// of an Intel Xeon (family 6, model 207, under KVM, AMX not offered), benchmarks/peaks.c: vdpbf16ps
-// 166 GFLOP/s against float32 FMA 366, where Zen 4's vdpbf16ps runs at twice its FMA rate (468 against
-// 233) and AMX at many times. So oneDNN wherever it runs on AMX; otherwise one probe per process times
-// a vdpbf16ps loop against an FMA loop on the launching thread (about 1 ms) and takes the FMA engine
-// where 0.95 x the dot-product rate falls below 0.65 x the FMA rate (0.45x here, 2x on Zen 4: far from
-// the line either way). The engines differ only in the order of the float32 sums and in vdpbf16ps's
-// flushing of subnormals. RFA_BF16_GEMM=onednn or fma overrides the choice (read at each launch: the
-// tests run both engines on every CPU); a weight packed for oneDNN always runs on oneDNN.
+// float32 sums. Which units run it is a question about this CPU (bf16_probe.h). oneDNN runs it on the
+// bfloat16 units (AMX tiles, or vdpbf16ps) at close to their rate: brg:avx512_core_bf16 at 97% of the
+// vdpbf16ps peak, x (512, 4096) by W (4096, 4096). Where vdpbf16ps is slower than the float32 FMAs, the
+// same products on the FMAs are faster (the FMA engine): x rounded and widened back into a buffer, W's
+// panels widened exactly, SGEMM (PanelGemm, about 65% of the FMA peak at these shapes). So oneDNN
+// wherever it runs on AMX, otherwise the probe's answer. RFA_BF16_GEMM=onednn or fma overrides the choice
+// (read at each launch: the tests run both engines on every CPU); a weight packed for oneDNN always runs
+// on oneDNN.
 enum class Bf16Engine { kOnednn, kFma };
-
-struct Bf16Rates {
-  double dot = 0, fma = 0;  // FLOP/s of one thread: vdpbf16ps (0 where this build has none), float32 FMA
-};
-
-#ifdef RFA_BF16_DOT_PRODUCT
-volatile float g_probe_sink;  // the loops' results land here, so neither is optimised away
-
-// The lanes' sum into g_probe_sink (stored and added: GCC 12's _mm512_reduce_add_ps warns of its own
-// uninitialised temporaries).
-__attribute__((target("avx512f"))) void Sink(__m512 s) {
-  float lanes[16];
-  _mm512_storeu_ps(lanes, s);
-  float sum = 0;
-  for (float lane : lanes) sum += lane;
-  g_probe_sink = sum;
-}
-
-#define RFA_REP16(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
-// `iters` x 16 independent vdpbf16ps (64 FLOP each) or float32 FMAs (32 FLOP each) on zmm registers.
-__attribute__((target("avx512f,avx512bf16"))) void DotLoop(int64_t iters) {
-#define RFA_DECL(i) __m512 c##i = _mm512_set1_ps(0.01f * (i));
-#define RFA_STEP(i) c##i = _mm512_dpbf16_ps(c##i, a, b);
-#define RFA_SUM(i) s = _mm512_add_ps(s, c##i);
-  const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3a83);  // 1, ~0.001
-  RFA_REP16(RFA_DECL)
-  for (int64_t n = 0; n < iters; ++n) { RFA_REP16(RFA_STEP) }
-  __m512 s = _mm512_setzero_ps();
-  RFA_REP16(RFA_SUM)
-  Sink(s);
-#undef RFA_STEP
-}
-
-__attribute__((target("avx512f,fma"))) void FmaLoop(int64_t iters) {
-#define RFA_STEP(i) c##i = _mm512_fmadd_ps(c##i, a, b);
-  const __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-6f);
-  RFA_REP16(RFA_DECL)
-  for (int64_t n = 0; n < iters; ++n) { RFA_REP16(RFA_STEP) }
-  __m512 s = _mm512_setzero_ps();
-  RFA_REP16(RFA_SUM)
-  Sink(s);
-#undef RFA_STEP
-#undef RFA_DECL
-#undef RFA_SUM
-}
-#undef RFA_REP16
-
-double SecondsOf(void (*loop)(int64_t), int64_t iters) {
-  const auto start = std::chrono::steady_clock::now();
-  loop(iters);
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-#endif
-
-// The best of 5 alternating runs of each loop (a run preempted or slowed by a neighbour loses to the
-// others); run once per process, by AutomaticBf16Choice.
-Bf16Rates ProbedBf16Rates() {
-  Bf16Rates best;
-#ifdef RFA_BF16_DOT_PRODUCT
-  if (!rfa::weights::HasBF16DotProduct()) return best;
-  constexpr int64_t kIters = 4096;  // 64K instructions a run: ~0.03-0.1 ms
-  for (int run = 0; run < 5; ++run) {
-    best.dot = std::max(best.dot, 16.0 * 64 * kIters / SecondsOf(DotLoop, kIters));
-    best.fma = std::max(best.fma, 16.0 * 32 * kIters / SecondsOf(FmaLoop, kIters));
-  }
-#endif
-  return best;
-}
 
 // RFA_BF16_GEMM's value: "" (unset or "auto"), "onednn" or "fma"; "?" for anything else.
 std::string Bf16EngineOverride() {
@@ -369,12 +296,11 @@ struct Bf16Choice {
 const Bf16Choice &AutomaticBf16Choice() {
   static const Bf16Choice choice = []() -> Bf16Choice {
     if (rfa::onednn::UsesAmx()) return {Bf16Engine::kOnednn, "onednn: AMX"};
-    const Bf16Rates rates = ProbedBf16Rates();
+    const rfa::bf16_probe::Rates &rates = rfa::bf16_probe::ProcessRates();
     if (rates.dot == 0) return {Bf16Engine::kOnednn, "onednn: no vdpbf16ps in this CPU or build to probe"};
-    const auto gflops = [](double flops) { return std::to_string(static_cast<int>(flops / 1e9 + 0.5)); };
-    const bool fma = 0.95 * rates.dot < 0.65 * rates.fma;
-    return {fma ? Bf16Engine::kFma : Bf16Engine::kOnednn, std::string(fma ? "fma" : "onednn") + ": vdpbf16ps " +
-            gflops(rates.dot) + " GFLOP/s, float32 FMA " + gflops(rates.fma) + " GFLOP/s on one thread"};
+    const bool fma = rfa::bf16_probe::FmaFaster(rates);
+    return {fma ? Bf16Engine::kFma : Bf16Engine::kOnednn,
+            std::string(fma ? "fma" : "onednn") + ": " + rfa::bf16_probe::Describe(rates)};
   }();
   return choice;
 }
