@@ -62,20 +62,20 @@ $(BUILD_REQUIRES): $(STAMP) pyproject.toml
 # UBSan (any finding aborts), for the best ISA of this CPU and the portable build; the sweep and the NaN matrix
 # run every ISA this CPU has themselves. RFA_EXACT_SCRATCH (in the sanitizer build) sizes each call's scratch
 # exactly, so an overrun is caught whatever an earlier call allocated. The bfloat16 kernels' (attention and
-# projections, both engines), the SwiGLU op's and the RMSNorm's cases run one process per case (pytest-forked): a finding names its case, and no case runs on memory an earlier one left behind.
+# projections, every unit and engine), the SwiGLU op's and the RMSNorm's cases run one process per case (pytest-forked): a finding
+# names its case, and no case runs on memory an earlier one left behind. On the suite's workers (pytest-xdist), as the suite.
 SANITIZE_ENV = ASAN_OPTIONS=detect_leaks=0:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so):$$(gcc -print-file-name=libubsan.so)" \
 	RFA_CPU_KERNEL_DIR=$(CURDIR)/build/sanitize/ms_rope_attention
 sanitize: $(STAMP) $(BUILD_REQUIRES)
 	RFA_SANITIZE=1 $(PY) setup.py -q build_ext --build-lib build/sanitize --build-temp build/sanitize-tmp
-	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel_sweep.py tests/test_kernel_nonfinite.py tests/test_kernel.py tests/test_kernel_decode.py tests/test_kernel_backward.py tests/test_linear.py tests/test_embedding.py \
+	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup tests/test_kernel_sweep.py tests/test_kernel_nonfinite.py \
+		tests/test_kernel.py tests/test_kernel_decode.py tests/test_kernel_backward.py tests/test_linear.py tests/test_embedding.py \
 		tests/test_paged.py -k 'not primitives'
-	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider --forked tests/test_kernel_bf16.py -k 'not mindspore and not unfused'
-	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider --forked tests/test_linear_bf16.py
-	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider --forked tests/test_swiglu.py -k 'not mindspore and not model'
-	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider --forked tests/test_rms_norm.py -k 'not mindspore and not unfused'
-	$(SANITIZE_ENV) RFA_CPU_ISA=generic $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel.py tests/test_kernel_decode.py tests/test_kernel_backward.py \
-		tests/test_paged.py -k 'not primitives'
+	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup --forked tests/test_kernel_bf16.py tests/test_linear_bf16.py \
+		tests/test_swiglu.py tests/test_rms_norm.py -k '(not mindspore and not unfused and not model) or import_orders'
+	$(SANITIZE_ENV) RFA_CPU_ISA=generic $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup tests/test_kernel.py \
+		tests/test_kernel_decode.py tests/test_kernel_backward.py tests/test_paged.py -k 'not primitives'
 
 # The main job: Llama2-7B-dimension time to first token, this project's fused op and unfused path
 # against Hugging Face transformers and MindFormers on the same weights, S = 512..2048 in 2 rounds
