@@ -22,9 +22,17 @@ waits). Traces (``--traces``, aiperf's synthetic prompts from its Shakespeare co
   (``--user-turn`` tokens, normal with ``--user-turn-stddev``), ``--chat-new-tokens`` new tokens;
 - ``random``: prompts uniform over ``--prompt-tokens`` x [1 - r, 1 + r] (``--range-ratio`` r) and
   new tokens over ``--random-new-tokens`` x [1 - r, 1 + r] (aiperf's ``--random-range-ratio``, as
-  ``vllm bench serve``'s random dataset).
+  ``vllm bench serve``'s random dataset);
+- ``burst``: a long prompt arriving while requests decode, on a fixed schedule (aiperf's
+  ``--fixed-schedule`` over a mooncake-trace file): ``--burst-decoders`` requests of
+  ``--burst-decoder-prompt`` tokens asking ``--burst-decode-tokens`` new ones at 0 ms, then one of
+  ``--burst-prompt`` tokens asking ``--burst-new-tokens`` at ``--burst-at-ms``. Reported: the
+  decoders' inter-token latency per token (aiperf's per-request records: the gap before each streamed
+  chunk after the first, one token a chunk here), its median and p99, and the long prompt's TTFT.
+  What chunked prefill is for: without it the decoders wait out the whole prompt's prefill.
 
-Each at every ``--rates`` (Poisson arrivals, requests per second), ``--requests`` requests. Greedy
+``chat`` and ``random`` at every ``--rates`` (Poisson arrivals, requests per second), ``--requests``
+requests; ``burst`` once, its rate given as None. Greedy
 (``temperature`` 0) and of exactly the asked length: this server with ``ignore_eos``, llama.cpp with
 the end-of-sequence token's ``logit_bias`` at -100 (it has no ``ignore_eos``; this server refuses a
 ``logit_bias``). Each (system, trace, rate) runs on a fresh server process on a free port (nothing
@@ -76,7 +84,7 @@ SYSTEMS = {  # name -> this server's extra flags (None: llama.cpp's server)
     "no-prefix-caching": ["--no-prefix-caching"],
     "llama.cpp": None,
 }
-TRACES = ("chat", "random")
+TRACES = ("chat", "random", "burst")
 REFERENCE = "llama.cpp"
 EOS_ID = 2  # the checkpoint's end of sequence (peers.CHAR_SPECIAL_TOKENS)
 
@@ -133,6 +141,41 @@ def parse_aiperf_export(export: dict) -> dict:
 
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\d+)?$')
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def _record_values(metrics: dict, name: str) -> list[float]:
+    """A per-request record's metric in ms (a list for list-valued ones such as inter_chunk_latency)."""
+    metric = metrics.get(name)
+    if not isinstance(metric, dict) or metric.get("value") is None:
+        return []
+    scale = _UNIT_MS.get(metric.get("unit", "ms"), 1.0) if name not in ("input_sequence_length",
+                                                                         "output_sequence_length") else 1.0
+    value = metric["value"]
+    return [float(v) * scale for v in (value if isinstance(value, list) else [value])]
+
+
+def burst_figures(records_jsonl: str, long_prompt: int) -> dict:
+    """The burst trace from aiperf's per-request records (``profile_export.jsonl``): the decoders' gaps
+    between streamed chunks (every one, pooled over the decoders: one token a chunk) at p50 and p99 and
+    their ratio, and the long prompt's (input of at least half ``long_prompt`` tokens) TTFT."""
+    import numpy as np
+
+    gaps, long_ttft, decoders = [], None, 0
+    for line in records_jsonl.splitlines():
+        if not line.strip():
+            continue
+        metrics = json.loads(line).get("metrics", {})
+        isl = _record_values(metrics, "input_sequence_length")
+        if not isl:
+            continue
+        if isl[0] >= long_prompt / 2:
+            long_ttft = (_record_values(metrics, "time_to_first_token") or [None])[0]
+        else:
+            decoders += 1
+            gaps += _record_values(metrics, "inter_chunk_latency")
+    p50, p99 = (float(np.percentile(gaps, q)) if gaps else None for q in (50, 99))
+    return {"decoders": decoders, "decode_gaps": len(gaps), "decode_itl_p50_ms": p50, "decode_itl_p99_ms": p99,
+            "decode_itl_p99_over_p50": p99 / p50 if gaps and p50 else None, "long_prompt_ttft_ms": long_ttft}
 
 
 def parse_prometheus(text: str) -> list[tuple[str, dict, float]]:
@@ -217,6 +260,7 @@ def summarize(runs: list[dict]) -> list[dict]:
             if "server_log" in run:  # llama.cpp: no /metrics, its log
                 server["log"] = run["server_log"]
                 hit_rate = run["server_log"]["hit_rate"]
+            row.update(run.get("burst", {}))
             row.update({"server_ttft_mean_ms": server.get("ttft_mean_ms"),
                         "server_itl_mean_ms": server.get("itl_mean_ms"),
                         "prefix_cache_hit_rate": hit_rate, "server": server})
@@ -266,6 +310,12 @@ def table(results: dict) -> str:
             f"{_fmt(r['output_tokens_per_s'], '.1f')} | "
             f"{_fmt(None if hits is None else 100 * hits, '.0f')}{'%' if hits is not None else ''}"
             f"{' (its log)' if 'log' in r['server'] else ''} |")
+    bursts = [r for r in results["summary"] if r["status"] == "ok" and r.get("decode_gaps")]
+    if bursts:
+        lines += ["", "| burst: system | decoders' inter-token latency per token, p50 / p99 ms | p99 / p50 "
+                      "| the long prompt's TTFT ms |", "|---|---|---|---|"]
+        lines += [f"| {r['system']} | {_fmt(r['decode_itl_p50_ms'], '.1f')} / {_fmt(r['decode_itl_p99_ms'], '.1f')} | "
+                  f"{_fmt(r['decode_itl_p99_over_p50'], '.2f')}x | {_fmt(r['long_prompt_ttft_ms'])} |" for r in bursts]
     if results["ratios"]:
         lines += ["", f"| trace | req/s | system / {REFERENCE} | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 "
                       "| output tokens/s |", "|---|---|---|---|---|---|---|---|"]
@@ -300,7 +350,7 @@ def plot(results: dict, path) -> None:
                     ax.plot(xs, [(mine.get(rate) or {}).get(p99) or float("nan") for rate in rates], "o",
                             color=bars.patches[0].get_facecolor() if bars.patches else None, markeredgecolor="black")
             ax.set_xticks([x + width * (len(systems) - 1) / 2 for x in range(len(rates))],
-                          [f"{r} req/s" for r in rates])
+                          ["fixed schedule" if r is None else f"{r} req/s" for r in rates])
             ax.set_title(f"{trace}: {label}")
             if i == 0 and j == 0:
                 ax.legend(fontsize=8)
@@ -337,6 +387,9 @@ def server_command(system: str, args, checkpoint: str, gguf: str | None, port: i
     command = [sys.executable, "-m", "models.llama.serve", "--checkpoint", checkpoint, "--host", "127.0.0.1",
                "--port", str(port), "--served-model-name", SERVED_NAME, "--max-batch", str(args.max_batch),
                "--log-level", "warning", *SYSTEMS[system]]
+    budget = getattr(args, "max_num_batched_tokens", None)
+    if budget and "--no-chunked-prefill" not in SYSTEMS[system]:
+        command += ["--max-num-batched-tokens", str(budget)]
     return command + (["--cache-gib", str(args.cache_gib)] if args.cache_gib else [])
 
 
@@ -347,7 +400,21 @@ def extra_inputs(system: str) -> dict:
     return {"temperature": 0, "ignore_eos": True}
 
 
-def trace_arguments(trace: str, args) -> list[str]:
+def burst_schedule(args) -> list[dict]:
+    """The burst trace's requests as mooncake-trace rows (aiperf's fixed schedule): the decoders at 0
+    ms, the long prompt at ``burst_at_ms``."""
+    decoder = {"timestamp": 0, "input_length": args.burst_decoder_prompt, "output_length": args.burst_decode_tokens}
+    return [dict(decoder) for _ in range(args.burst_decoders)] + [
+        {"timestamp": args.burst_at_ms, "input_length": args.burst_prompt, "output_length": args.burst_new_tokens}]
+
+
+def trace_arguments(trace: str, args, directory: str) -> list[str]:
+    """aiperf's options for a trace: its dataset's shape, and (burst) its schedule, written to ``directory``."""
+    if trace == "burst":
+        path = os.path.join(directory, "burst.jsonl")
+        with open(path, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in burst_schedule(args))
+        return ["--input-file", path, "--custom-dataset-type", "mooncake_trace", "--fixed-schedule"]
     if trace == "chat":
         return ["--shared-system-prompt-length", str(args.system_prompt), "--isl", str(args.user_turn),
                 "--isl-stddev", str(args.user_turn_stddev), "--osl", str(args.chat_new_tokens), "--osl-stddev", "0"]
@@ -355,13 +422,16 @@ def trace_arguments(trace: str, args) -> list[str]:
             "--random-range-ratio", str(args.range_ratio)]
 
 
-def aiperf_command(args, system: str, trace: str, rate: float, url: str, tokenizer: str, artifacts: str) -> list[str]:
+def aiperf_command(args, system: str, trace: str, rate: float | None, url: str, tokenizer: str,
+                   artifacts: str) -> list[str]:
+    arrivals = [] if trace == "burst" else ["--request-rate", str(rate), "--arrival-pattern", "poisson",
+                                            "--request-count", str(args.requests)]
     return [str(args.aiperf), "profile", "--model", SERVED_NAME, "--url", url, "--endpoint-type", "chat",
-            "--streaming", "--tokenizer", tokenizer, "--request-rate", str(rate), "--arrival-pattern", "poisson",
-            "--request-count", str(args.requests), "--random-seed", str(args.seed), "--use-legacy-max-tokens",
+            "--streaming", "--tokenizer", tokenizer, *arrivals, "--random-seed", str(args.seed), "--use-legacy-max-tokens",
             "--extra-inputs", json.dumps(extra_inputs(system)), "--request-timeout-seconds",
             str(args.request_timeout), "--output-artifact-dir", artifacts, "--ui", "none", "--no-server-metrics",
-            "--no-gpu-telemetry", "--workers-max", "1", "--record-processors", "1", *trace_arguments(trace, args)]
+            "--no-gpu-telemetry", "--workers-max", "1", "--record-processors", "1",
+            *trace_arguments(trace, args, artifacts)]
 
 
 def _tail(path, lines: int = 40) -> str:
@@ -469,7 +539,7 @@ def run_point(args, system: str, trace: str, rate: float, checkpoint: str, gguf:
                               TMPDIR=temporary, AIPERF_DATASET_MMAP_CACHE_ENABLED="false")
             for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "PYTHONPATH"):
                 aiperf_env.pop(key, None)
-            budget = args.requests / rate * 3 + args.request_timeout + 300
+            budget = (args.burst_at_ms / 1e3 if rate is None else args.requests / rate * 3) + args.request_timeout + 300
             with open(os.path.join(artifacts, "aiperf.out"), "w") as out:
                 returncode = run_bounded(command, budget, cwd=artifacts, env=aiperf_env, stdout=out,
                                          stderr=subprocess.STDOUT)
@@ -486,6 +556,11 @@ def run_point(args, system: str, trace: str, rate: float, checkpoint: str, gguf:
                 raise RuntimeError(f"aiperf wrote no profile_export_aiperf.json:\n"
                                    f"{_tail(os.path.join(artifacts, 'aiperf.out'))}")
             point["aiperf"] = json.loads(exports[0].read_text())
+            if trace == "burst":
+                records = sorted(Path(artifacts).rglob("profile_export.jsonl"))
+                if not records:
+                    raise RuntimeError("aiperf wrote no per-request records (profile_export.jsonl)")
+                point["burst"] = burst_figures(records[0].read_text(), args.burst_prompt)
             point["status"] = "ok"
         except (RuntimeError, OSError, subprocess.SubprocessError, urllib.error.URLError) as exc:
             point.update(status="error", error=f"{type(exc).__name__}: {exc}"[:4000], server_log_tail=_tail(log_path))
@@ -493,8 +568,9 @@ def run_point(args, system: str, trace: str, rate: float, checkpoint: str, gguf:
             stop(process)
     if point["status"] == "ok":
         parsed = parse_aiperf_export(point["aiperf"])
-        if parsed["errors"] or parsed["requests"] != args.requests or not parsed["complete"]:
-            point.update(status="error", error=f"{parsed['requests']} of {args.requests} requests completed, "
+        expected = args.burst_decoders + 1 if trace == "burst" else args.requests
+        if parsed["errors"] or parsed["requests"] != expected or not parsed["complete"]:
+            point.update(status="error", error=f"{parsed['requests']} of {expected} requests completed, "
                                                f"{parsed['errors']} failed (aiperf's error summary: "
                                                f"{point['aiperf'].get('error_summary')})")
     return point
@@ -539,7 +615,8 @@ def check_tokenizers_agree(gguf: str, tokenizer_json: str, llama_cpp_python) -> 
 
 SMOKE = {"model": "tiny", "layers": 2, "requests": 3, "rates": [2.0], "systems": ["fused"],
          "system_prompt": 96, "user_turn": 16, "user_turn_stddev": 4, "chat_new_tokens": 8, "prompt_tokens": 64,
-         "random_new_tokens": 8, "max_batch": 4, "cache_gib": 0.05}
+         "random_new_tokens": 8, "max_batch": 4, "cache_gib": 0.05, "burst_decoder_prompt": 8,
+         "burst_decode_tokens": 24, "burst_prompt": 120, "burst_new_tokens": 4, "burst_at_ms": 300}
 
 
 def main(argv=None) -> dict:
@@ -561,6 +638,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompt-tokens", type=int, default=256, help="random: mean prompt tokens")
     parser.add_argument("--random-new-tokens", type=int, default=48, help="random: mean new tokens")
     parser.add_argument("--range-ratio", type=float, default=0.75, help="random: uniform over mean x [1-r, 1+r]")
+    parser.add_argument("--burst-decoders", type=int, default=4, help="burst: requests decoding when the long one comes")
+    parser.add_argument("--burst-decoder-prompt", type=int, default=64)
+    parser.add_argument("--burst-decode-tokens", type=int, default=160)
+    parser.add_argument("--burst-prompt", type=int, default=4000, help="burst: the long prompt's tokens")
+    parser.add_argument("--burst-new-tokens", type=int, default=8)
+    parser.add_argument("--burst-at-ms", type=int, default=3000, help="burst: when the long prompt arrives")
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        help="this server's chunked-prefill budget (default: the server's own)")
     parser.add_argument("--max-batch", type=int, default=8, help="this server's --max-batch")
     parser.add_argument("--cache-gib", type=float, default=2.0, help="this server's --cache-gib")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama.cpp's threads")
@@ -612,7 +697,7 @@ def main(argv=None) -> dict:
                                                                  args.llama_cpp_python)
         results["checkpoint_bytes"] = written["bytes"]
         for trace in args.traces:
-            for rate in args.rates:
+            for rate in ([None] if trace == "burst" else args.rates):
                 for system in args.systems:
                     if system in skipped:
                         results["runs"].append({"system": system, "trace": trace, "rate": rate, "status": "skipped",

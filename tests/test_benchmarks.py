@@ -741,14 +741,16 @@ def test_serve_load_summary_ratios_table_and_plot(tmp_path):
     assert (tmp_path / "serve_load.png").stat().st_size > 0
 
 
-def test_serve_load_commands():
+def test_serve_load_commands(tmp_path):
     """Each system's server command line and the load generator's: this server with each feature
     off, llama.cpp never cutting a stream short for a waiting request, greedy requests of exactly the
     asked length for both, one seed and Poisson arrivals, each trace's shape."""
     args = argparse.Namespace(llama_cpp_python="/x/python", context=4096, threads=2, max_batch=8, cache_gib=2.0,
                               aiperf="/x/aiperf", requests=16, seed=3, request_timeout=900.0, system_prompt=1000,
                               user_turn=32, user_turn_stddev=8, chat_new_tokens=48, prompt_tokens=256,
-                              random_new_tokens=48, range_ratio=0.75)
+                              random_new_tokens=48, range_ratio=0.75, burst_decoders=4, burst_decoder_prompt=64,
+                              burst_decode_tokens=160, burst_prompt=4000, burst_new_tokens=8, burst_at_ms=3000,
+                              max_num_batched_tokens=None)
     fused = serve_load.server_command("fused", args, "/ckpt", None, 8123)
     assert fused[1:3] == ["-m", "models.llama.serve"] and "--no-chunked-prefill" not in fused
     assert fused[fused.index("--port") + 1] == "8123" and fused[fused.index("--cache-gib") + 1] == "2.0"
@@ -772,6 +774,33 @@ def test_serve_load_commands():
     assert flags["--random-range-ratio"] == "0.75" and flags["--isl"] == "256"
     assert "--shared-system-prompt-length" not in random
     assert json.loads(flags["--extra-inputs"])["logit_bias"] == {"2": -100}
+    burst = serve_load.aiperf_command(args, "fused", "burst", None, "u", "/ckpt", str(tmp_path))
+    flags = dict(zip(burst, burst[1:]))
+    assert "--fixed-schedule" in burst and flags["--custom-dataset-type"] == "mooncake_trace"
+    assert "--request-rate" not in burst and "--request-count" not in burst and "--isl" not in burst
+    rows = [json.loads(line) for line in open(flags["--input-file"])]
+    assert rows == [{"timestamp": 0, "input_length": 64, "output_length": 160}] * 4 + [
+        {"timestamp": 3000, "input_length": 4000, "output_length": 8}]
+    assert "--max-num-batched-tokens" not in fused
+    args.max_num_batched_tokens = 32
+    assert serve_load.server_command("fused", args, "/c", None, 1)[-4:-2] == ["--max-num-batched-tokens", "32"]
+    assert "--max-num-batched-tokens" not in serve_load.server_command("no-chunked-prefill", args, "/c", None, 1)
+
+
+def test_serve_load_burst_figures_from_aiperfs_records():
+    """The decoders' every gap pooled (ms, whatever unit a record names), the long prompt apart by its
+    input length, and a record without an input length skipped."""
+    def record(isl, gaps, ttft, unit="ms"):
+        return json.dumps({"metrics": {"input_sequence_length": {"value": isl, "unit": "tokens"},
+                                       "inter_chunk_latency": {"value": gaps, "unit": unit},
+                                       "time_to_first_token": {"value": ttft, "unit": unit}}})
+    text = "\n".join([record(64, [10.0] * 49 + [40.0], 5.0), record(70, [0.01] * 50, 0.004, unit="s"),
+                      record(4000, [1.0], 900.0), json.dumps({"metrics": {}}), ""])
+    figures = serve_load.burst_figures(text, 4000)
+    assert figures["decoders"] == 2 and figures["decode_gaps"] == 100 and figures["long_prompt_ttft_ms"] == 900.0
+    assert figures["decode_itl_p50_ms"] == 10.0 and figures["decode_itl_p99_ms"] == pytest.approx(10.3)
+    assert figures["decode_itl_p99_over_p50"] == pytest.approx(1.03)
+    assert serve_load.burst_figures("", 4000)["decode_itl_p50_ms"] is None
 
 
 def test_char_tokenizer_round_trips_and_the_server_reads_it(tmp_path):
@@ -819,14 +848,19 @@ def test_llama_cpp_splits_text_as_the_char_tokenizer_does(tmp_path):
 
 def test_serve_load_smoke_run(tmp_path):
     """benchmarks/serve_load.py --smoke: the server on the tiny model in its own process, loaded by
-    aiperf (its own environment) with both traces: every request done with exactly its tokens as the
+    aiperf (its own environment) with each trace: every request done with exactly its tokens as the
     client counts them (equal to the server's usage), the server's TTFT histogram over aiperf's
     requests only, the chat trace's shared system prompt found in the prefix cache (as /metrics and
     the responses' usage both say), JSON and plot written."""
     thirdparty_python("aiperf")
     results = serve_load.main(["--smoke", "--out", str(tmp_path)])
     rows = {r["trace"]: r for r in results["summary"]}
-    assert set(rows) == {"chat", "random"} and {r["system"] for r in rows.values()} == {"fused"}
+    assert set(rows) == {"chat", "random", "burst"} and {r["system"] for r in rows.values()} == {"fused"}
+    burst = rows.pop("burst")  # 4 decoders of 24 tokens, then a 120-token prompt: every gap of theirs
+    assert burst["status"] == "ok" and burst["requests"] == 5 and burst["errors"] == 0, burst
+    assert burst["decoders"] == 4 and burst["decode_gaps"] == 4 * 23 and burst["rate"] is None
+    assert 0 < burst["decode_itl_p50_ms"] <= burst["decode_itl_p99_ms"] and burst["long_prompt_ttft_ms"] > 0
+    assert "| burst: system |" in serve_load.table(results)
     for row in rows.values():
         assert row["status"] == "ok" and row["requests"] == 3 and row["errors"] == 0, row
         assert row["ttft_p50_ms"] > 0 and row["itl_p50_ms"] > 0 and row["output_tokens_per_s"] > 0
