@@ -84,19 +84,26 @@ CHAR_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2: Llama 2's unknown
 SPACE = "\u2581"  # SentencePiece's space, as Llama's tokenizers and llama.cpp's "llama" vocabulary write it
 
 
+# Where the character tokenizer's ids past printable ASCII come from, in order: CJK Unified Ideographs, CJK
+# Extension A, Hangul syllables (38,756 characters: enough for Llama 2's 32,000 ids, and each one character in
+# every tokenizer here, none of them normalised away).
+CHAR_FILL_RANGES = ((0x4E00, 0xA000), (0x3400, 0x4DC0), (0xAC00, 0xD7A4))
+
+
 def char_vocabulary(vocab_size: int) -> list[str]:
     """The tokens of ``write_char_tokenizer``, by id: Llama 2's three special tokens, then one
-    character per id: the space (as ``SPACE``), the newline, the tab, printable ASCII, then CJK
-    ideographs from U+4E00 to fill ``vocab_size``."""
+    character per id: the space (as ``SPACE``), the newline, the tab, printable ASCII, then the
+    characters of ``CHAR_FILL_RANGES`` to fill ``vocab_size``."""
     chars = [SPACE, "\n", "\t", *(chr(c) for c in range(0x21, 0x7F))]
     fill = vocab_size - len(CHAR_SPECIAL_TOKENS) - len(chars)
     if fill < 0:
         raise ValueError(f"vocab_size: a character tokenizer needs at least "
                          f"{len(CHAR_SPECIAL_TOKENS) + len(chars)} ids (printable ASCII), got {vocab_size}")
-    if fill > 0x9FFF - 0x4E00:
-        raise ValueError(f"vocab_size: at most {len(CHAR_SPECIAL_TOKENS) + len(chars) + 0x9FFF - 0x4E00} ids, "
+    extra = [chr(c) for lo, hi in CHAR_FILL_RANGES for c in range(lo, hi)]
+    if fill > len(extra):
+        raise ValueError(f"vocab_size: at most {len(CHAR_SPECIAL_TOKENS) + len(chars) + len(extra)} ids, "
                          f"got {vocab_size}")
-    return [*CHAR_SPECIAL_TOKENS, *chars, *(chr(0x4E00 + i) for i in range(fill))]
+    return [*CHAR_SPECIAL_TOKENS, *chars, *extra[:fill]]
 
 
 def write_char_tokenizer(directory: str, vocab_size: int) -> dict:

@@ -822,6 +822,10 @@ def test_char_tokenizer_round_trips_and_the_server_reads_it(tmp_path):
     assert json.loads((tmp_path / "tokenizer_config.json").read_text())["bos_token"] == "<s>"
     with pytest.raises(ValueError, match="at least"):
         peers.char_vocabulary(50)
+    llama2 = peers.char_vocabulary(32000)  # Llama 2's vocabulary size: the 7B-dimension load benchmark's
+    assert len(set(llama2)) == 32000 and all(len(t) == 1 for t in llama2[3:]) and llama2[:256] == vocab
+    with pytest.raises(ValueError, match="at most 38856 ids"):
+        peers.char_vocabulary(40000)
 
 
 def test_llama_cpp_splits_text_as_the_char_tokenizer_does(tmp_path):
