@@ -138,7 +138,8 @@ def test_tensor_parallel_block_equals_one_process(launched):
 
 def test_tensor_parallel_llama_equals_one_process(launched):
     """TP=2 tiny Llama loaded slice by slice from a one-process checkpoint: logits within 1e-5 and
-    the same greedy tokens with the KV cache (KV heads split, and replicated), the same loss and each
+    the same greedy tokens with the KV cache (KV heads split, and replicated; the paged engine too, whole
+    prompts and chunked, in GRAPH_MODE), the same loss and each
     rank's gradients equal to the slices of one process's (both modes), and the gathered weights
     equal the checkpoint's and load back into one process."""
     _assert_ok(_lines(launched, "tp-llama-"))

@@ -618,3 +618,67 @@ def test_sigterm_drains_then_exits_0(tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_tensor_parallel_server_answers_one_process_tokens(tmp_path, graph):
+    """--tensor-parallel 2 under the launcher (msrun, 2 CPU ranks) on a checkpoint: rank 0 serves and
+    schedules, both ranks run each step on their halves of the model. Two requests at once (one decode
+    step holds both; the longer prompt prefilled in chunks of 8 beside the other's tokens) get the greedy
+    tokens one process's engine gives, streamed and not. SIGTERM to the launcher: rank 0 drains and
+    stops rank 1, and both ranks end their programs (nothing killed)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models as tokenizer_models
+    from tokenizers import pre_tokenizers
+
+    from models.llama.weights import model_state, save_hf_checkpoint
+
+    config = preset("tiny")
+    model = LlamaForCausalLM(config, backend="fused")
+    checkpoint = tmp_path / "checkpoint"
+    save_hf_checkpoint(model_state(model), config, checkpoint)
+    words_tokenizer = HFTokenizer(tokenizer_models.WordLevel({f"w{i}": i for i in range(config.vocab_size)},
+                                                            unk_token="w0"))
+    words_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words_tokenizer.save(str(checkpoint / "tokenizer.json"))
+    reference = PagedGenerator(model, max_batch=2, max_num_batched_tokens=CHUNK).generate(
+        PROMPTS, NEW, eos_ids=()).tokens
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("RFA_API_KEY", None)
+    logs = tmp_path / "logs"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "ms_rope_attention.distributed.launch", "--workers", "2", "--log-dir", str(logs),
+         "--timeout", "600", "-m", "models.llama.serve", "--checkpoint", str(checkpoint), "--tensor-parallel", "2",
+         "--port", "0", "--max-batch", "2", "--max-num-batched-tokens", str(CHUNK), "--cache-gib", "0.01",
+         "--log-level", "info"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rank_logs = [logs / "worker_0.log", logs / "worker_1.log"]
+
+    def log_text(rank):
+        return rank_logs[rank].read_text(errors="replace") if rank_logs[rank].exists() else ""
+    try:
+        url, deadline = None, time.monotonic() + 300
+        while url is None:
+            assert launcher.poll() is None and time.monotonic() < deadline, log_text(0)[-3000:] + log_text(1)[-2000:]
+            found = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", log_text(0))
+            if found and httpx.get(found.group(1) + "/ready").status_code == 200:
+                url = found.group(1)
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def ask(prompt, stream):
+            answer = client.completions.create(model="checkpoint", prompt=prompt, max_tokens=NEW, temperature=0,
+                                               stream=stream, extra_body={"ignore_eos": True})
+            return words("".join(c.choices[0].text for c in answer) if stream else answer.choices[0].text)
+
+        for stream in (False, True):
+            with ThreadPoolExecutor(2) as pool:
+                answers = list(pool.map(lambda p: ask(p, stream), PROMPTS))
+            assert answers == reference, (stream, answers, reference)
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=120)
+        assert "drained: shutting down" in log_text(0), log_text(0)[-3000:]
+        assert "rank 1: stopped by rank 0" in log_text(1), log_text(1)[-3000:]
+        assert "Traceback" not in log_text(0) + log_text(1), log_text(0)[-3000:] + log_text(1)[-3000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()

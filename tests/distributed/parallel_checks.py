@@ -8,7 +8,8 @@ process, and prints one ``RESULT <check> OK|FAIL <detail>`` line per check.
 - a tiny Llama's training step with context parallelism: the ranks' losses and weight gradients
   summed equal one process's mean cross-entropy and gradients on the whole batch;
 - a tensor-parallel tiny Llama loaded from a one-process checkpoint (each rank its slices): logits
-  and greedy tokens (KV cache) equal one process's, GQA split and KV heads replicated; one training
+  and greedy tokens (KV cache; in GRAPH_MODE the paged engine too, whole prompts and chunked) equal one
+  process's, GQA split and KV heads replicated; one training
   step's gradients equal the slices of one process's; the gathered weights load back into one process;
 - negative controls: g as a plain AllReduce (wrong gradients), and, last, MindSpore's own AllGather
   gradient (ReduceScatter, which CPUs lack; after a failed collective, later ones can block)."""
@@ -194,9 +195,14 @@ def check_llama_tensor_parallel(name, mode, kv_heads=2):
     want = whole(ids).asnumpy()
     errors = {"logits": relative(tp(ids).asnumpy(), want)}
     prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (7, 13)]
-    same_tokens = (Generator(whole, slots=2).generate(prompts, 6, eos_ids=()).tokens
-                   == Generator(tp, slots=2).generate(prompts, 6, eos_ids=()).tokens)
-    errors["tokens differ"] = 0.0 if same_tokens else 1.0
+    want_tokens = Generator(whole, slots=2).generate(prompts, 6, eos_ids=()).tokens
+    errors["tokens differ"] = 0.0 if Generator(tp, slots=2).generate(prompts, 6, eos_ids=()).tokens == want_tokens else 1.0
+    if mode == "graph":  # the paged engine on each rank's KV heads, whole prompts and chunked (8 tokens a step)
+        from models.llama.engine import PagedGenerator
+        for chunk in (None, 8):
+            paged = PagedGenerator(tp, max_batch=2, max_cache_bytes=1 << 20, max_num_batched_tokens=chunk)
+            same = paged.generate(prompts, 6, eos_ids=()).tokens == want_tokens
+            errors[f"paged tokens differ (chunk {chunk})"] = 0.0 if same else 1.0
     labels = ids
     nets = LlamaForTraining(whole), LlamaForTraining(tp)
     (want_loss, want_grads), (loss, grads) = (ms.value_and_grad(n, None, n.trainable_params())(ids, labels)

@@ -169,7 +169,10 @@ class PagedGenerator(Engine):
     ``cache_dtype`` as the ``Generator``'s. ``prefix_caching=False`` computes every prompt whole.
     ``max_num_batched_tokens`` (vLLM's name): None, a step prefills whole prompts or decodes; an
     int turns on chunked prefill, each step's call holding at most that many tokens (see the
-    module's docstring). CPU only: the paged ops have no Ascend kernel (docs/serving.md)."""
+    module's docstring). CPU only: the paged ops have no Ascend kernel (docs/serving.md). A tensor-parallel
+    model (``parallel`` of tensor ranks only) runs the same engine on every rank, each rank's cache holding its
+    KV heads: every rank must make the same calls in the same order with the same ``max_cache_bytes``
+    (``models.llama.serve.lockstep`` does it for the server)."""
 
     def __init__(self, model: LlamaForCausalLM, *, max_cache_bytes: int | None = None, block_size: int = 16,
                  max_batch: int = 8, cache_dtype=None, prefix_caching: bool = True,
@@ -180,8 +183,9 @@ class PagedGenerator(Engine):
             raise ValueError(f"block_size: expected a positive multiple of 16, got {block_size!r}")
         self._batched_tokens = _check_batched_tokens(max_num_batched_tokens)
         self._room = None  # prompt tokens the step being scheduled has left (chunked prefill; _admit reads it)
-        if model.parallel is not None:
-            raise ValueError("model: the paged cache serves a model on one device; use Generator for tensor parallel")
+        if model.parallel is not None and (model.parallel.context.size > 1 or model.parallel.data.size > 1):
+            raise ValueError("model: the paged cache serves a model on one device or tensor-parallel ranks (each "
+                             "holds its KV heads' blocks); this one is context- or data-parallel")
         super().__init__(model, cache_dtype)
         self.max_batch, self.block_size = max_batch, block_size
         per_block = block_bytes(model.cache_config, block_size, self.cache_dtype)

@@ -2,18 +2,23 @@
 
     python -m models.llama.serve --checkpoint DIR [--port 8000] [--api-key KEY]
     python -m models.llama.serve --model tiny      # random weights and a word-level tokenizer, to try it
+    python -m ms_rope_attention.distributed.launch --workers 2 -m models.llama.serve --checkpoint DIR \
+        --tensor-parallel 2 --cache-gib 4              # each rank holds half the model; rank 0 serves HTTP
 
 The model runs in GRAPH_MODE on the fused op, on ``PagedGenerator`` (block-paged KV cache, prefix
 caching on unless ``--no-prefix-caching``). The server binds 127.0.0.1 unless ``--host`` says
 otherwise; set the API key with ``RFA_API_KEY`` rather than ``--api-key`` (a command line is visible
 to every user of the machine). The checkpoint is loaded before the port opens; the warm-up (graph
-compilation) runs after, with ``/ready`` answering 503 until it ends.
+compilation) runs after, with ``/ready`` answering 503 until it ends. With ``--tensor-parallel T`` under the
+launcher, rank 0 serves HTTP and schedules and every rank runs its share of each step (``lockstep``).
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import signal
+import tempfile
 from pathlib import Path
 
 import ms_rope_attention  # noqa: F401  before MindSpore: its threads' setting (docs/threads.md)
@@ -61,22 +66,33 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the attention path: fused (refuse to start without it), auto (fall back, announced "
                              "and counted in rfa:attention_path_total) or unfused")
     parser.add_argument("--seed", type=int, default=0, help="with --model: the random weights' seed")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
+                        help="under the launcher (msrun) on T ranks: each holds its share of the model and runs it "
+                             "in every step; rank 0 serves HTTP (docs/serving.md)")
+    parser.add_argument("--tensor-parallel-host", default="127.0.0.1",
+                        help="the address rank 0 hands the engine's calls to the other ranks on (default: loopback, "
+                             "the ranks of one machine)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
 
-def load(args):
-    """(model, tokenizer, chat template, served name) for the command line's checkpoint or preset."""
+def load(args, mesh=None):
+    """(model, tokenizer, chat template, served name) for the command line's checkpoint or preset; with a
+    tensor-parallel ``mesh``, this rank's share of the model."""
     from ..config import preset
     from ..model import LlamaForCausalLM
     from ..tokenizer import Tokenizer
-    from ..weights import load_checkpoint, read_config
+    from ..weights import load_checkpoint, model_state, read_config, save_hf_checkpoint
     from .chat_template import ChatTemplate
 
     if args.model:
         ms.set_seed(args.seed)
         config = preset(args.model)
         model = LlamaForCausalLM(config, backend=args.backend)
+        if mesh is not None:  # this rank's slices of the one-process model: the weights one process serves
+            with tempfile.TemporaryDirectory() as scratch:
+                save_hf_checkpoint(model_state(model), config, scratch)
+                model = load_checkpoint(scratch, backend=args.backend, parallel=mesh, progress=False)
         return model, Tokenizer.words(config.vocab_size, config.bos_token_id), ChatTemplate.from_directory(None), \
             args.model
     config = read_config(args.checkpoint)[0]
@@ -84,13 +100,14 @@ def load(args):
     if tokenizer is None:
         raise SystemExit(f"{args.checkpoint}: no tokenizer.json or tokenizer.model; the server needs the "
                          "checkpoint's tokenizer")
-    model = load_checkpoint(args.checkpoint, backend=args.backend)
+    model = load_checkpoint(args.checkpoint, backend=args.backend, parallel=mesh)
     return model, tokenizer, ChatTemplate.from_directory(args.checkpoint), Path(args.checkpoint).resolve().name
 
 
 def generator_options(args, parser) -> dict:
     """``PagedGenerator``'s keyword arguments from the command line."""
-    for name in ("max_batch", "max_waiting", "max_num_batched_tokens", "max_tokens_limit", "max_body_bytes"):
+    for name in ("max_batch", "max_waiting", "max_num_batched_tokens", "max_tokens_limit", "max_body_bytes",
+                 "tensor_parallel"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')}: expected a positive number, got {value}")
@@ -114,10 +131,28 @@ def main(argv=None) -> None:
     from .server import run
 
     ms.set_device("CPU")
+    mesh = None
+    if args.tensor_parallel > 1:
+        from mindspore.communication import init
+
+        from ms_rope_attention.distributed import ParallelMesh
+
+        init()  # first: msrun's scheduler runs the program up to init()
+        mesh = ParallelMesh.create(tensor=args.tensor_parallel, data=1)
     ms.set_context(mode=ms.GRAPH_MODE)
-    model, tokenizer, template, name = load(args)
+    model, tokenizer, template, name = load(args, mesh)
     name = args.served_model_name or name
     generator = PagedGenerator(model, **generator_kwargs)
+    leader = None
+    if mesh is not None:
+        from .lockstep import Channel, Leader
+
+        tp = model.tensor_parallel
+        channel = Channel.open(tp.rank, tp.size, generator.num_blocks, tp.group, host=args.tensor_parallel_host)
+        if tp.rank != 0:
+            _follow(generator, channel)
+            return
+        generator = leader = Leader(generator, channel)
     service = EngineService(generator, Metrics(name), max_waiting=args.max_waiting)
     settings = Settings(served_model_name=name, tokenizer=tokenizer, chat_template=template, api_key=api_key,
                         max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit,
@@ -130,8 +165,24 @@ def main(argv=None) -> None:
         "serving %r (attention %s, %d KV blocks of %d, chat template %s, API key %s) on http://%s:%d",
         name, model.backend, generator.pool.usable, generator.block_size, template.name,
         "required" if api_key else "not required", args.host, args.port)
-    run(create_app(service, settings), service, host=args.host, port=args.port,
-        timeout_keep_alive=args.timeout_keep_alive, drain_timeout_s=args.drain_timeout, log_level=args.log_level)
+    try:
+        run(create_app(service, settings), service, host=args.host, port=args.port,
+            timeout_keep_alive=args.timeout_keep_alive, drain_timeout_s=args.drain_timeout, log_level=args.log_level)
+    finally:
+        if leader is not None:
+            service.stop()  # the engine thread has ended (the app's shutdown stopped it): no step in flight
+            leader.close()
+
+
+def _follow(generator, channel) -> None:
+    """A rank past 0: the engine's calls from rank 0 until it stops this rank. A stop signal is rank 0's to
+    act on (it drains, then stops the others), so here it is only noted."""
+    from .lockstep import follow
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda sig, frame: logging.getLogger("models.llama.serve").info(
+            "rank %d: %s: rank 0 drains, then stops this rank", channel.rank, signal.Signals(sig).name))
+    follow(generator, channel)
 
 
 if __name__ == "__main__":
