@@ -156,8 +156,9 @@ def _record_values(metrics: dict, name: str) -> list[float]:
 
 def burst_figures(records_jsonl: str, long_prompt: int) -> dict:
     """The burst trace from aiperf's per-request records (``profile_export.jsonl``): the decoders' gaps
-    between streamed chunks (every one, pooled over the decoders: one token a chunk) at p50 and p99 and
-    their ratio, and the long prompt's (input of at least half ``long_prompt`` tokens) TTFT."""
+    between streamed chunks (every one, pooled over the decoders: one token a chunk) at p50 and p99, their
+    ratio, and the longest (a whole-prompt prefill stalls each decoder once, for all of it: one gap in a
+    hundred or more, below p99), and the long prompt's (input of at least half ``long_prompt`` tokens) TTFT."""
     import numpy as np
 
     gaps, long_ttft, decoders = [], None, 0
@@ -175,7 +176,8 @@ def burst_figures(records_jsonl: str, long_prompt: int) -> dict:
             gaps += _record_values(metrics, "inter_chunk_latency")
     p50, p99 = (float(np.percentile(gaps, q)) if gaps else None for q in (50, 99))
     return {"decoders": decoders, "decode_gaps": len(gaps), "decode_itl_p50_ms": p50, "decode_itl_p99_ms": p99,
-            "decode_itl_p99_over_p50": p99 / p50 if gaps and p50 else None, "long_prompt_ttft_ms": long_ttft}
+            "decode_itl_p99_over_p50": p99 / p50 if gaps and p50 else None,
+            "decode_itl_max_ms": max(gaps) if gaps else None, "long_prompt_ttft_ms": long_ttft}
 
 
 def parse_prometheus(text: str) -> list[tuple[str, dict, float]]:
@@ -312,10 +314,11 @@ def table(results: dict) -> str:
             f"{' (its log)' if 'log' in r['server'] else ''} |")
     bursts = [r for r in results["summary"] if r["status"] == "ok" and r.get("decode_gaps")]
     if bursts:
-        lines += ["", "| burst: system | decoders' inter-token latency per token, p50 / p99 ms | p99 / p50 "
+        lines += ["", "| burst: system | decoders' inter-token latency per token, p50 / p99 / max ms | p99 / p50 "
                       "| the long prompt's TTFT ms |", "|---|---|---|---|"]
-        lines += [f"| {r['system']} | {_fmt(r['decode_itl_p50_ms'], '.1f')} / {_fmt(r['decode_itl_p99_ms'], '.1f')} | "
-                  f"{_fmt(r['decode_itl_p99_over_p50'], '.2f')}x | {_fmt(r['long_prompt_ttft_ms'])} |" for r in bursts]
+        lines += [f"| {r['system']} | {_fmt(r['decode_itl_p50_ms'], '.1f')} / {_fmt(r['decode_itl_p99_ms'], '.1f')} / "
+                  f"{_fmt(r.get('decode_itl_max_ms'), '.0f')} | {_fmt(r['decode_itl_p99_over_p50'], '.2f')}x | "
+                  f"{_fmt(r['long_prompt_ttft_ms'])} |" for r in bursts]
     if results["ratios"]:
         lines += ["", f"| trace | req/s | system / {REFERENCE} | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 "
                       "| output tokens/s |", "|---|---|---|---|---|---|---|---|"]
