@@ -96,6 +96,11 @@ def test_mesh_ranks_lay_the_tensor_axis_fastest():
         mesh_ranks(0, 2, context=0)
 
 
+# The tests of the one launch run in one worker (the group), so that the launch runs once: a module
+# fixture runs once per xdist worker, and each run of it is a 2-rank job of about 100-150 s.
+one_launch = pytest.mark.xdist_group("distributed-launch")
+
+
 @pytest.fixture(scope="module")
 def launched():
     return launch(CHECKS, ["--negative"], workers=2, timeout=600)
@@ -116,6 +121,7 @@ def _assert_ok(rank_lines):
         assert not failed, f"rank {rank}: {failed}"
 
 
+@one_launch
 def test_context_parallel_attention_equals_one_process(launched):
     """CP=2, load-balanced: every rank's output, lse, dq, dk and dv within 1e-5 of the one-process
     op (2e-3 in float16), GRAPH_MODE and PyNative, GQA/MHA/MQA, partial and interleaved rotary."""
@@ -123,12 +129,14 @@ def test_context_parallel_attention_equals_one_process(launched):
                 for lines in _lines(launched, "cp-")])
 
 
+@one_launch
 def test_llama_context_parallel_training_step_equals_one_process(launched):
     """The tiny Llama with CP=2: the ranks' losses and weight gradients summed equal one process's
     mean cross-entropy and gradients on the whole batch (1e-5), both modes."""
     _assert_ok(_lines(launched, "cp-llama-"))
 
 
+@one_launch
 def test_tensor_parallel_block_equals_one_process(launched):
     """TP=2: dx and each rank's weight-shard gradients within 1e-5 of one process, both modes; g as a
     plain AllReduce is off by more than 1e-2 (the control)."""
@@ -136,6 +144,7 @@ def test_tensor_parallel_block_equals_one_process(launched):
                 for lines in _lines(launched, "tp-")])
 
 
+@one_launch
 def test_tensor_parallel_llama_equals_one_process(launched):
     """TP=2 tiny Llama loaded slice by slice from a one-process checkpoint: logits within 1e-5 and
     the same greedy tokens with the KV cache (KV heads split, and replicated; the paged engine too, whole
@@ -145,6 +154,7 @@ def test_tensor_parallel_llama_equals_one_process(launched):
     _assert_ok(_lines(launched, "tp-llama-"))
 
 
+@one_launch
 def test_native_allgather_gradient_is_refused_on_cpu(launched):
     """MindSpore's own AllGather gradient is ReduceScatter, which the CPU lacks: the summed gradient
     of GatherChunks is what makes context parallelism trainable here."""
