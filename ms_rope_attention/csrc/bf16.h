@@ -238,27 +238,16 @@ inline bool UseAmx() { return amx_allowed.load(std::memory_order_relaxed) && Nat
 // float32 FMAs on the same rounded operands widened back to float32.
 enum class Units { kAmx, kDot, kFma };
 
-// RFA_BF16_ATTENTION's value: "" (unset or "auto"), "dot" (the bfloat16 units: AMX tiles where allowed,
-// else vdpbf16ps) or "fma"; "?" for anything else. Read at each launch: the tests run every unit on
-// every CPU that has them.
-inline std::string UnitsOverride() {
-  const char *value = std::getenv("RFA_BF16_ATTENTION");
-  const std::string text = value ? value : "";
-  if (text.empty() || text == "auto") return "";
-  return text == "dot" || text == "fma" ? text : "?";
-}
+// RFA_BF16_ATTENTION: "dot" (the bfloat16 units: AMX tiles where allowed, else vdpbf16ps) or "fma".
+inline constexpr bf16_probe::EnvChoice kUnitsChoice{"RFA_BF16_ATTENTION", "dot", "fma"};
 
 // "" or why RFA_BF16_ATTENTION cannot be followed (checked with the arguments, before any memory is read).
-inline std::string UnitsProblem() {
-  if (UnitsOverride() != "?") return "";
-  return std::string("RFA_BF16_ATTENTION: expected 'auto', 'dot' or 'fma', got '") + std::getenv("RFA_BF16_ATTENTION") +
-         "'";
-}
+inline std::string UnitsProblem() { return kUnitsChoice.Problem(); }
 
 // This launch's units (a bfloat16 launch: Native()): RFA_BF16_ATTENTION's, else AMX where allowed, else
 // the probe's faster unit.
 inline Units ChosenUnits() {
-  const std::string forced = UnitsOverride();
+  const std::string forced = kUnitsChoice.Value();
   if (forced == "fma") return Units::kFma;
   if (UseAmx()) return Units::kAmx;
   if (forced == "dot") return Units::kDot;
@@ -269,7 +258,7 @@ inline Units ChosenUnits() {
 // "" where this build and CPU have no bfloat16 arithmetic.
 inline std::string UnitsReport() {
   if (!Native()) return "";
-  const std::string forced = UnitsOverride();
+  const std::string forced = kUnitsChoice.Value();
   if (forced == "?") return UnitsProblem();
   const Units units = ChosenUnits();
   const std::string name = units == Units::kAmx ? "amx" : units == Units::kDot ? "avx512_bf16" : "fma";

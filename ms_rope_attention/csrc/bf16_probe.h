@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #if defined(__AVX512F__) && defined(__x86_64__)
 #include <immintrin.h>
@@ -103,6 +104,26 @@ inline std::string Describe(const Rates &r) {
   const auto gflops = [](double flops) { return std::to_string(static_cast<int>(flops / 1e9 + 0.5)); };
   return "vdpbf16ps " + gflops(r.dot) + " GFLOP/s, float32 FMA " + gflops(r.fma) + " GFLOP/s on one thread";
 }
+
+// An environment variable that forces one of two units, read at each launch (the tests run every unit on
+// every CPU): RFA_BF16_GEMM (the projections) and RFA_BF16_ATTENTION (the attention).
+struct EnvChoice {
+  const char *name, *first, *second;
+
+  // "" (unset or "auto"), `first` or `second`; "?" for anything else.
+  std::string Value() const {
+    const char *value = std::getenv(name);
+    const std::string text = value ? value : "";
+    if (text.empty() || text == "auto") return "";
+    return text == first || text == second ? text : "?";
+  }
+
+  // "" or why the variable cannot be followed (checked with the arguments, before any memory is touched).
+  std::string Problem() const {
+    if (Value() != "?") return "";
+    return std::string(name) + ": expected 'auto', '" + first + "' or '" + second + "', got '" + std::getenv(name) + "'";
+  }
+};
 
 }  // namespace bf16_probe
 }  // namespace rfa

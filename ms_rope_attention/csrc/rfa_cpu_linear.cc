@@ -273,19 +273,9 @@ void PanelGemm(const Gemm &g, const float *x, const W *w, float *y) {
 // on oneDNN.
 enum class Bf16Engine { kOnednn, kFma };
 
-// RFA_BF16_GEMM's value: "" (unset or "auto"), "onednn" or "fma"; "?" for anything else.
-std::string Bf16EngineOverride() {
-  const char *value = std::getenv("RFA_BF16_GEMM");
-  const std::string text = value ? value : "";
-  if (text.empty() || text == "auto") return "";
-  return text == "onednn" || text == "fma" ? text : "?";
-}
+constexpr rfa::bf16_probe::EnvChoice kBf16GemmChoice{"RFA_BF16_GEMM", "onednn", "fma"};
 
-// "" or why RFA_BF16_GEMM cannot be followed (checked with the arguments, before any memory is touched).
-std::string Bf16EngineProblem() {
-  if (Bf16EngineOverride() != "?") return "";
-  return std::string("RFA_BF16_GEMM: expected 'auto', 'onednn' or 'fma', got '") + std::getenv("RFA_BF16_GEMM") + "'";
-}
+std::string Bf16EngineProblem() { return kBf16GemmChoice.Problem(); }
 
 struct Bf16Choice {
   Bf16Engine engine;
@@ -306,7 +296,7 @@ const Bf16Choice &AutomaticBf16Choice() {
 }
 
 Bf16Engine ChosenBf16Engine() {
-  const std::string forced = Bf16EngineOverride();
+  const std::string forced = kBf16GemmChoice.Value();
   if (forced == "fma") return Bf16Engine::kFma;
   if (forced == "onednn") return Bf16Engine::kOnednn;
   return AutomaticBf16Choice().engine;
@@ -519,7 +509,7 @@ extern "C" RFA_EXPORT const char *RfaLinearOnednnProblem() {
 // (ChosenBf16Engine). Kept per thread like the last error.
 extern "C" RFA_EXPORT const char *RfaLinearBf16Engine() {
   thread_local std::string text;
-  const std::string forced = Bf16EngineOverride();
+  const std::string forced = kBf16GemmChoice.Value();
   if (forced == "?") text = Bf16EngineProblem();
   else if (!forced.empty()) text = forced + ": RFA_BF16_GEMM=" + forced;
   else text = AutomaticBf16Choice().why;
