@@ -144,12 +144,12 @@ _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 def _record_values(metrics: dict, name: str) -> list[float]:
-    """A per-request record's metric in ms (a list for list-valued ones such as inter_chunk_latency)."""
+    """A per-request record's metric, a time in ms (a list for list-valued ones such as inter_chunk_latency);
+    a count (its unit "tokens", not a time unit) as it is."""
     metric = metrics.get(name)
     if not isinstance(metric, dict) or metric.get("value") is None:
         return []
-    scale = _UNIT_MS.get(metric.get("unit", "ms"), 1.0) if name not in ("input_sequence_length",
-                                                                         "output_sequence_length") else 1.0
+    scale = _UNIT_MS.get(metric.get("unit", "ms"), 1.0)
     value = metric["value"]
     return [float(v) * scale for v in (value if isinstance(value, list) else [value])]
 
