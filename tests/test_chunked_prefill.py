@@ -15,6 +15,7 @@ from test_llama import CONFIG
 from test_serving import assert_pool_at_rest, budget, drain
 
 from models.llama.engine import Generator, PagedGenerator
+from models.llama.engine.kv_cache import STEP_TOKENS
 from models.llama.engine.paged import StepRecord
 from models.llama.weights import load_checkpoint
 
@@ -65,6 +66,10 @@ def run(paged, limit, budget_tokens=None):
         else:
             assert record.total_tokens <= budget_tokens
             assert record.prompt_tokens > 0 or prompts_left == 0 or paged.waiting
+        if 0 < len(decoding) < STEP_TOKENS:  # beside decode tokens: within the decode graph's 16 tokens
+            assert record.total_tokens <= STEP_TOKENS
+        assert record.graph == "decode" or (record.kind != "decode" and (
+            record.total_tokens > STEP_TOKENS or record.cached_tokens))  # else only a copy-on-write's step
     raise AssertionError(f"unfinished after {limit} steps")
 
 
@@ -93,14 +98,15 @@ def test_running_requests_decode_every_step_while_a_long_prompt_is_prefilled(mod
     ids = [paged.add_request(a, 20, eos_ids=()), paged.add_request(b, 20, eos_ids=())]
     paged.step()
     assert paged.last_record == StepRecord("prefill", (), ((ids[0], 3), (ids[1], 5)), tuple(ids),
-                                           ((ids[0], 0), (ids[1], 0)))
+                                           ((ids[0], 0), (ids[1], 0)), graph="decode")  # 8 tokens: in place
     paged.step()
-    assert paged.last_record == StepRecord("decode", tuple(ids)) and paged.last_step == "decode"
+    assert paged.last_record == StepRecord("decode", tuple(ids), graph="decode") and paged.last_step == "decode"
     ids.append(paged.add_request(long, 6, eos_ids=()))
     tokens, records = run(paged, 100, budget_tokens=8)
     chunks = [r for r in records if r.prefill_tokens]
     assert [r.prefill_tokens for r in chunks] == [((ids[2], 6),)] * 6 + [((ids[2], 4),)]
-    assert all(r.kind == "mixed" and r.decode_requests == tuple(ids[:2]) and r.total_tokens <= 8 for r in chunks)
+    assert all(r.kind == "mixed" and r.decode_requests == tuple(ids[:2]) and r.total_tokens <= 8 and
+               r.graph == "decode" for r in chunks)
     assert [r.first_tokens for r in chunks] == [()] * 6 + [(ids[2],)]
     assert all(ids[2] not in r.decode_requests for r in records[:7])  # no token before its prompt's last
     assert [tokens[i] for i in ids] == [want[0][2:], want[1][2:], want[2]]
@@ -119,19 +125,20 @@ def test_decode_tokens_filling_the_budget_all_run_and_the_prompt_waits(model, gr
     ids = [paged.add_request(p, n, eos_ids=()) for p, n in zip(prompts, (4, 6, 8))]
     first = paged.step()
     assert paged.last_record == StepRecord("prefill", (), tuple((i, 1) for i in ids), tuple(ids),
-                                           tuple((i, 0) for i in ids))
+                                           tuple((i, 0) for i in ids), graph="decode")
     ids.append(paged.add_request(long, 3, eos_ids=()))
     graphs, calls = (paged.prefill, paged.decode), []
     paged.prefill, paged.decode = [lambda *args, g=g, n=n: calls.append(n) or g(*args)
                                    for g, n in zip(graphs, ("prefill", "decode"))]
     tokens, records = run(paged, 100, budget_tokens=3)
     paged.prefill, paged.decode = graphs
-    assert records[:3] == [StepRecord("decode", tuple(ids[:3]))] * 3  # request 0 ends in the third
-    assert calls == [{"decode": "decode"}.get(r.kind, "prefill") for r in records]  # decode steps: its graph
-    assert records[3] == StepRecord("mixed", tuple(ids[1:3]), ((ids[3], 1),), (), ((ids[3], 0),))  # admitted
-    assert records[4] == StepRecord("mixed", tuple(ids[1:3]), ((ids[3], 1),))  # request 1 ends here
+    assert records[:3] == [StepRecord("decode", tuple(ids[:3]), graph="decode")] * 3  # request 0 ends in the third
+    assert calls == ["decode"] * len(records)  # steps of 3 tokens: every one in place
+    assert records[3] == StepRecord("mixed", tuple(ids[1:3]), ((ids[3], 1),), (), ((ids[3], 0),),
+                                    graph="decode")  # admitted
+    assert records[4] == StepRecord("mixed", tuple(ids[1:3]), ((ids[3], 1),), graph="decode")  # request 1 ends
     assert [r.prefill_tokens for r in records[5:8]] == [((ids[3], 2),)] * 2 + [((ids[3], 3),)]  # 2 ends in 6
-    assert records[7] == StepRecord("prefill", (), ((ids[3], 3),), (ids[3],))
+    assert records[7] == StepRecord("prefill", (), ((ids[3], 3),), (ids[3],), graph="decode")
     assert [[t.token] + tokens[i] for t, i in zip(first, ids)] + [tokens[ids[3]]] == want
     assert_pool_at_rest(paged)
 
@@ -150,12 +157,15 @@ def test_chunked_tokens_equal_the_contiguous_generators_and_prefixes_are_still_s
     assert [tokens[i] for i in ids] == want
     assert cached_per_request(dict(zip(ids, prompts)), records) == dict(zip(ids, [0, 32, 32, 0, 0]))
     assert paged.cached_prompt_tokens == 64 and paged.prefilled_tokens == sum(map(len, prompts)) - 64
+    # one prefill graph for every chunk shape (dynamic shapes); a second PagedGenerator on the same
+    # model compiles it twice on main too (its first two calls), never once per shape
+    prefills = [entry for entry in paged.compile_log if entry[0] == "_PagedPrefill"]
+    assert len(prefills) <= 2 and (chunk is not None or sum(r.graph == "prefill" for r in records) >= 2)
     if chunk is not None:
         assert all(r.prompt_tokens <= chunk for r in records) and sum(len(r.first_tokens) for r in records) == 5
-        # one prefill graph for every chunk shape (dynamic shapes); a second PagedGenerator on the same
-        # model compiles it twice on main too (its first two calls), never once per shape
-        prefills = [entry for entry in paged.compile_log if entry[0] == "_PagedPrefill"]
-        assert len(prefills) <= 2 < sum(1 for r in records if r.prefill_tokens)
+        # chunks of at most 16 tokens: in place, in the decode graph of their padded token count
+        assert all(r.graph == "decode" for r in records if not r.cached_tokens)
+        assert {t for name, t in paged.compile_log if name == "_PagedDecode"} <= {1, 2, 4, 8, 16}
     assert_pool_at_rest(paged)
 
 
@@ -194,6 +204,35 @@ def test_a_request_sharing_the_prefix_of_one_mid_prompt_waits_for_its_blocks(mod
     assert_pool_at_rest(paged)
 
 
+def test_beside_decode_tokens_a_step_holds_16_tokens_in_place_and_alone_a_prompt_takes_the_budget(model, graph, rng):
+    """A budget of 64: two requests decode while a 40-token prompt arrives. Each step holds their two
+    decode tokens and 14 of its tokens (12 in the last), 16 in all, and runs the decode graph (its
+    chunk read and written in place); alone, a 40-token prompt is one step of the prefill graph, and
+    a prompt whose first write lands in a cached partial block (a copy-on-write) runs the prefill
+    graph however few its tokens. Everyone's tokens are the contiguous cache's."""
+    a, b, long, lone = tokens_of(rng, 3), tokens_of(rng, 5), tokens_of(rng, 40), tokens_of(rng, 40)
+    want = reference(model, [a, b, long, lone, lone[:24] + [9, 9]], [20, 20, 6, 3, 3])
+    paged = PagedGenerator(model, max_cache_bytes=budget(model, 32), max_batch=4, max_num_batched_tokens=64)
+    ids = [paged.add_request(a, 20, eos_ids=()), paged.add_request(b, 20, eos_ids=())]
+    paged.step()
+    paged.step()
+    ids.append(paged.add_request(long, 6, eos_ids=()))
+    tokens, records = run(paged, 100, budget_tokens=64)
+    chunks = [r for r in records if r.prefill_tokens]
+    assert [r.prefill_tokens for r in chunks] == [((ids[2], 14),)] * 2 + [((ids[2], 12),)]
+    assert all(r.kind == "mixed" and r.total_tokens <= STEP_TOKENS and r.graph == "decode" for r in chunks)
+    assert [tokens[i] for i in ids] == [want[0][2:], want[1][2:], want[2]]
+    alone = paged.add_request(lone, 3, eos_ids=())
+    tokens, records = run(paged, 10, budget_tokens=64)
+    assert records[0] == StepRecord("prefill", (), ((alone, 40),), (alone,), ((alone, 0),), graph="prefill")
+    assert tokens[alone] == want[3]
+    copying = paged.add_request(lone[:24] + [9, 9], 3, eos_ids=())  # shares lone's first 24 tokens: 8 in a copy
+    tokens, records = run(paged, 10, budget_tokens=64)
+    assert records[0] == StepRecord("prefill", (), ((copying, 2),), (copying,), ((copying, 24),), graph="prefill")
+    assert [r.graph for r in records[1:]] == ["decode"] * 2 and tokens[copying] == want[4]
+    assert_pool_at_rest(paged)
+
+
 def test_a_failed_mixed_step_ends_every_request_of_it_and_registers_nothing(model, graph, rng):
     """A mixed step (a decode token and a prompt chunk) whose model call raises: both requests end,
     every block comes back, the blocks registered before it are all that is registered, and the
@@ -205,15 +244,15 @@ def test_a_failed_mixed_step_ends_every_request_of_it_and_registers_nothing(mode
         paged.step()
     assert paged.last_record.kind == "mixed"
     registered = [b for b in range(paged.num_blocks) if paged.pool.registered(b)]
-    prefill = paged.prefill
+    prefill, decode = paged.prefill, paged.decode
 
     def failing(*args):
         raise RuntimeError("injected")
 
-    paged.prefill = failing
+    paged.prefill = paged.decode = failing  # the mixed step runs in place (the decode graph)
     with pytest.raises(RuntimeError, match="injected"):
         paged.step()
-    paged.prefill = prefill
+    paged.prefill, paged.decode = prefill, decode
     assert not paged.abort(ids[0]) and not paged.abort(ids[1])
     assert_pool_at_rest(paged)
     assert [b for b in range(paged.num_blocks) if paged.pool.registered(b)] == registered

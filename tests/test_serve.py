@@ -133,13 +133,13 @@ def test_protocol_names_the_field(body, param):
 
 
 def test_cli_builds_the_generator_options():
-    """Chunked prefill is on by default (128 tokens a step), off with --no-chunked-prefill."""
+    """Chunked prefill is on by default (512 tokens a step), off with --no-chunked-prefill."""
     from models.llama.serve.__main__ import build_parser, generator_options
 
     parser = build_parser()
     plain = parser.parse_args(["--model", "tiny", "--no-prefix-caching", "--cache-gib", "0.5"])
     assert generator_options(plain, parser) == dict(block_size=16, max_batch=8, prefix_caching=False,
-                                                    max_cache_bytes=1 << 29, max_num_batched_tokens=128)
+                                                    max_cache_bytes=1 << 29, max_num_batched_tokens=512)
     chunked = parser.parse_args(["--model", "tiny", "--max-num-batched-tokens", "256"])
     assert generator_options(chunked, parser)["max_num_batched_tokens"] == 256
     whole = parser.parse_args(["--model", "tiny", "--no-chunked-prefill"])
@@ -477,21 +477,27 @@ def test_a_stalled_reader_is_dropped(served):
 
 
 def test_a_failing_step_ends_its_requests_only(served):
-    """A step that raises inside the generator (here its prefill call) ends the requests of that
-    step, each with a 500 in OpenAI's shape; the engine thread and the next requests carry on."""
+    """A step that raises inside the generator (here its prompt's step: in place, in the decode
+    graph, with this server's 8-token chunks; or the prefill graph's) ends the requests of that step,
+    each with a 500 in OpenAI's shape; the engine thread and the next requests carry on."""
     generator, failed = served.generator, []
-    run_prefill = generator._run_prefill
+    runs = {name: getattr(generator, name) for name in ("_run_prefill", "_run_decode")}
 
-    def fail_once(requests):
-        if not failed:
-            failed.append(1)
-            raise RuntimeError("injected")
-        return run_prefill(requests)
-    generator._run_prefill = fail_once
+    def fail_once(name):
+        def run(work):
+            if not failed:
+                failed.append(name)
+                raise RuntimeError("injected")
+            return runs[name](work)
+        return run
+    for name in runs:
+        setattr(generator, name, fail_once(name))
     try:
         assert_error(served.post("/v1/completions", json={"prompt": "w5", "max_tokens": 3}), 500, "engine_error")
     finally:
-        del generator._run_prefill
+        for name in runs:
+            delattr(generator, name)
+    assert failed == ["_run_decode"]
     run_decode, failed = generator._run_decode, []
 
     def fail_third(requests):
@@ -547,6 +553,14 @@ def test_concurrent_soak_leaves_the_pool_full(served):
 
 
 def test_metric_names(served):
+    """Every metric under vLLM's name, and the attention paths: prompt chunks of this server's 8 tokens
+    run in place (the paged kernel), a prompt whose first write copies a cached partial block runs
+    the prefill graph (the fused op), decode steps the paged kernel; never the unfused fallback."""
+    prompt = " ".join(f"w{t}" for t in range(3, 27))  # 25 tokens: its second block, 9 of them, cached partial
+    for text in (prompt, prompt + " w99 w98"):  # the second takes that block: a copy-on-write
+        assert served.post("/v1/completions", json={"prompt": text, "max_tokens": 2}).status_code == 200
+    stopped = served.post("/v1/completions", json={"prompt": "w5", "max_tokens": 4, "stop": ["w"]}).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop"
     m = served.metrics()
     names = {key[0] for key in m}
     for name in ("vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
@@ -556,6 +570,7 @@ def test_metric_names(served):
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total"):
         assert name in names, name
     assert m[("rfa:attention_path_total", ("path", "fused:CPU"), ("phase", "prefill"))] > 0
+    assert m[("rfa:attention_path_total", ("path", "paged:CPU"), ("phase", "prefill"))] > 0
     assert m[("rfa:attention_path_total", ("path", "paged:CPU"), ("phase", "decode"))] > 0
     assert not any(k[0] == "rfa:attention_path_total" and ("path", "unfused") in k for k in m)
     assert m[("vllm:request_success_total", ("finished_reason", "length"))] > 0

@@ -21,16 +21,25 @@ the cache can hold alone is admitted at the latest when nothing else runs.
 
 **Chunked prefill** (``max_num_batched_tokens=N``, vLLM's name): a long prompt no longer stops the
 running requests. Each step is one call holding one decode token of every running request whose
-prompt is done, then prompt tokens while the N - (decode tokens) left last: first of the requests
-already mid-prompt, then of those admitted now, in arrival order; a prompt is split over as many
+prompt is done, then prompt tokens while the N - (decode tokens) left last (beside 1..15 decode
+tokens, at most 16 tokens in all: see below): first of the requests already mid-prompt, then of
+those admitted now, in arrival order; a prompt is split over as many
 steps as it needs (its cached prefix counts as computed) and samples its first token in the step
 that computes its last token. Decode tokens are never held back: they all run, and when they alone
 fill N the step holds only them and the prompts wait until a decoding request ends (with N >=
 ``max_batch`` that never happens while a prompt is unfinished: a request mid-prompt leaves at most
 ``max_batch - 1`` decoding). They cannot pass N: a step completes at most as many prompts as it
-holds prompt tokens, at most N less its decode tokens. A step with prompt tokens runs the prefill
-graph, each decoding request a sequence of one new token over its whole context; a step of decode
-tokens only runs the decode graph. A chunk's full blocks are registered when its step has run, as a
+holds prompt tokens, at most N less its decode tokens.
+
+Which graph a step runs: decode tokens only, or at most 16 tokens in all (``STEP_TOKENS``, the
+paged kernel's queries per sequence) whose prompt chunks copy no shared block, run the decode graph:
+each sequence's new tokens attended over its blocks in place, the projections on the few-row path
+that streams the weights as stored. Other steps run the prefill graph (each sequence's context
+gathered for the fused op, each decoding request a sequence of one new token). That is why decode
+tokens leave a step only up to 16 tokens: on 2 cores with Llama2-7B's dimensions (2 layers, half
+weights) such a step took 170 ms beside a 57 ms decode step, where a 128-token chunk's prefill
+graph step took 1.07 s (docs/serving.md). With 16 or more decode tokens, prompts take N as above.
+A chunk's full blocks are registered when its step has run, as a
 whole prompt's are; the block it fills partly stays its own and unregistered until a later chunk
 fills it (or the request is aborted: then, as a finished sequence's partial last block, it is
 registered with its keys final). A request whose next uncached block another request is computing
@@ -66,7 +75,7 @@ from ..model import LlamaForCausalLM
 from .block_pool import SCRATCH_BLOCK, BlockPool, Match, SequenceBlocks, blocks_for, cache_root, prefix_keys
 from .common import (CACHE_MEMORY_FRACTION, GIB, CacheGraph, Engine, Request, Sampling, SamplingError, Token,
                      cache_memory_budget, check_eos, check_prompts, check_sampling, dynamic_vector, is_int)
-from .kv_cache import PagedKVCache, block_bytes, token_bucket
+from .kv_cache import STEP_TOKENS, PagedKVCache, block_bytes, token_bucket
 
 
 class _PagedPrefill(CacheGraph):
@@ -114,12 +123,16 @@ class StepRecord:
     over steps appearing in each; ``first_tokens``: the ids whose first token this step sampled
     (those whose prompt's last token it computed), for a server's time to first token;
     ``cached_tokens``: (id, prompt tokens found in the prefix cache) of each request admitted this
-    step, for its usage's cached tokens."""
+    step, for its usage's cached tokens. ``graph``: the call that ran it, 'decode' (every sequence's
+    new tokens attended over its blocks in place by the paged kernel: a decode step, or a step of at
+    most ``STEP_TOKENS`` tokens that copies no block) or 'prefill' (the cached context gathered for
+    the fused op)."""
     kind: str
     decode_requests: tuple[int, ...] = ()
     prefill_tokens: tuple[tuple[int, int], ...] = ()
     first_tokens: tuple[int, ...] = ()
     cached_tokens: tuple[tuple[int, int], ...] = ()
+    graph: str = field(kw_only=True)
 
     @property
     def prompt_tokens(self) -> int:
@@ -303,28 +316,33 @@ class PagedGenerator(Engine):
                 self.last_step, self.last_record, self.last_logits = None, None, None
                 return []
             requests = [w.request for w in work]
+            graph = "decode" if self._in_place(work) else "prefill"
             try:
-                if all(w.decode for w in work):
-                    logits = self._run_decode(requests)
-                else:
-                    logits = self._run_prefill(work)
+                logits = self._run_decode(work) if graph == "decode" else self._run_prefill(work)
                 drawn = [self._draw(w.request, row) if w.samples else None for w, row in zip(work, logits)]
             except BaseException:
                 self._failed(requests)
                 raise
             self.last_logits = logits[[w.samples for w in work]]
-            self.last_record = self._record(work, drawn)
+            self.last_record = self._record(work, drawn, graph)
             self.last_step = "decode" if self.last_record.kind == "decode" else "prefill"
             return self._commit(work, drawn)
 
+    def _in_place(self, work: list[_Work]) -> bool:
+        """The step runs the decode graph (the module's docstring says when, and why)."""
+        if all(w.decode for w in work):
+            return True
+        return sum(len(w.ids) for w in work) <= STEP_TOKENS and \
+            not any(self.pool.copies_on_grow(w.request.seq) for w in work if not w.decode)
+
     @staticmethod
-    def _record(work: list[_Work], drawn: list) -> StepRecord:
+    def _record(work: list[_Work], drawn: list, graph: str) -> StepRecord:
         decode = tuple(w.request.id for w in work if w.decode)
         prefill = tuple((w.request.id, len(w.ids)) for w in work if not w.decode)
         first = tuple(w.request.id for w, token in zip(work, drawn) if not w.decode and isinstance(token, int))
         cached = tuple((w.request.id, w.request.seq.length) for w in work if w.joining)  # before the commit
         kind = "decode" if not prefill else "mixed" if decode else "prefill"
-        return StepRecord(kind, decode, prefill, first, cached)
+        return StepRecord(kind, decode, prefill, first, cached, graph=graph)
 
     def _draw(self, request: _Request, row: np.ndarray):
         """The request's next token, or the ``SamplingError`` its row raised (it ends alone)."""
@@ -372,6 +390,8 @@ class PagedGenerator(Engine):
             return [_Work.decoding(request) for request in self.running]
         work = [_Work.decoding(request) for request in self.running if not request.prefilling]
         room = self._batched_tokens - len(work)
+        if 0 < len(work) < STEP_TOKENS:  # beside decode tokens, a step stays in the decode graph (_in_place)
+            room = min(room, STEP_TOKENS - len(work))
         for request in self.running:
             if request.prefilling and room > 0:
                 tokens = min(room, len(request.prompt) - request.seq.length)
@@ -496,24 +516,35 @@ class PagedGenerator(Engine):
                 np.array([c[0] for c in copies], np.int32), np.array([c[1] for c in copies], np.int32))
         return self.prefill(*[Tensor(a) for a in args]).asnumpy()
 
-    def _run_decode(self, running: list[_Request]) -> np.ndarray:
-        count = len(running)
-        self._check_pending(running)
-        tokens = token_bucket(count)  # filler sequences of one token each: read the scratch block, write nothing
+    def _run_decode(self, work: list[_Work]) -> np.ndarray:
+        """The decode graph over the step's sequences, each its new tokens (a decode token, or a
+        prompt chunk: ``q_seq_lens``) attended over its blocks in place; the logits of each one's
+        last token. Padded to a power of two with filler sequences of one token that read the
+        scratch block and write nothing, then sequences of no token."""
+        self._check_pending([w.request for w in work if w.decode])
+        lengths = [len(w.ids) for w in work]
+        tokens = token_bucket(sum(lengths))
+        fillers = tokens - sum(lengths)
         slots = np.full(tokens, -1, np.int32)
         positions = np.zeros(tokens, np.int32)
         ids = np.zeros(tokens, np.int32)
         tables = np.full((tokens, self.table_width), -1, np.int32)
-        tables[count:, 0] = SCRATCH_BLOCK
-        context = np.ones(tokens, np.int32)
-        for i, request in enumerate(running):
-            growth = self._grow(request, 1)
-            slots[i], positions[i], ids[i] = growth.slots[0], request.seq.length, request.pending
+        context, q_lens = np.zeros(tokens, np.int32), np.zeros(tokens, np.int32)
+        fill = slice(len(work), len(work) + fillers)
+        tables[fill, 0], context[fill], q_lens[fill] = SCRATCH_BLOCK, 1, 1
+        row = 0
+        for i, (item, n) in enumerate(zip(work, lengths)):
+            request = item.request
+            start = request.seq.length
+            growth = self._grow(request, n)
+            rows = slice(row, row + n)
+            slots[rows], positions[rows], ids[rows] = growth.slots, np.arange(start, start + n), item.ids
             tables[i, :len(request.seq.blocks)] = request.seq.blocks
-            context[i] = request.seq.length + 1
+            context[i], q_lens[i] = start + n, n
+            row += n
         logits = self.decode(Tensor(ids), Tensor(slots), Tensor(positions), Tensor(tables), Tensor(context),
-                             Tensor(np.ones(tokens, np.int32))).asnumpy()
-        return logits[:count]
+                             Tensor(q_lens)).asnumpy()
+        return logits[np.cumsum(lengths) - 1]
 
     # ---- the spine's calls (common.Engine: stream, generate, warm_up) ----
     def _prepare(self, prompts, counts) -> None:

@@ -45,10 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-batch", type=int, default=8, help="most sequences in one engine step")
     parser.add_argument("--max-waiting", type=int, default=64,
                         help="most requests waiting for admission; more are refused with 429")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=128,
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
                         help="most tokens of one engine step (chunked prefill): a long prompt is computed in "
-                             "chunks between the running requests' decode tokens, so their inter-token latency "
-                             "stays about one such step (default 128)")
+                             "chunks; beside the running requests' decode tokens a step holds at most 16 tokens "
+                             "(in place, about 3 decode steps' time), alone up to this many (default 512)")
     parser.add_argument("--no-chunked-prefill", action="store_true",
                         help="prefill each prompt whole in a step of its own (the running requests wait)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt whole")

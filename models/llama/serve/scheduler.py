@@ -13,7 +13,8 @@ its requests are gone from the engine), each with the error; the thread carries 
 outside a step (a bug) stops the thread; then ``/health`` says so and every request ends.
 
 Before serving, the thread warms the engine up: the prefill graph and a decode graph for every
-batch size bucket up to ``max_batch`` are compiled (``/ready`` answers 503 meanwhile).
+token count a step can be padded to (up to ``max_batch`` decode tokens, and up to 16 tokens of a
+chunked step, which runs in place) are compiled (``/ready`` answers 503 meanwhile).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 import mindspore as ms
 
+from ..engine.kv_cache import STEP_TOKENS
 from .metrics import Metrics
 
 log = logging.getLogger("models.llama.serve")
@@ -84,10 +86,10 @@ class RequestStream:
 
 
 def attention_paths(model) -> dict[str, str]:
-    """The attention path of each phase of a paged step: a prefill runs the fused op with
-    ``key_rotated`` ('fused:CPU', or 'unfused' when it fell back: RoPE then runs as its own op), a
-    decode step the paged kernel, which rotates the query itself (the new key was rotated by the
-    cache write): it has no fallback."""
+    """The attention path of each graph of a paged step (``StepRecord.graph``): the prefill graph runs
+    the fused op with ``key_rotated`` ('fused:CPU', or 'unfused' when it fell back: RoPE then runs as
+    its own op), the decode graph (decode steps, and chunks of at most 16 tokens) the paged kernel,
+    which rotates the query itself (the new keys were rotated by the cache write): it has no fallback."""
     attention = model.model.layers[0].self_attn
     return {"prefill": attention.cached_attention.backend, "decode": f"paged:{ms.get_context('device_target')}"}
 
@@ -99,6 +101,12 @@ def _warm_up_batches(max_batch: int) -> list[int]:
         sizes.append(size)
         size *= 2
     return sizes + [max_batch]
+
+
+def _warm_up_lengths() -> list[int]:
+    """One prompt length per token count a step of at most ``STEP_TOKENS`` tokens is padded to: alone,
+    such a prompt is one step in place, as a chunked step beside decode tokens is."""
+    return [1 << i for i in range(STEP_TOKENS.bit_length())]
 
 
 class EngineService:
@@ -220,8 +228,10 @@ class EngineService:
         prompt = [bos] + [3 + i % (vocab - 3) for i in range(gen.block_size)]
         for batch in _warm_up_batches(gen.max_batch):
             gen.warm_up([prompt] * batch)
-        log.info("warm-up: %.1f s (prefill and decode graphs for batches %s)", time.perf_counter() - t0,
-                 _warm_up_batches(gen.max_batch))
+        for length in _warm_up_lengths():
+            gen.warm_up([prompt[:length]], max_new_tokens=1)
+        log.info("warm-up: %.1f s (prefill and decode graphs for batches %s, prompts of %s tokens in place)",
+                 time.perf_counter() - t0, _warm_up_batches(gen.max_batch), _warm_up_lengths())
 
     def _add(self, stream: RequestStream) -> None:
         if stream.done:
@@ -259,7 +269,7 @@ class EngineService:
         t1 = self.clock()
         kind, record = gen.last_step, gen.last_record
         if kind:
-            metrics.attention_path(kind, self.paths.get(kind, gen.model.backend))
+            metrics.attention_path(kind, self.paths.get(record.graph, gen.model.backend))
         self._note_prompts(record, t0)
         hits, computed = gen.cached_prompt_tokens - hits0, gen.prefilled_tokens - computed0
         if hits or computed:
