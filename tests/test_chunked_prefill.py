@@ -68,8 +68,8 @@ def run(paged, limit, budget_tokens=None):
             assert record.prompt_tokens > 0 or prompts_left == 0 or paged.waiting
         if 0 < len(decoding) < STEP_TOKENS:  # beside decode tokens: within the decode graph's 16 tokens
             assert record.total_tokens <= STEP_TOKENS
-        assert record.graph == "decode" or (record.kind != "decode" and (
-            record.total_tokens > STEP_TOKENS or record.cached_tokens))  # else only a copy-on-write's step
+        assert record.graph == ("decode" if record.kind == "decode" or record.total_tokens <= STEP_TOKENS
+                                else "prefill")
     raise AssertionError(f"unfinished after {limit} steps")
 
 
@@ -164,7 +164,7 @@ def test_chunked_tokens_equal_the_contiguous_generators_and_prefixes_are_still_s
     if chunk is not None:
         assert all(r.prompt_tokens <= chunk for r in records) and sum(len(r.first_tokens) for r in records) == 5
         # chunks of at most 16 tokens: in place, in the decode graph of their padded token count
-        assert all(r.graph == "decode" for r in records if not r.cached_tokens)
+        assert all(r.graph == "decode" for r in records)
         assert {t for name, t in paged.compile_log if name == "_PagedDecode"} <= {1, 2, 4, 8, 16}
     assert_pool_at_rest(paged)
 
@@ -207,11 +207,13 @@ def test_a_request_sharing_the_prefix_of_one_mid_prompt_waits_for_its_blocks(mod
 def test_beside_decode_tokens_a_step_holds_16_tokens_in_place_and_alone_a_prompt_takes_the_budget(model, graph, rng):
     """A budget of 64: two requests decode while a 40-token prompt arrives. Each step holds their two
     decode tokens and 14 of its tokens (12 in the last), 16 in all, and runs the decode graph (its
-    chunk read and written in place); alone, a 40-token prompt is one step of the prefill graph, and
-    a prompt whose first write lands in a cached partial block (a copy-on-write) runs the prefill
-    graph however few its tokens. Everyone's tokens are the contiguous cache's."""
+    chunk read and written in place); alone, a 40-token prompt is one step of the prefill graph.
+    Prompts whose first write lands in a cached block they share run in place too, one or two in a
+    step, each block copied before the step (``PagedKVCache.copy_blocks``), the copied blocks' keys
+    and values equal to the originals. Everyone's tokens are the contiguous cache's."""
     a, b, long, lone = tokens_of(rng, 3), tokens_of(rng, 5), tokens_of(rng, 40), tokens_of(rng, 40)
-    want = reference(model, [a, b, long, lone, lone[:24] + [9, 9]], [20, 20, 6, 3, 3])
+    copying = [lone[:24] + [t, t] for t in (9, 8, 7)]  # each shares lone's first 24 tokens: 8 in a copied block
+    want = reference(model, [a, b, long, lone] + copying, [20, 20, 6, 3, 3, 3, 3])
     paged = PagedGenerator(model, max_cache_bytes=budget(model, 32), max_batch=4, max_num_batched_tokens=64)
     ids = [paged.add_request(a, 20, eos_ids=()), paged.add_request(b, 20, eos_ids=())]
     paged.step()
@@ -226,10 +228,26 @@ def test_beside_decode_tokens_a_step_holds_16_tokens_in_place_and_alone_a_prompt
     tokens, records = run(paged, 10, budget_tokens=64)
     assert records[0] == StepRecord("prefill", (), ((alone, 40),), (alone,), ((alone, 0),), graph="prefill")
     assert tokens[alone] == want[3]
-    copying = paged.add_request(lone[:24] + [9, 9], 3, eos_ids=())  # shares lone's first 24 tokens: 8 in a copy
+    copy_blocks, copied = paged.cache.copy_blocks, []
+
+    def recording(pairs):
+        copied.append(list(pairs))
+        copy_blocks(pairs)
+        for source, target in pairs:
+            for cache in (*paged.cache.keys, *paged.cache.values):
+                np.testing.assert_array_equal(cache.asnumpy()[target], cache.asnumpy()[source])
+    paged.cache.copy_blocks = recording
+    one = paged.add_request(copying[0], 3, eos_ids=())
     tokens, records = run(paged, 10, budget_tokens=64)
-    assert records[0] == StepRecord("prefill", (), ((copying, 2),), (copying,), ((copying, 24),), graph="prefill")
-    assert [r.graph for r in records[1:]] == ["decode"] * 2 and tokens[copying] == want[4]
+    assert records[0] == StepRecord("prefill", (), ((one, 2),), (one,), ((one, 24),), graph="decode")
+    assert tokens[one] == want[4]
+    two = [paged.add_request(p, 3, eos_ids=()) for p in copying[1:]]
+    tokens, records = run(paged, 10, budget_tokens=64)
+    assert records[0] == StepRecord("prefill", (), tuple((i, 2) for i in two), tuple(two), tuple((i, 24) for i in two),
+                                    graph="decode")
+    assert [tokens[i] for i in two] == want[5:]
+    assert [len(pairs) for pairs in copied if pairs] == [1, 2]
+    del paged.cache.copy_blocks
     assert_pool_at_rest(paged)
 
 

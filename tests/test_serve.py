@@ -554,11 +554,20 @@ def test_concurrent_soak_leaves_the_pool_full(served):
 
 def test_metric_names(served):
     """Every metric under vLLM's name, and the attention paths: prompt chunks of this server's 8 tokens
-    run in place (the paged kernel), a prompt whose first write copies a cached partial block runs
-    the prefill graph (the fused op), decode steps the paged kernel; never the unfused fallback."""
-    prompt = " ".join(f"w{t}" for t in range(3, 27))  # 25 tokens: its second block, 9 of them, cached partial
-    for text in (prompt, prompt + " w99 w98"):  # the second takes that block: a copy-on-write
-        assert served.post("/v1/completions", json={"prompt": text, "max_tokens": 2}).status_code == 200
+    run in place (the paged kernel), a whole 25-token prompt (the budget off meanwhile) the prefill
+    graph (the fused op), decode steps the paged kernel; never the unfused fallback."""
+    prompt = " ".join(f"w{t}" for t in range(3, 27))  # 25 tokens with BOS
+    assert served.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}).status_code == 200
+    served.wait_idle(timeout=10.0)
+    served.generator.max_num_batched_tokens = None  # refused unless no request is unfinished
+    try:
+        other = " ".join(f"w{t}" for t in range(30, 54))  # shares nothing: 25 tokens computed in one step
+        assert served.post("/v1/completions", json={"prompt": other, "max_tokens": 2}).status_code == 200
+    finally:
+        served.wait_idle(timeout=10.0)
+        served.generator.max_num_batched_tokens = CHUNK
+    assert served.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}).json()["usage"][
+        "prompt_tokens_details"]["cached_tokens"] == 24  # a prefix-cache hit: the first 24 of its 25 tokens
     stopped = served.post("/v1/completions", json={"prompt": "w5", "max_tokens": 4, "stop": ["w"]}).json()
     assert stopped["choices"][0]["finish_reason"] == "stop"
     m = served.metrics()

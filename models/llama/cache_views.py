@@ -13,8 +13,8 @@ cache refused them), the third needs constant arguments. A dataclass of tensors 
 A tuple holding a class object, read by these staticmethods, compiles natively, STRICT included.
 
 Chunked prefill needs no class of its own: ``PagedPrefill`` takes any number of new tokens per
-sequence over a cached prefix, so a server's mixed step (prompt chunks and one decode token per
-running sequence, packed) is a ``PagedPrefill`` view with logits at each sequence's last new token.
+sequence over a cached prefix and ``PagedDecode`` 1..16, so a server's mixed step (prompt chunks and
+one decode token per running sequence, packed) is a view of either (the engine picks by its size).
 """
 from __future__ import annotations
 
@@ -79,21 +79,21 @@ class ContiguousDecode(CacheView):
 
 
 class PagedPrefill(CacheView):
-    """New tokens after a cached prefix in a ``PagedKVCache``: the blocks a copy-on-write replaces
-    are copied (``copy_from`` -> ``copy_to``), the new keys rotated and written with the values at
-    ``slots``, and the fused op (``key_rotated``) attends over each sequence's keys read at
+    """New tokens after a cached prefix in a ``PagedKVCache`` (a block a copy-on-write replaces is
+    copied before the step: ``PagedKVCache.copy_blocks``): the new keys rotated and written with the
+    values at ``slots``, and the fused op (``key_rotated``) attends over each sequence's keys read at
     ``context`` ((block, offset) per key, TND order)."""
 
     last_token_logits = True
 
     @staticmethod
-    def build(keys, values, slots, positions, context, copy_from, copy_to):
-        return (PagedPrefill, keys, values, slots, positions, context, copy_from, copy_to)
+    def build(keys, values, slots, positions, context):
+        return (PagedPrefill, keys, values, slots, positions, context)
 
 
 class PagedDecode(CacheView):
-    """One new token per sequence, written at ``slots``; ``rotary_paged_attention`` reads the
-    blocks in place through ``block_tables``."""
+    """1..16 new tokens per sequence (``q_seq_lens``), written at ``slots``; ``rotary_paged_attention``
+    reads the blocks in place through ``block_tables``."""
 
     @staticmethod
     def build(keys, values, slots, positions, block_tables, context_lens, q_seq_lens):

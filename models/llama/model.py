@@ -210,10 +210,8 @@ class LlamaAttention(nn.Cell):
         return self.cached_attention(q.astype(keys.dtype), keys, values, aq, akv).astype(q.dtype)
 
     def paged_prefill(self, q, k, v, aq, akv, view):
-        key_cache, value_cache = CacheView.keys(view), CacheView.values(view)
-        copied = self._copy_blocks(PagedPrefill.copy_from(view), PagedPrefill.copy_to(view), key_cache, value_cache)
-        slots = ops.depend(PagedPrefill.slots(view), copied)
-        key_cache, value_cache = self._write_paged(k, v, PagedPrefill.positions(view), slots, key_cache, value_cache)
+        key_cache, value_cache = self._write_paged(k, v, PagedPrefill.positions(view), PagedPrefill.slots(view),
+                                                   CacheView.keys(view), CacheView.values(view))
         context = PagedPrefill.context(view)
         keys, values = ops.gather_nd(key_cache, context), ops.gather_nd(value_cache, context)
         query = q.astype(key_cache.dtype)  # the op's dtype rule; it accumulates in float32 either way
@@ -239,19 +237,6 @@ class LlamaAttention(nn.Cell):
         written = rotary_cache_write(k, v, self.cos, self.sin, positions, slots, key_cache, value_cache,
                                      rotary_mode=self.rotary_mode, rotary_dim=self.rotary_dim)
         return ops.depend(key_cache, written), ops.depend(value_cache, written)
-
-    def _copy_blocks(self, copy_from, copy_to, key_cache, value_cache):
-        """The copy-on-write: blocks ``copy_from`` copied whole onto ``copy_to``, in place, by the cache write
-        with the keys as they are (already rotated); what it returns orders the reads after it. ScatterUpdate,
-        whose result the reads had to depend on, copied the whole cache to change one block in every paged
-        prefill step (MindSpore 2.10 on the CPU: 221 ms for a 1.5 GB cache; 1 ms with its result unused)."""
-        block_size, kv_heads, dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
-        keys = ops.gather(key_cache, copy_from, 0).reshape(-1, kv_heads, dim)
-        values = ops.gather(value_cache, copy_from, 0).reshape(-1, kv_heads, dim)
-        slots = (copy_to.reshape(-1, 1) * block_size + ops.arange(block_size, dtype=copy_to.dtype)).reshape(-1)
-        return rotary_cache_write(keys, values, self.cos, self.sin, ops.zeros_like(slots), slots, key_cache,
-                                  value_cache, rotary_mode=self.rotary_mode, rotary_dim=self.rotary_dim,
-                                  key_rotated=True)
 
     def _rotate_new_keys(self, k, positions):
         """Standalone RoPE on the step's new keys only (one row per sequence), at their positions."""

@@ -197,11 +197,13 @@ def check_llama_tensor_parallel(name, mode, kv_heads=2):
     prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (7, 13)]
     want_tokens = Generator(whole, slots=2).generate(prompts, 6, eos_ids=()).tokens
     errors["tokens differ"] = 0.0 if Generator(tp, slots=2).generate(prompts, 6, eos_ids=()).tokens == want_tokens else 1.0
-    if mode == "graph":  # the paged engine on each rank's KV heads: 8 tokens a step, so the 7-token prompt is
-        from models.llama.engine import PagedGenerator  # prefilled whole and the 13-token one in two chunks
+    if mode == "graph":  # the paged engine on each rank's KV heads: whole prompts (20 tokens: the prefill graph),
+        from models.llama.engine import PagedGenerator  # and 8 tokens a step (chunks in place, the decode graph)
 
-        paged = PagedGenerator(tp, max_batch=2, max_cache_bytes=1 << 20, max_num_batched_tokens=8)
-        errors["paged tokens differ"] = 0.0 if paged.generate(prompts, 6, eos_ids=()).tokens == want_tokens else 1.0
+        for budget in (None, 8):
+            paged = PagedGenerator(tp, max_batch=2, max_cache_bytes=1 << 20, max_num_batched_tokens=budget)
+            same = paged.generate(prompts, 6, eos_ids=()).tokens == want_tokens
+            errors[f"paged tokens differ (budget {budget})"] = 0.0 if same else 1.0
     labels = ids
     nets = LlamaForTraining(whole), LlamaForTraining(tp)
     (want_loss, want_grads), (loss, grads) = (ms.value_and_grad(n, None, n.trainable_params())(ids, labels)

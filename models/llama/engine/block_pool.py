@@ -264,23 +264,19 @@ class BlockPool:
         keys = prefix_keys(prompt[:matched], self.block_size, root) if self.prefix_caching else []
         return SequenceBlocks(list(shared), list(prompt[:matched]), keys, root, self.epoch)
 
-    def copies_on_grow(self, seq: SequenceBlocks) -> bool:
-        """``grow`` would copy the block ``seq``'s next token lands in (shared, or registered)."""
-        first = seq.length // self.block_size
-        return first < len(seq.blocks) and (self.refs[seq.blocks[first]] > 1 or seq.blocks[first] in self._entry)
-
     def grow(self, seq: SequenceBlocks, count: int) -> Growth:
         """Blocks for ``count`` more tokens of ``seq`` (from position ``seq.length``); a block it
         shares or that is registered is replaced by a copy before the first write into it."""
         bs, start = self.block_size, seq.length
         copies = []
         first = start // bs
-        if self.copies_on_grow(seq):
+        if first < len(seq.blocks):
             block = seq.blocks[first]
-            fresh = self._allocate()
-            copies.append((block, fresh))
-            seq.blocks[first] = fresh
-            self._deferred.append(block)  # the copy reads it during the step
+            if self.refs[block] > 1 or block in self._entry:
+                fresh = self._allocate()
+                copies.append((block, fresh))
+                seq.blocks[first] = fresh
+                self._deferred.append(block)  # the copy reads it during the step
         while len(seq.blocks) < blocks_for(start + count, bs):
             seq.blocks.append(self._allocate())
         positions = np.arange(start, start + count)

@@ -20,8 +20,10 @@ import math
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, ParameterTuple, Tensor, nn
+from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 from mindspore.common.initializer import initializer
+
+from ms_rope_attention.paged import rotary_cache_write
 
 BUCKET = 512  # capacities are BUCKET * 2^k (capped at the model's cos/sin table)
 STEP_TOKENS = 16  # tokens per sequence a padded decode step takes (the op's decode path: 1..16)
@@ -148,3 +150,23 @@ class PagedKVCache(nn.Cell):
     @property
     def dtype(self):
         return self.keys[0].dtype
+
+    def copy_blocks(self, pairs) -> None:
+        """The copy-on-write before a step: each (source, destination) block copied whole, keys and
+        values, in every layer, in place, by eager calls of the cache write with the keys as they
+        are. Not inside the step's graph: there the read of the cache before its in-place write made
+        MindSpore 2.10 copy the whole cache in every step (measured on a 40-token prefill step of
+        Llama2-7B's dimensions, 2 layers, float16 weights: 402 ms with a 0.25 GiB cache, 580 ms with
+        2 GiB; 375 and 380 ms without that read)."""
+        if not pairs:
+            return
+        bs, (kv_heads, dim) = self.block_size, self.keys[0].shape[2:]
+        source = Tensor([s for s, _ in pairs], ms.int32)
+        slots = Tensor((np.array([t for _, t in pairs])[:, None] * bs + np.arange(bs)).reshape(-1).astype(np.int32))
+        positions = Tensor(np.zeros(len(pairs) * bs, np.int32))
+        # the write's rotation tables, which it does not read with key_rotated
+        cos, sin = Tensor(np.ones((1, dim), np.float32)), Tensor(np.zeros((1, dim), np.float32))
+        for keys, values in zip(self.keys, self.values):
+            rotary_cache_write(ops.gather(keys, source, 0).reshape(-1, kv_heads, dim),
+                               ops.gather(values, source, 0).reshape(-1, kv_heads, dim), cos, sin, positions, slots,
+                               keys, values, key_rotated=True)

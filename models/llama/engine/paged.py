@@ -32,15 +32,16 @@ fill N the step holds only them and the prompts wait until a decoding request en
 holds prompt tokens, at most N less its decode tokens.
 
 Which graph a step runs: decode tokens only, or at most 16 tokens in all (``STEP_TOKENS``, the
-paged kernel's queries per sequence) whose prompt chunks copy no shared block, run the decode graph:
-each sequence's new tokens attended over its blocks in place, the projections on the few-row path
-that streams the weights as stored. Other steps run the prefill graph (each sequence's context
-gathered for the fused op, each decoding request a sequence of one new token). That is why decode
-tokens leave a step only up to 16 tokens: on 2 cores with Llama2-7B's dimensions (2 layers, half
-weights) such a step took 170 ms beside a 57 ms decode step, where a 128-token chunk's prefill
-graph step took 1.07 s (docs/serving.md). With 16 or more decode tokens, prompts take N as above.
-A chunk's full blocks are registered when its step has run, as a
-whole prompt's are; the block it fills partly stays its own and unregistered until a later chunk
+paged kernel's queries per sequence), run the decode graph: each sequence's new tokens attended
+over its blocks in place, the projections on the few-row path that streams the weights as stored.
+Other steps run the prefill graph (each sequence's context gathered for the fused op, each decoding
+request a sequence of one new token). That is why decode tokens leave a step only up to 16 tokens:
+on 2 cores with Llama2-7B's dimensions (2 layers, half weights) such a step took 170 ms beside a
+57 ms decode step, where a 128-token chunk's prefill graph step took 1.07 s (docs/serving.md). With
+16 or more decode tokens, prompts take N as above. A block a step's prompt shares and must write
+into is copied before the step, whichever graph runs (``PagedKVCache.copy_blocks``). A chunk's full
+blocks are registered when its step has run, as a whole prompt's are; the block it fills partly
+stays its own and unregistered until a later chunk
 fills it (or the request is aborted: then, as a finished sequence's partial last block, it is
 registered with its keys final). A request whose next uncached block another request is computing
 (admitted this step, or mid-prompt) waits until that block is registered, then shares it, or until
@@ -83,9 +84,9 @@ class _PagedPrefill(CacheGraph):
     included, ending at ``akv``) into their blocks; logits of each prompt's last token."""
 
     @ms.jit
-    def construct(self, input_ids, aq, akv, slots, positions, context, copy_from, copy_to):
+    def construct(self, input_ids, aq, akv, slots, positions, context):
         self.count_compile()
-        view = PagedPrefill.build(self.cache.keys, self.cache.values, slots, positions, context, copy_from, copy_to)
+        view = PagedPrefill.build(self.cache.keys, self.cache.values, slots, positions, context)
         return self.lm(input_ids, aq, akv, view)
 
 
@@ -125,8 +126,7 @@ class StepRecord:
     ``cached_tokens``: (id, prompt tokens found in the prefix cache) of each request admitted this
     step, for its usage's cached tokens. ``graph``: the call that ran it, 'decode' (every sequence's
     new tokens attended over its blocks in place by the paged kernel: a decode step, or a step of at
-    most ``STEP_TOKENS`` tokens that copies no block) or 'prefill' (the cached context gathered for
-    the fused op)."""
+    most ``STEP_TOKENS`` tokens) or 'prefill' (the cached context gathered for the fused op)."""
     kind: str
     decode_requests: tuple[int, ...] = ()
     prefill_tokens: tuple[tuple[int, int], ...] = ()
@@ -219,9 +219,9 @@ class PagedGenerator(Engine):
         self.table_width = blocks_for(model.max_positions, block_size)
         self.prefill, self.decode = _PagedPrefill(model, self.cache), _PagedDecode(model, self.cache)
         self.graphs = (self.prefill, self.decode)
-        # ids, query ends, key ends, slots, positions, (block, offset) of each key, copy-on-write pairs
+        # ids, query ends, key ends, slots, positions, (block, offset) of each key
         self.prefill.set_inputs(*[dynamic_vector(t) for t in (ms.int32, ms.int64, ms.int64, ms.int32, ms.int32)],
-                                Tensor(shape=[None, 2], dtype=ms.int32), *[dynamic_vector(ms.int32)] * 2)
+                                Tensor(shape=[None, 2], dtype=ms.int32))
         self._lock = threading.RLock()  # every public call holds it: see the module's docstring
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
@@ -332,8 +332,7 @@ class PagedGenerator(Engine):
         """The step runs the decode graph (the module's docstring says when, and why)."""
         if all(w.decode for w in work):
             return True
-        return sum(len(w.ids) for w in work) <= STEP_TOKENS and \
-            not any(self.pool.copies_on_grow(w.request.seq) for w in work if not w.decode)
+        return sum(len(w.ids) for w in work) <= STEP_TOKENS
 
     @staticmethod
     def _record(work: list[_Work], drawn: list, graph: str) -> StepRecord:
@@ -509,11 +508,10 @@ class PagedGenerator(Engine):
             ids.append(item.ids)
             q_lens.append(length - start)
             kv_lens.append(length)
-        copies = copies or [(SCRATCH_BLOCK, SCRATCH_BLOCK)]  # the graph's copy takes at least one pair
+        self.cache.copy_blocks(copies)
         args = (np.concatenate(ids).astype(np.int32), np.cumsum(q_lens).astype(np.int64),
                 np.cumsum(kv_lens).astype(np.int64), np.concatenate(slots).astype(np.int32),
-                np.concatenate(positions).astype(np.int32), np.concatenate(context).astype(np.int32),
-                np.array([c[0] for c in copies], np.int32), np.array([c[1] for c in copies], np.int32))
+                np.concatenate(positions).astype(np.int32), np.concatenate(context).astype(np.int32))
         return self.prefill(*[Tensor(a) for a in args]).asnumpy()
 
     def _run_decode(self, work: list[_Work]) -> np.ndarray:
@@ -532,16 +530,18 @@ class PagedGenerator(Engine):
         context, q_lens = np.zeros(tokens, np.int32), np.zeros(tokens, np.int32)
         fill = slice(len(work), len(work) + fillers)
         tables[fill, 0], context[fill], q_lens[fill] = SCRATCH_BLOCK, 1, 1
-        row = 0
+        row, copies = 0, []
         for i, (item, n) in enumerate(zip(work, lengths)):
             request = item.request
             start = request.seq.length
             growth = self._grow(request, n)
+            copies += growth.copies
             rows = slice(row, row + n)
             slots[rows], positions[rows], ids[rows] = growth.slots, np.arange(start, start + n), item.ids
             tables[i, :len(request.seq.blocks)] = request.seq.blocks
             context[i], q_lens[i] = start + n, n
             row += n
+        self.cache.copy_blocks(copies)
         logits = self.decode(Tensor(ids), Tensor(slots), Tensor(positions), Tensor(tables), Tensor(context),
                              Tensor(q_lens)).asnumpy()
         return logits[np.cumsum(lengths) - 1]
