@@ -36,8 +36,8 @@ paged kernel's queries per sequence), run the decode graph: each sequence's new 
 over its blocks in place, the projections on the few-row path that streams the weights as stored.
 Other steps run the prefill graph (each sequence's context gathered for the fused op, each decoding
 request a sequence of one new token). That is why decode tokens leave a step only up to 16 tokens:
-on 2 cores with Llama2-7B's dimensions (2 layers, half weights) such a step took 170 ms beside a
-57 ms decode step, where a 128-token chunk's prefill graph step took 1.07 s (docs/serving.md). With
+on 2 cores with Llama2-7B's dimensions (2 layers, half weights) such a step took 159-168 ms beside
+a 60 ms decode step, where a 128-token chunk's prefill graph step took 1.07 s (docs/serving.md). With
 16 or more decode tokens, prompts take N as above. A block a step's prompt shares and must write
 into is copied before the step, whichever graph runs (``PagedKVCache.copy_blocks``). A chunk's full
 blocks are registered when its step has run, as a whole prompt's are; the block it fills partly
@@ -91,8 +91,9 @@ class _PagedPrefill(CacheGraph):
 
 
 class _PagedDecode(CacheGraph):
-    """One new token per sequence (padded to a power of two with filler sequences that write
-    nothing), attended over the blocks in place; static shapes: one graph per token count."""
+    """1..16 new tokens per sequence (a decode token, or a prompt's chunk; padded to a power of two
+    with filler sequences that write nothing), attended over the blocks in place; static shapes: one
+    graph per token count."""
 
     @ms.jit
     def construct(self, input_ids, slots, positions, block_tables, context_lens, q_seq_lens):
@@ -328,11 +329,10 @@ class PagedGenerator(Engine):
             self.last_step = "decode" if self.last_record.kind == "decode" else "prefill"
             return self._commit(work, drawn)
 
-    def _in_place(self, work: list[_Work]) -> bool:
+    @staticmethod
+    def _in_place(work: list[_Work]) -> bool:
         """The step runs the decode graph (the module's docstring says when, and why)."""
-        if all(w.decode for w in work):
-            return True
-        return sum(len(w.ids) for w in work) <= STEP_TOKENS
+        return all(w.decode for w in work) or sum(len(w.ids) for w in work) <= STEP_TOKENS
 
     @staticmethod
     def _record(work: list[_Work], drawn: list, graph: str) -> StepRecord:
