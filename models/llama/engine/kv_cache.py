@@ -23,7 +23,7 @@ import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 from mindspore.common.initializer import initializer
 
-from ms_rope_attention.paged import rotary_cache_write
+from ms_rope_attention import rotary_cache_write
 
 BUCKET = 512  # capacities are BUCKET * 2^k (capped at the model's cos/sin table)
 STEP_TOKENS = 16  # tokens per sequence a padded decode step takes (the op's decode path: 1..16)
