@@ -27,6 +27,8 @@ SHAPES = [  # (x shape, out_features)
     # vector and block sizes
     ((2, 4103), 11), ((8, 4096), 4097), ((5, 3), 1), ((1, 8, 9), 6), ((9, 64), 8), ((16, 72), 13), ((17, 40), 7),
     ((3, 33), 4099),
+    # half W past 16 rows, up to 64: the same product over blocks of 16 rows (a last block partial or whole)
+    ((2, 20, 70), 19), ((64, 4103), 9),
 ]
 
 
