@@ -132,6 +132,22 @@ def test_protocol_names_the_field(body, param):
     assert chat.messages[0].text() == "a"
 
 
+@pytest.mark.parametrize("max_batch, counts", [(3, {1, 2, 4, 8, 16}), (20, {1, 2, 4, 8, 16, 32})])
+def test_the_warm_up_compiles_every_graph_a_step_runs(max_batch, counts):
+    """With the server's default budget: the prefill graph, and the decode graph for every power of two
+    up to 16 tokens (steps in place) and to max_batch's (decode tokens alone), and no other."""
+    previous = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        generator = PagedGenerator(LlamaForCausalLM(preset("tiny"), backend="fused"), max_batch=max_batch,
+                                   max_cache_bytes=1 << 24, max_num_batched_tokens=512)
+        EngineService(generator, Metrics("tiny"), warm_up=False)._warm_up()
+        assert generator.prefill.compile_log
+        assert {tokens for _, tokens in generator.decode.compile_log} == counts
+    finally:
+        ms.set_context(mode=previous)
+
+
 def test_cli_builds_the_generator_options():
     """Chunked prefill is on by default (512 tokens a step), off with --no-chunked-prefill."""
     from models.llama.serve.__main__ import build_parser, generator_options

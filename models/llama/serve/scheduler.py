@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import mindspore as ms
 
-from ..engine.kv_cache import STEP_TOKENS
+from ..engine.kv_cache import STEP_TOKENS, token_bucket
 from .metrics import Metrics
 
 log = logging.getLogger("models.llama.serve")
@@ -94,19 +94,10 @@ def attention_paths(model) -> dict[str, str]:
     return {"prefill": attention.cached_attention.backend, "decode": f"paged:{ms.get_context('device_target')}"}
 
 
-def _warm_up_batches(max_batch: int) -> list[int]:
-    """One batch size per decode graph the engine compiles (steps are padded to powers of two)."""
-    sizes, size = [], 1
-    while size < max_batch:
-        sizes.append(size)
-        size *= 2
-    return sizes + [max_batch]
-
-
-def _warm_up_lengths() -> list[int]:
-    """One prompt length per token count a step of at most ``STEP_TOKENS`` tokens is padded to: alone,
-    such a prompt is one step in place, as a chunked step beside decode tokens is."""
-    return [1 << i for i in range(STEP_TOKENS.bit_length())]
+def _warm_up_counts(max_batch: int) -> list[int]:
+    """Each token count a step of the decode graph is padded to (powers of two): up to 16 for a step
+    in place (``STEP_TOKENS``), up to ``max_batch``'s for decode tokens alone."""
+    return [1 << i for i in range(max(STEP_TOKENS, token_bucket(max_batch)).bit_length())]
 
 
 class EngineService:
@@ -225,13 +216,14 @@ class EngineService:
         gen = self.generator
         t0 = time.perf_counter()
         vocab, bos = gen.model.vocab_size, gen.model.config.bos_token_id or 0
-        prompt = [bos] + [3 + i % (vocab - 3) for i in range(gen.block_size)]
-        for batch in _warm_up_batches(gen.max_batch):
+        prompt = [bos] + [3 + i % (vocab - 3) for i in range(gen.block_size)]  # past STEP_TOKENS: the prefill graph
+        for batch in (1, 2):  # two calls: a model's later PagedGenerator compiles it on its first two (docs/serving.md)
             gen.warm_up([prompt] * batch)
-        for length in _warm_up_lengths():
-            gen.warm_up([prompt[:length]], max_new_tokens=1)
-        log.info("warm-up: %.1f s (prefill and decode graphs for batches %s, prompts of %s tokens in place)",
-                 time.perf_counter() - t0, _warm_up_batches(gen.max_batch), _warm_up_lengths())
+        counts = _warm_up_counts(gen.max_batch)
+        for count in counts:  # a prompt of `count` tokens is one step in place; more, decode steps of that many
+            gen.warm_up([prompt[:count]] if count <= STEP_TOKENS else [prompt[:1]] * min(count, gen.max_batch))
+        log.info("warm-up: %.1f s (the prefill graph, the decode graph for %s tokens)", time.perf_counter() - t0,
+                 counts)
 
     def _add(self, stream: RequestStream) -> None:
         if stream.done:
