@@ -41,7 +41,7 @@ from test_llama import CONFIG
 
 from models.llama.engine import Generator, PagedGenerator
 from models.llama.engine.block_pool import SCRATCH_BLOCK, blocks_for, prefix_keys
-from models.llama.engine.kv_cache import block_bytes
+from models.llama.engine.kv_cache import STEP_TOKENS, block_bytes
 from models.llama.model import DTYPES
 from models.llama.weights import load_checkpoint
 
@@ -57,7 +57,8 @@ PREFIXES = ([], [CONFIG.bos_token_id], [CONFIG.bos_token_id] + _tokens.integers(
 TAILS = [_tokens.integers(3, 256, 40).tolist() for _ in range(3)]
 TAIL_LENGTHS = (0, 1, 7, 8, 14, 15, 16, 17, 31, 32, 33)
 COUNTS = {"steps": 0, "rules": 0, "examples": 0, "finished": 0, "checked": 0, "added": 0, "aborted": 0,
-          "failed": 0, "chunked examples": 0, "mixed steps": 0, "split prompts": 0, "full steps": 0}
+          "failed": 0, "chunked examples": 0, "mixed steps": 0, "split prompts": 0, "full steps": 0,
+          "prompt steps in place": 0}
 
 
 @dataclass
@@ -193,6 +194,9 @@ class EngineMachine(RuleBasedStateMachine):
             shadow = self.shadow[request]
             assert shadow.cached + shadow.computed == len(shadow.prompt)
         assert self.paged.last_step == ("decode" if record.kind == "decode" else "prefill")
+        in_place = record.kind == "decode" or record.total_tokens <= STEP_TOKENS  # the decode graph, blocks in place
+        assert record.graph == ("decode" if in_place else "prefill")
+        COUNTS["prompt steps in place"] += in_place and record.kind != "decode"
         assert record.total_tokens == len(record.decode_requests) + sum(n for _, n in record.prefill_tokens) > 0
         assert all(n > 0 for _, n in record.prefill_tokens) and len(self.paged.last_logits) == len(tokens)
         sampled = {t.request for t in tokens if t.error is None}
@@ -373,6 +377,8 @@ def test_the_engine_holds_its_invariants_under_random_use(checkpoint, graph):
           f"{COUNTS['checked']} greedy ones checked against the contiguous generator; {COUNTS['added']} added, "
           f"{COUNTS['aborted']} aborted, {COUNTS['failed']} ended by a failure; chunked prefill: "
           f"{COUNTS['chunked examples']} examples, {COUNTS['mixed steps']} mixed steps, {COUNTS['split prompts']} "
-          f"prompts prefilled over several steps, {COUNTS['full steps']} steps holding the whole budget")
+          f"prompts prefilled over several steps, {COUNTS['full steps']} steps holding the whole budget; "
+          f"{COUNTS['prompt steps in place']} steps with prompt tokens in place")
     assert COUNTS["checked"] > 0 and COUNTS["steps"] > 0
     assert COUNTS["mixed steps"] > 0 and COUNTS["split prompts"] > 0 and COUNTS["full steps"] > 0
+    assert COUNTS["prompt steps in place"] > 0
