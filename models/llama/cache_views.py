@@ -82,13 +82,13 @@ class PagedPrefill(CacheView):
     """New tokens after a cached prefix in a ``PagedKVCache`` (a block a copy-on-write replaces is
     copied before the step: ``PagedKVCache.copy_blocks``): the new keys rotated and written with the
     values at ``slots``, and the fused op (``key_rotated``) attends over each sequence's keys read at
-    ``context`` ((block, offset) per key, TND order)."""
+    ``context`` (TND order) among the rows of the step's ``blocks`` (each sequence's, in order)."""
 
     last_token_logits = True
 
     @staticmethod
-    def build(keys, values, slots, positions, context):
-        return (PagedPrefill, keys, values, slots, positions, context)
+    def build(keys, values, slots, positions, blocks, context):
+        return (PagedPrefill, keys, values, slots, positions, blocks, context)
 
 
 class PagedDecode(CacheView):

@@ -212,8 +212,13 @@ class LlamaAttention(nn.Cell):
     def paged_prefill(self, q, k, v, aq, akv, view):
         key_cache, value_cache = self._write_paged(k, v, PagedPrefill.positions(view), PagedPrefill.slots(view),
                                                    CacheView.keys(view), CacheView.values(view))
-        context = PagedPrefill.context(view)
-        keys, values = ops.gather_nd(key_cache, context), ops.gather_nd(value_cache, context)
+        # The step's blocks gathered whole along the cache's first axis, then each key's row among them.
+        # Not GatherNd over (block, offset) pairs: MindSpore 2.10's CPU kernel copied 1035 rows of 32 x 128
+        # float16 in 28-37 ms (an axis-0 gather: 1-2 ms); nor the cache reshaped to rows: that copied it whole.
+        blocks, context = PagedPrefill.blocks(view), PagedPrefill.context(view)
+        rows = (-1,) + key_cache.shape[2:]
+        keys = ops.gather(ops.gather(key_cache, blocks, 0).reshape(rows), context, 0)
+        values = ops.gather(ops.gather(value_cache, blocks, 0).reshape(rows), context, 0)
         query = q.astype(key_cache.dtype)  # the op's dtype rule; it accumulates in float32 either way
         return self.cached_attention(query, keys, values, aq, akv).astype(q.dtype)
 

@@ -84,9 +84,9 @@ class _PagedPrefill(CacheGraph):
     included, ending at ``akv``) into their blocks; logits of each prompt's last token."""
 
     @ms.jit
-    def construct(self, input_ids, aq, akv, slots, positions, context):
+    def construct(self, input_ids, aq, akv, slots, positions, blocks, context):
         self.count_compile()
-        view = PagedPrefill.build(self.cache.keys, self.cache.values, slots, positions, context)
+        view = PagedPrefill.build(self.cache.keys, self.cache.values, slots, positions, blocks, context)
         return self.lm(input_ids, aq, akv, view)
 
 
@@ -220,9 +220,9 @@ class PagedGenerator(Engine):
         self.table_width = blocks_for(model.max_positions, block_size)
         self.prefill, self.decode = _PagedPrefill(model, self.cache), _PagedDecode(model, self.cache)
         self.graphs = (self.prefill, self.decode)
-        # ids, query ends, key ends, slots, positions, (block, offset) of each key
-        self.prefill.set_inputs(*[dynamic_vector(t) for t in (ms.int32, ms.int64, ms.int64, ms.int32, ms.int32)],
-                                Tensor(shape=[None, 2], dtype=ms.int32))
+        # ids, query ends, key ends, slots, positions, the sequences' blocks, each key's row among theirs
+        self.prefill.set_inputs(*[dynamic_vector(t) for t in (ms.int32, ms.int64, ms.int64, ms.int32, ms.int32,
+                                                              ms.int32, ms.int32)])
         self._lock = threading.RLock()  # every public call holds it: see the module's docstring
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
@@ -495,7 +495,8 @@ class PagedGenerator(Engine):
         and, under chunked prefill, decoding requests as sequences of one new token."""
         self._check_pending([w.request for w in work if w.decode])
         bs = self.block_size
-        slots, positions, context, copies, ids, q_lens, kv_lens = [], [], [], [], [], [], []
+        slots, positions, blocks, context, copies, ids, q_lens, kv_lens = [], [], [], [], [], [], [], []
+        first_row = 0  # of this sequence's blocks among the step's
         for item in work:
             request = item.request
             start, length = request.seq.length, request.seq.length + len(item.ids)
@@ -503,15 +504,18 @@ class PagedGenerator(Engine):
             slots.append(growth.slots)
             copies += growth.copies
             positions.append(np.arange(start, length))
-            keys = np.arange(length)
-            context.append(np.stack([np.asarray(request.seq.blocks)[keys // bs], keys % bs], 1))
+            held = request.seq.blocks[:blocks_for(length, bs)]
+            blocks.append(held)
+            context.append(first_row + np.arange(length))
+            first_row += len(held) * bs
             ids.append(item.ids)
             q_lens.append(length - start)
             kv_lens.append(length)
         self.cache.copy_blocks(copies)
         args = (np.concatenate(ids).astype(np.int32), np.cumsum(q_lens).astype(np.int64),
                 np.cumsum(kv_lens).astype(np.int64), np.concatenate(slots).astype(np.int32),
-                np.concatenate(positions).astype(np.int32), np.concatenate(context).astype(np.int32))
+                np.concatenate(positions).astype(np.int32), np.concatenate(blocks).astype(np.int32),
+                np.concatenate(context).astype(np.int32))
         return self.prefill(*[Tensor(a) for a in args]).asnumpy()
 
     def _run_decode(self, work: list[_Work]) -> np.ndarray:
