@@ -23,12 +23,10 @@ WEIGHT_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dt
 SHAPES = [  # (x shape, out_features)
     ((1, 1), 1), ((1, 4096), 7), ((7, 13), 5), ((3, 5, 17), 9), ((2, 1, 3, 33), 65), ((129, 257), 130),
     ((0, 8), 4), ((4, 8), 0),
-    # decode-sized rows (M <= 8 float32, <= 16 half: the library's own product): K and N off its
-    # vector and block sizes
-    ((2, 4103), 11), ((8, 4096), 4097), ((5, 3), 1), ((1, 8, 9), 6), ((9, 64), 8), ((16, 72), 13), ((17, 40), 7),
-    ((3, 33), 4099),
-    # half W past 16 rows, up to 64: the same product over blocks of 16 rows (a last block partial or whole)
-    ((2, 20, 70), 19), ((64, 4103), 9),
+    # decode-sized rows (M <= 8: the library's own product): K and N off its vector and block sizes
+    ((2, 4103), 11), ((8, 4096), 4097), ((5, 3), 1), ((1, 8, 9), 6), ((3, 33), 4099),
+    # half W, 9 to 64 rows: the chunked product (chunks of 256 weights; groups of 4, 2 and 1 rows of x)
+    ((9, 64), 8), ((16, 72), 13), ((17, 40), 7), ((2, 20, 70), 19), ((33, 700), 10), ((64, 4103), 9),
 ]
 
 
@@ -52,12 +50,25 @@ def test_kernel_equals_float64_reference(x_shape, out_features, weight_dtype, is
 
 @pytest.mark.parametrize("weight_dtype", ["float16", "bfloat16"])
 def test_prefill_sized_half_product_spans_several_panels(weight_dtype, rng):
-    """More W rows than one 64 MiB float32 panel holds (K = 8192: 2048 rows a panel), so the panel
-    loop and its last, partial panel (52 rows) are exercised."""
-    x = rng.standard_normal((24, 8192)).astype(np.float32)
+    """Past 64 rows of x, more W rows than one 64 MiB float32 panel holds (K = 8192: 2048 rows a
+    panel), so the panel loop and its last, partial panel (52 rows) are exercised."""
+    x = rng.standard_normal((65, 8192)).astype(np.float32)
     w = rng.standard_normal((2100, 8192)).astype(np.float32).astype(WEIGHT_DTYPES[weight_dtype])
     expected, tol = reference(x, w)
     assert np.all(np.abs(linear.multiply(x, w) - expected) <= tol)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("weight_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("rows, k", [(9, 4096), (16, 700), (35, 4103), (64, 257)])
+def test_each_row_of_a_half_product_is_that_row_alone(rows, k, weight_dtype, isa, rng):
+    """Up to 64 rows of x by a half W, each row's result is bit for bit that row's alone (the decode
+    step's product): a token's projections do not depend on what else its step holds."""
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = rng.standard_normal((37, k)).astype(np.float32).astype(WEIGHT_DTYPES[weight_dtype])
+    together = linear.multiply(x, w, isa=isa)
+    alone = np.concatenate([linear.multiply(x[i:i + 1], w, isa=isa) for i in range(rows)])
+    assert np.array_equal(together, alone)
 
 
 def test_empty_sum_is_zero(rng):

@@ -167,16 +167,12 @@ std::string Validate(const int *ndims, int64_t *const *shapes, const char *const
 // below the memory bandwidth (x (8, 4096) by W (11008, 4096): 29 ms, where reading W once takes
 // ~8 ms), so W is streamed once by weights::SmallRowsProduct, its rows split across threads.
 // Measured on 2 AVX2 cores, float32 W (11008, 4096): M = 1, 2, 8 in 8.2, 12.0, 15.8 ms; at M = 16
-// this ran no faster than SGEMM (40 ms), which keeps the larger float32 products. A half W has no
-// SGEMM to go to without a float32 copy, and halves the bytes to read: it streams up to M = 16.
-constexpr int64_t kSmallRows = 8, kSmallRowsHalf = 16;
+// this ran no faster than SGEMM (40 ms), which keeps the larger float32 products.
+constexpr int64_t kSmallRows = 8;
 
-// A half W past kSmallRowsHalf rows of x, up to kBlockedRowsHalf: SmallRows over blocks of
-// kSmallRowsHalf rows (W read once a block) instead of PanelGemm, which widens every panel of W to
-// float32 for SGEMM at each call. Measured on 2 cores of an Intel Xeon without AMX, Llama2-7B's
-// dimensions, 2 layers, float16 W, steps of PagedGenerator's prefill graph (one process per form):
-// 17 / 35 / 64 new tokens in 144-176 / 248-279 / 443-482 ms against 356-540 / 445-516 / 500-622 ms.
-constexpr int64_t kBlockedRowsHalf = 64;
+// A half W past kSmallRows rows of x, up to weights::kChunkedRowsMax: weights::ChunkedRowsProduct,
+// which converts W once per call in chunks that stay in L1 (its comment has the measurements), instead
+// of PanelGemm, which widens every panel of W to float32 in memory for SGEMM at each call.
 constexpr int64_t kFewRowsBF16 = 4;  // bfloat16 arithmetic: see Multiply
 
 // Prefill-sized products with a half W: panels of W's rows converted to float32 on the OpenMP
@@ -231,14 +227,9 @@ void SmallRows(const Gemm &g, const float *x, const W *w, float *y) {
   OnThreadRows(g.n, [&](int64_t n0, int64_t n1) { rfa::weights::SmallRowsProduct(g.m, g.n, g.k, x, w, y, n0, n1); });
 }
 
-// SmallRows over blocks of kSmallRowsHalf rows of x (see kBlockedRowsHalf).
 template <typename W>
-void SmallRowBlocks(const Gemm &g, const float *x, const W *w, float *y) {
-  for (int64_t r = 0; r < g.m; r += kSmallRowsHalf) {
-    Gemm block = g;
-    block.m = std::min(kSmallRowsHalf, g.m - r);
-    SmallRows(block, x + r * g.k, w, y + r * g.n);
-  }
+void ChunkedRows(const Gemm &g, const float *x, const W *w, float *y) {
+  OnThreadRows(g.n, [&](int64_t n0, int64_t n1) { rfa::weights::ChunkedRowsProduct(g.m, g.n, g.k, x, w, y, n0, n1); });
 }
 
 #ifdef RFA_BF16_DOT_PRODUCT
@@ -363,12 +354,12 @@ void Multiply(const Gemm &g, Compute compute, const float *x, const W *w, float 
     }
   }
   constexpr bool kFloat = std::is_same_v<W, float>;
-  if (g.m <= (kFloat ? kSmallRows : kSmallRowsHalf)) {
+  if (g.m <= kSmallRows) {
     SmallRows(g, x, w, y);
   } else if constexpr (kFloat) {
     Sgemm(g, x, w, g.n, y);
-  } else if (g.m <= kBlockedRowsHalf) {
-    SmallRowBlocks(g, x, w, y);
+  } else if (g.m <= rfa::weights::kChunkedRowsMax) {
+    ChunkedRows(g, x, w, y);
   } else {
     PanelGemm(g, x, w, y);
   }

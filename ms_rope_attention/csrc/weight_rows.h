@@ -195,6 +195,110 @@ void SmallRowsProduct(int64_t m, int64_t n, int64_t k, const float *x, const W *
     }
 }
 
+// ---- Many rows of x with a half W ---------------------------------------------------------------
+//
+// Past a few rows of x, the in-register form above converts each weight once per group of four x
+// rows and reads both W and x from L2 at each pass. ChunkedRowsProduct converts each block of four
+// rows of W once per call, kChunkK weights at a time, into a float32 buffer that stays in L1; every
+// group of four x rows (up to kChunkedRowsMax) multiplies that chunk there, its 16 partial sums kept
+// in a buffer between chunks. Each (x row, W row) pair accumulates exactly as in QuadRowsOfX (the
+// same lanes in the same order, then the same reduction and tail): the results are bit for bit those
+// of SmallRowsProduct, and each row's is that row's alone. Measured with x (m, 4096) by a float16 W
+// (11008, 4096), 2 threads of the Xeon without AMX, the forms alternating in one process (min of 7):
+// m = 16, 26, 35, 64 in 11.5, 16.6, 20.0, 29.0 ms, against 12.4, 20.8, 26.9, 41.3 ms for
+// SmallRowsProduct over blocks of 16 rows of x. At m = 8 it was 4% slower (chunks of 512); at m = 128
+// and 256, SGEMM on widened panels was faster (70.8 and 90.7 ms against 90.6 and 130.8). Chunks of
+// 128 or 512 weights, and blocks of 8 rows of W (3 rows of x a pass), gained nothing consistent.
+constexpr int64_t kChunkK = 256, kChunkedRowsMax = 64;
+
+// acc[g * 4 + q] += x[g] . wbuf[q] over one chunk of `len` weights (a multiple of kLanes), for G rows
+// of x at x (each k apart) and the chunk's four converted rows of W in wbuf (each kChunkK apart).
+template <int G>
+inline void ChunkOfGroup(int64_t k, const float *x, const float *wbuf, int64_t len, vf *acc) {
+  vf a[G][4];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) a[g][q] = acc[g * 4 + q];
+  for (int64_t j = 0; j < len; j += kLanes) {
+    vf r[4];
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) r[q] = simd::Load(wbuf + q * kChunkK + j);
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      const vf u = simd::Load(x + g * k + j);
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) a[g][q] += r[q] * u;
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) acc[g * 4 + q] = a[g][q];
+}
+
+// y[i, r:r+4] for the m (<= kChunkedRowsMax) rows of x at x and the four rows of W at w0: the chunks, then
+// each pair's reduction and its last k % kLanes terms, written as FourRows writes them.
+template <typename W>
+void SlabTimesFourRows(int64_t m, int64_t n, int64_t k, const float *x, const W *w0, float *y, int64_t r) {
+  const int64_t kv = k / kLanes * kLanes;
+  const W *w[4] = {w0, w0 + k, w0 + 2 * k, w0 + 3 * k};
+  alignas(64) float wbuf[4 * kChunkK];
+  vf acc[kChunkedRowsMax * 4];
+  for (int64_t i = 0; i < m * 4; ++i) acc[i] = vf{};
+  for (int64_t k0 = 0; k0 < kv; k0 += kChunkK) {
+    const int64_t len = std::min(kChunkK, kv - k0);
+    for (int q = 0; q < 4; ++q)
+      for (int64_t j = 0; j < len; j += kLanes) {
+        if (j % (64 / sizeof(W)) == 0) __builtin_prefetch(w[q] + k0 + j + kPrefetchBytes / sizeof(W));
+        simd::Store(wbuf + q * kChunkK + j, LoadAsFloat(w[q] + k0 + j));
+      }
+    int64_t i = 0;
+    for (; i + 4 <= m; i += 4) ChunkOfGroup<4>(k, x + i * k + k0, wbuf, len, acc + i * 4);
+    for (; i + 2 <= m; i += 2) ChunkOfGroup<2>(k, x + i * k + k0, wbuf, len, acc + i * 4);
+    for (; i < m; ++i) ChunkOfGroup<1>(k, x + i * k + k0, wbuf, len, acc + i * 4);
+  }
+  int64_t i = 0;
+  for (; i + 2 <= m; i += 2) {  // as FourRows' pairs (QuadRowsOfX writes its tail the same way)
+    const float *xa = x + i * k, *xb = xa + k;
+    const vf *a = acc + i * 4, *b = a + 4;
+    float s[8] = {simd::ReduceSum(a[0]), simd::ReduceSum(a[1]), simd::ReduceSum(a[2]), simd::ReduceSum(a[3]),
+                  simd::ReduceSum(b[0]), simd::ReduceSum(b[1]), simd::ReduceSum(b[2]), simd::ReduceSum(b[3])};
+    for (int64_t j = kv; j < k; ++j) {
+      const float c0 = AsFloat(w[0][j]), c1 = AsFloat(w[1][j]), c2 = AsFloat(w[2][j]), c3 = AsFloat(w[3][j]);
+      s[0] += c0 * xa[j]; s[1] += c1 * xa[j]; s[2] += c2 * xa[j]; s[3] += c3 * xa[j];
+      s[4] += c0 * xb[j]; s[5] += c1 * xb[j]; s[6] += c2 * xb[j]; s[7] += c3 * xb[j];
+    }
+    std::memcpy(y + i * n + r, s, 16);
+    std::memcpy(y + (i + 1) * n + r, s + 4, 16);
+  }
+  if (i < m) {  // as FourRows' single row
+    const float *xa = x + i * k;
+    const vf *a = acc + i * 4;
+    float s[4] = {simd::ReduceSum(a[0]), simd::ReduceSum(a[1]), simd::ReduceSum(a[2]), simd::ReduceSum(a[3])};
+    for (int64_t j = kv; j < k; ++j) {
+      s[0] += AsFloat(w[0][j]) * xa[j]; s[1] += AsFloat(w[1][j]) * xa[j];
+      s[2] += AsFloat(w[2][j]) * xa[j]; s[3] += AsFloat(w[3][j]) * xa[j];
+    }
+    std::memcpy(y + i * n + r, s, 16);
+  }
+}
+
+// SmallRowsProduct's result for m <= kChunkedRowsMax rows of x: the blocks of four rows of W in
+// [n0, n1) (SlabTimesFourRows), the last (n1 - n0) % 4 rows as there.
+template <typename W>
+void ChunkedRowsProduct(int64_t m, int64_t n, int64_t k, const float *x, const W *w, float *y, int64_t n0,
+                        int64_t n1) {
+  int64_t r = n0;
+  for (; r + 4 <= n1; r += 4) SlabTimesFourRows(m, n, k, x, w + r * k, y, r);
+  for (; r < n1; ++r)
+    for (int64_t i = 0; i < m; ++i) {
+      float s = 0.f;
+      for (int64_t j = 0; j < k; ++j) s += AsFloat(w[r * k + j]) * x[i * k + j];
+      y[i * n + r] = s;
+    }
+}
+
 // The slice [n0, n1) of W's rows thread t of `threads` takes: whole blocks of four rows each, the
 // last thread the rest.
 inline void ThreadRows(int64_t n, int threads, int t, int64_t *n0, int64_t *n1) {

@@ -2,7 +2,7 @@
 // W in float32, float16 and bfloat16 against a float64 product of the same weights, over shapes whose
 // K and N are off the vector width and the block of four rows; and weights::RowToFloat for all 65536
 // bfloat16 bit patterns against the definition (the bits in the high half of a float32); each row of x
-// alone gives the batch's bits. Built once
+// alone gives the batch's bits, and weights::ChunkedRowsProduct gives SmallRowsProduct's. Built once
 // per instruction set, and for aarch64 under qemu, by tests/test_cross_builds.py. Exit status 0 when
 // every case agrees.
 #include <cmath>
@@ -67,6 +67,14 @@ int CheckProduct(int64_t m, int64_t n, int64_t k) {
       std::printf("m %lld n %lld k %lld: row %lld alone differs from the batch's\n", (long long)m, (long long)n,
                   (long long)k, (long long)i);
   }
+  // The chunked product (up to kChunkedRowsMax rows) gives the same bits as SmallRowsProduct.
+  if (m <= rfa::weights::kChunkedRowsMax) {
+    std::vector<float> chunked(m * n, NAN);
+    rfa::weights::ChunkedRowsProduct(m, n, k, x.data(), w.data(), chunked.data(), 0, n);
+    if (std::memcmp(chunked.data(), y.data(), m * n * sizeof(float)) != 0 && failed++ < 5)
+      std::printf("m %lld n %lld k %lld: the chunked product differs from SmallRowsProduct\n", (long long)m,
+                  (long long)n, (long long)k);
+  }
   return failed != 0;
 }
 
@@ -89,7 +97,8 @@ int CheckBFloat16Patterns() {
 }  // namespace
 
 int main() {
-  const int64_t shapes[][3] = {{1, 1, 1}, {1, 7, 40}, {2, 9, 72}, {3, 13, 33}, {8, 4, 4099}, {16, 11, 129}, {5, 3, 17}};
+  const int64_t shapes[][3] = {{1, 1, 1}, {1, 7, 40}, {2, 9, 72}, {3, 13, 33}, {8, 4, 4099}, {16, 11, 129}, {5, 3, 17},
+                               {35, 9, 700}, {64, 6, 263}};
   int failed = 0, cases = 0;
   for (const auto &s : shapes) {
     failed += CheckProduct<float>(s[0], s[1], s[2]);
