@@ -863,7 +863,10 @@ def test_serve_load_smoke_run(tmp_path):
     burst = rows.pop("burst")  # 4 decoders of 24 tokens, then a 120-token prompt: every gap of theirs
     assert burst["status"] == "ok" and burst["requests"] == 5 and burst["errors"] == 0, burst
     assert burst["decoders"] == 4 and burst["decode_gaps"] == 4 * 23 and burst["rate"] is None
-    assert 0 < burst["decode_itl_p50_ms"] <= burst["decode_itl_p99_ms"] and burst["long_prompt_ttft_ms"] > 0
+    # The tiny model steps in about a millisecond: on a busy machine the event loop may send a decoder two
+    # tokens in one write, which aiperf times as a gap of 0 (seen at the median under 3 test workers on 2 cores).
+    assert 0 <= burst["decode_itl_p50_ms"] <= burst["decode_itl_p99_ms"] and burst["decode_itl_p99_ms"] > 0
+    assert burst["long_prompt_ttft_ms"] > 0
     assert "| burst: system |" in serve_load.table(results)
     for row in rows.values():
         assert row["status"] == "ok" and row["requests"] == 3 and row["errors"] == 0, row
