@@ -294,6 +294,10 @@ def _fmt(value, spec=".0f", none="n/a"):
     return none if value is None else format(value, spec)
 
 
+def _ratio(value):
+    return _fmt(value, ".2f") + ("x" if value is not None else "")
+
+
 def table(results: dict) -> str:
     lines = ["| trace | req/s | system | requests (errors) | TTFT p50 / p99 ms | TTFT mean ms client / server "
              "| ITL p50 / p99 ms | output tokens/s | prefix-cache hits |",
@@ -317,13 +321,13 @@ def table(results: dict) -> str:
         lines += ["", "| burst: system | decoders' inter-token latency per token, p50 / p99 / max ms | p99 / p50 "
                       "| the long prompt's TTFT ms |", "|---|---|---|---|"]
         lines += [f"| {r['system']} | {_fmt(r['decode_itl_p50_ms'], '.1f')} / {_fmt(r['decode_itl_p99_ms'], '.1f')} / "
-                  f"{_fmt(r.get('decode_itl_max_ms'), '.0f')} | {_fmt(r['decode_itl_p99_over_p50'], '.2f')}x | "
+                  f"{_fmt(r.get('decode_itl_max_ms'), '.0f')} | {_ratio(r['decode_itl_p99_over_p50'])} | "
                   f"{_fmt(r['long_prompt_ttft_ms'])} |" for r in bursts]
     if results["ratios"]:
         lines += ["", f"| trace | req/s | system / {REFERENCE} | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 "
                       "| output tokens/s |", "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['trace']} | {r['rate']} | {r['system']} | "
-                  + " | ".join(_fmt(r[f], ".2f") + ("x" if r[f] is not None else "") for f in RATIO_FIELDS) + " |"
+                  + " | ".join(_ratio(r[f]) for f in RATIO_FIELDS) + " |"
                   for r in results["ratios"]]
     return "\n".join(lines)
 

@@ -863,9 +863,13 @@ def test_serve_load_smoke_run(tmp_path):
     burst = rows.pop("burst")  # 4 decoders of 24 tokens, then a 120-token prompt: every gap of theirs
     assert burst["status"] == "ok" and burst["requests"] == 5 and burst["errors"] == 0, burst
     assert burst["decoders"] == 4 and burst["decode_gaps"] == 4 * 23 and burst["rate"] is None
-    # The tiny model steps in about a millisecond: on a busy machine the event loop may send a decoder two
-    # tokens in one write, which aiperf times as a gap of 0 (seen at the median under 3 test workers on 2 cores).
-    assert 0 <= burst["decode_itl_p50_ms"] <= burst["decode_itl_p99_ms"] and burst["decode_itl_p99_ms"] > 0
+    # The tiny model steps in about a millisecond: on a busy machine a decoder's tokens can leave in one
+    # write, which aiperf times as gaps of 0 (seen at the median under 3 test workers, and for every gap in
+    # CI). So the gaps are only checked for order here: that every decoder gets a token each step is
+    # test_chunked_prefill.py's, from the scheduler's step record, and their size is the benchmark's.
+    assert 0 <= burst["decode_itl_p50_ms"] <= burst["decode_itl_p99_ms"] <= burst["decode_itl_max_ms"]
+    assert burst["decode_itl_p99_over_p50"] is None if burst["decode_itl_p50_ms"] == 0 else \
+        burst["decode_itl_p99_over_p50"] == pytest.approx(burst["decode_itl_p99_ms"] / burst["decode_itl_p50_ms"])
     assert burst["long_prompt_ttft_ms"] > 0
     assert "| burst: system |" in serve_load.table(results)
     for row in rows.values():
