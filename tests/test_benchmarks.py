@@ -874,7 +874,8 @@ def test_serve_load_smoke_run(tmp_path):
     assert "| burst: system |" in serve_load.table(results)
     for row in rows.values():
         assert row["status"] == "ok" and row["requests"] == 3 and row["errors"] == 0, row
-        assert row["ttft_p50_ms"] > 0 and row["itl_p50_ms"] > 0 and row["output_tokens_per_s"] > 0
+        assert row["ttft_p50_ms"] > 0 and row["output_tokens_per_s"] > 0
+        assert 0 <= row["itl_p50_ms"] <= row["itl_p99_ms"]  # 0 when tokens leave in one write, as above
         assert row["server"]["ttft_count"] == 3 and row["server_ttft_mean_ms"] > 0  # not the warm-up request
         assert row["output_tokens_vs_usage_pct"] == 0.0 and row["server"]["finished"]["length"] == 3
     chat = rows["chat"]
