@@ -78,10 +78,50 @@ inline void PrefetchRows(const W *w0, const W *w1, const W *w2, const W *w3, int
 // M = 16 1.53x, 1.21x / 1.25x.
 constexpr bool kQuadRowsOfX = kLanes == 16;
 
+// The end of every product below for one pair of x rows (xa, and xb = xa + k) and four rows of W: the
+// pair's eight vector sums (a: xa's four, b: xb's) reduced, plus the last k % kLanes terms, written at
+// ya and ya + n. One definition for all of them: GCC fuses (or not) these multiply-adds by the form of
+// this code, so the products agree bit for bit only while they share it.
+template <typename W>
+inline void FinishPair(int64_t n, int64_t k, const float *xa, const W *const w[4], const vf *a, const vf *b,
+                       float *ya) {
+  const float *xb = xa + k;
+  float s[8] = {simd::ReduceSum(a[0]), simd::ReduceSum(a[1]), simd::ReduceSum(a[2]), simd::ReduceSum(a[3]),
+                simd::ReduceSum(b[0]), simd::ReduceSum(b[1]), simd::ReduceSum(b[2]), simd::ReduceSum(b[3])};
+  for (int64_t j = k / kLanes * kLanes; j < k; ++j) {
+    const float c0 = AsFloat(w[0][j]), c1 = AsFloat(w[1][j]), c2 = AsFloat(w[2][j]), c3 = AsFloat(w[3][j]);
+    s[0] += c0 * xa[j]; s[1] += c1 * xa[j]; s[2] += c2 * xa[j]; s[3] += c3 * xa[j];
+    s[4] += c0 * xb[j]; s[5] += c1 * xb[j]; s[6] += c2 * xb[j]; s[7] += c3 * xb[j];
+  }
+  std::memcpy(ya, s, 16);
+  std::memcpy(ya + n, s + 4, 16);
+}
+
+// As FinishPair for one row of x.
+template <typename W>
+inline void FinishOne(int64_t k, const float *xa, const W *const w[4], const vf *a, float *ya) {
+  float s[4] = {simd::ReduceSum(a[0]), simd::ReduceSum(a[1]), simd::ReduceSum(a[2]), simd::ReduceSum(a[3])};
+  for (int64_t j = k / kLanes * kLanes; j < k; ++j) {
+    s[0] += AsFloat(w[0][j]) * xa[j]; s[1] += AsFloat(w[1][j]) * xa[j];
+    s[2] += AsFloat(w[2][j]) * xa[j]; s[3] += AsFloat(w[3][j]) * xa[j];
+  }
+  std::memcpy(ya, s, 16);
+}
+
+// y[:, r:n1] = x W[r:n1]^T one dot product at a time: the last rows of a slice, fewer than four.
+template <typename W>
+void RemainingRows(int64_t m, int64_t n, int64_t k, const float *x, const W *w, float *y, int64_t r, int64_t n1) {
+  for (; r < n1; ++r)
+    for (int64_t i = 0; i < m; ++i) {
+      float s = 0.f;
+      for (int64_t j = 0; j < k; ++j) s += AsFloat(w[r * k + j]) * x[i * k + j];
+      y[i * n + r] = s;
+    }
+}
+
 // y[i, q] = x[i] . W[q] for the four rows of x at x and the four consecutive rows of W at w0, written at
-// y + i * n + q: what FourRows below computes for them as two pairs, bit for bit. (The sums' order is
-// the pairs' own; the last k % kLanes terms are written as in the pairs' code because GCC fuses (or
-// not) their multiply-adds by the form of that code: checked against the pairs for every weight type.)
+// y + i * n + q: what FourRows below computes for them as two pairs, bit for bit (the same lanes in the
+// same order, then FinishPair).
 template <typename W>
 void QuadRowsOfX(int64_t n, int64_t k, const float *x, const W *w0, float *y) {
   const int64_t kv = k / kLanes * kLanes;
@@ -99,19 +139,8 @@ void QuadRowsOfX(int64_t n, int64_t k, const float *x, const W *w0, float *y) {
       for (int q = 0; q < 4; ++q) acc[g][q] += r[q] * u;
     }
   }
-  for (int g = 0; g < 4; g += 2) {
-    const float *xa = x + g * k, *xb = xa + k;
-    float s[8] = {simd::ReduceSum(acc[g][0]), simd::ReduceSum(acc[g][1]), simd::ReduceSum(acc[g][2]),
-                  simd::ReduceSum(acc[g][3]), simd::ReduceSum(acc[g + 1][0]), simd::ReduceSum(acc[g + 1][1]),
-                  simd::ReduceSum(acc[g + 1][2]), simd::ReduceSum(acc[g + 1][3])};
-    for (int64_t j = kv; j < k; ++j) {
-      const float c0 = AsFloat(w[0][j]), c1 = AsFloat(w[1][j]), c2 = AsFloat(w[2][j]), c3 = AsFloat(w[3][j]);
-      s[0] += c0 * xa[j]; s[1] += c1 * xa[j]; s[2] += c2 * xa[j]; s[3] += c3 * xa[j];
-      s[4] += c0 * xb[j]; s[5] += c1 * xb[j]; s[6] += c2 * xb[j]; s[7] += c3 * xb[j];
-    }
-    std::memcpy(y + g * n, s, 16);
-    std::memcpy(y + (g + 1) * n, s + 4, 16);
-  }
+  FinishPair(n, k, x, w, acc[0], acc[1], y);
+  FinishPair(n, k, x + 2 * k, w, acc[2], acc[3], y + 2 * n);
 }
 
 // y[:, r:r+4] = x W[r:r+4]^T for the four consecutive rows of W at w0 (each k long): dotted with four
@@ -119,45 +148,33 @@ void QuadRowsOfX(int64_t n, int64_t k, const float *x, const W *w0, float *y) {
 template <typename W>
 void FourRows(int64_t m, int64_t n, int64_t k, const float *x, const W *w0, float *y, int64_t r) {
   const int64_t kv = k / kLanes * kLanes;
-  const W *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
+  const W *w[4] = {w0, w0 + k, w0 + 2 * k, w0 + 3 * k};
   int64_t i = 0;
   if constexpr (kQuadRowsOfX)
     for (; i + 4 <= m; i += 4) QuadRowsOfX(n, k, x + i * k, w0, y + i * n + r);
   for (; i + 2 <= m; i += 2) {
     const float *xa = x + i * k, *xb = xa + k;
-    vf a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
+    vf a[4] = {}, b[4] = {};
     for (int64_t j = 0; j < kv; j += kLanes) {
-      PrefetchRows(w0, w1, w2, w3, j);
+      PrefetchRows(w[0], w[1], w[2], w[3], j);
       const vf u = simd::Load(xa + j), v = simd::Load(xb + j);
-      const vf r0 = LoadAsFloat(w0 + j), r1 = LoadAsFloat(w1 + j), r2 = LoadAsFloat(w2 + j), r3 = LoadAsFloat(w3 + j);
-      a0 += r0 * u; a1 += r1 * u; a2 += r2 * u; a3 += r3 * u;
-      b0 += r0 * v; b1 += r1 * v; b2 += r2 * v; b3 += r3 * v;
+      const vf r0 = LoadAsFloat(w[0] + j), r1 = LoadAsFloat(w[1] + j), r2 = LoadAsFloat(w[2] + j),
+               r3 = LoadAsFloat(w[3] + j);
+      a[0] += r0 * u; a[1] += r1 * u; a[2] += r2 * u; a[3] += r3 * u;
+      b[0] += r0 * v; b[1] += r1 * v; b[2] += r2 * v; b[3] += r3 * v;
     }
-    float s[8] = {simd::ReduceSum(a0), simd::ReduceSum(a1), simd::ReduceSum(a2), simd::ReduceSum(a3),
-                  simd::ReduceSum(b0), simd::ReduceSum(b1), simd::ReduceSum(b2), simd::ReduceSum(b3)};
-    for (int64_t j = kv; j < k; ++j) {
-      const float c0 = AsFloat(w0[j]), c1 = AsFloat(w1[j]), c2 = AsFloat(w2[j]), c3 = AsFloat(w3[j]);
-      s[0] += c0 * xa[j]; s[1] += c1 * xa[j]; s[2] += c2 * xa[j]; s[3] += c3 * xa[j];
-      s[4] += c0 * xb[j]; s[5] += c1 * xb[j]; s[6] += c2 * xb[j]; s[7] += c3 * xb[j];
-    }
-    std::memcpy(y + i * n + r, s, 16);
-    std::memcpy(y + (i + 1) * n + r, s + 4, 16);
+    FinishPair(n, k, xa, w, a, b, y + i * n + r);
   }
   for (; i < m; ++i) {
     const float *xa = x + i * k;
-    vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    vf a[4] = {};
     for (int64_t j = 0; j < kv; j += kLanes) {
-      PrefetchRows(w0, w1, w2, w3, j);
+      PrefetchRows(w[0], w[1], w[2], w[3], j);
       const vf u = simd::Load(xa + j);
-      a0 += LoadAsFloat(w0 + j) * u; a1 += LoadAsFloat(w1 + j) * u;
-      a2 += LoadAsFloat(w2 + j) * u; a3 += LoadAsFloat(w3 + j) * u;
+      a[0] += LoadAsFloat(w[0] + j) * u; a[1] += LoadAsFloat(w[1] + j) * u;
+      a[2] += LoadAsFloat(w[2] + j) * u; a[3] += LoadAsFloat(w[3] + j) * u;
     }
-    float s[4] = {simd::ReduceSum(a0), simd::ReduceSum(a1), simd::ReduceSum(a2), simd::ReduceSum(a3)};
-    for (int64_t j = kv; j < k; ++j) {
-      s[0] += AsFloat(w0[j]) * xa[j]; s[1] += AsFloat(w1[j]) * xa[j];
-      s[2] += AsFloat(w2[j]) * xa[j]; s[3] += AsFloat(w3[j]) * xa[j];
-    }
-    std::memcpy(y + i * n + r, s, 16);
+    FinishOne(k, xa, w, a, y + i * n + r);
   }
 }
 
@@ -187,12 +204,7 @@ void SmallRowsProduct(int64_t m, int64_t n, int64_t k, const float *x, const W *
   }
 #endif
   for (; r + 4 <= n1; r += 4) FourRows(m, n, k, x, w + r * k, y, r);
-  for (; r < n1; ++r)  // the last rows of the slice, fewer than four
-    for (int64_t i = 0; i < m; ++i) {
-      float s = 0.f;
-      for (int64_t j = 0; j < k; ++j) s += AsFloat(w[r * k + j]) * x[i * k + j];
-      y[i * n + r] = s;
-    }
+  RemainingRows(m, n, k, x, w, y, r, n1);
 }
 
 // ---- Many rows of x with a half W ---------------------------------------------------------------
@@ -238,7 +250,7 @@ inline void ChunkOfGroup(int64_t k, const float *x, const float *wbuf, int64_t l
 }
 
 // y[i, r:r+4] for the m (<= kChunkedRowsMax) rows of x at x and the four rows of W at w0: the chunks, then
-// each pair's reduction and its last k % kLanes terms, written as FourRows writes them.
+// FinishPair / FinishOne as FourRows ends.
 template <typename W>
 void SlabTimesFourRows(int64_t m, int64_t n, int64_t k, const float *x, const W *w0, float *y, int64_t r) {
   const int64_t kv = k / kLanes * kLanes;
@@ -259,29 +271,8 @@ void SlabTimesFourRows(int64_t m, int64_t n, int64_t k, const float *x, const W 
     for (; i < m; ++i) ChunkOfGroup<1>(k, x + i * k + k0, wbuf, len, acc + i * 4);
   }
   int64_t i = 0;
-  for (; i + 2 <= m; i += 2) {  // as FourRows' pairs (QuadRowsOfX writes its tail the same way)
-    const float *xa = x + i * k, *xb = xa + k;
-    const vf *a = acc + i * 4, *b = a + 4;
-    float s[8] = {simd::ReduceSum(a[0]), simd::ReduceSum(a[1]), simd::ReduceSum(a[2]), simd::ReduceSum(a[3]),
-                  simd::ReduceSum(b[0]), simd::ReduceSum(b[1]), simd::ReduceSum(b[2]), simd::ReduceSum(b[3])};
-    for (int64_t j = kv; j < k; ++j) {
-      const float c0 = AsFloat(w[0][j]), c1 = AsFloat(w[1][j]), c2 = AsFloat(w[2][j]), c3 = AsFloat(w[3][j]);
-      s[0] += c0 * xa[j]; s[1] += c1 * xa[j]; s[2] += c2 * xa[j]; s[3] += c3 * xa[j];
-      s[4] += c0 * xb[j]; s[5] += c1 * xb[j]; s[6] += c2 * xb[j]; s[7] += c3 * xb[j];
-    }
-    std::memcpy(y + i * n + r, s, 16);
-    std::memcpy(y + (i + 1) * n + r, s + 4, 16);
-  }
-  if (i < m) {  // as FourRows' single row
-    const float *xa = x + i * k;
-    const vf *a = acc + i * 4;
-    float s[4] = {simd::ReduceSum(a[0]), simd::ReduceSum(a[1]), simd::ReduceSum(a[2]), simd::ReduceSum(a[3])};
-    for (int64_t j = kv; j < k; ++j) {
-      s[0] += AsFloat(w[0][j]) * xa[j]; s[1] += AsFloat(w[1][j]) * xa[j];
-      s[2] += AsFloat(w[2][j]) * xa[j]; s[3] += AsFloat(w[3][j]) * xa[j];
-    }
-    std::memcpy(y + i * n + r, s, 16);
-  }
+  for (; i + 2 <= m; i += 2) FinishPair(n, k, x + i * k, w, acc + i * 4, acc + i * 4 + 4, y + i * n + r);
+  if (i < m) FinishOne(k, x + i * k, w, acc + i * 4, y + i * n + r);
 }
 
 // SmallRowsProduct's result for m <= kChunkedRowsMax rows of x: the blocks of four rows of W in
@@ -291,12 +282,7 @@ void ChunkedRowsProduct(int64_t m, int64_t n, int64_t k, const float *x, const W
                         int64_t n1) {
   int64_t r = n0;
   for (; r + 4 <= n1; r += 4) SlabTimesFourRows(m, n, k, x, w + r * k, y, r);
-  for (; r < n1; ++r)
-    for (int64_t i = 0; i < m; ++i) {
-      float s = 0.f;
-      for (int64_t j = 0; j < k; ++j) s += AsFloat(w[r * k + j]) * x[i * k + j];
-      y[i * n + r] = s;
-    }
+  RemainingRows(m, n, k, x, w, y, r, n1);
 }
 
 // The slice [n0, n1) of W's rows thread t of `threads` takes: whole blocks of four rows each, the
