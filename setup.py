@@ -18,6 +18,7 @@ from setuptools.command.build_ext import build_ext
 
 CSRC = "ms_rope_attention/csrc"
 ACLNN = "ms_rope_attention/aclnn"
+EMULATOR = "ms_rope_attention._rfa_ascend_emulated"
 SOURCES = [f"{CSRC}/rfa_cpu_kernel.cc", f"{CSRC}/rfa_cpu_decode.cc", f"{CSRC}/rfa_cpu_backward.cc", f"{CSRC}/rfa_cpu_aot.cc",
            f"{CSRC}/rfa_cpu_paged.cc"]
 COMMON = ["-std=c++17", "-O3", "-fopenmp", "-D_GLIBCXX_USE_CXX11_ABI=0", "-fvisibility=hidden", "-Wall", "-Wextra"]
@@ -93,6 +94,8 @@ class BuildKernels(build_ext):
         super().finalize_options()
         if self.parallel is None:
             self.parallel = len(os.sched_getaffinity(0))
+        if not (self.inplace or getattr(self, "editable_mode", False)):  # a wheel, or the sanitizer build
+            self.extensions = [ext for ext in self.extensions if ext.name != EMULATOR]
 
     def run(self):
         if ONEDNN:
@@ -186,11 +189,11 @@ extensions += [
 ]
 
 # The Ascend C kernel (aclnn/op_kernel) compiled for the CPU against the AscendC emulation, for the
-# tests only: the real kernel is built by CANN (ms_rope_attention/aclnn/build.sh). First in the list:
-# its one source is the longest compile, best started first. Not in the sanitizer build, whose run
-# does not load it (a minute of compiling on one core).
-extensions[:0] = [] if SANITIZE else [Extension(
-    "ms_rope_attention._rfa_ascend_emulated", sources=[f"{ACLNN}/emulator/rfa_ascend_emulated.cc"],
+# tests and benchmarks of a checkout only (in place or editable: BuildKernels leaves it out of wheels
+# and out of the sanitizer build, whose run does not load it); the real kernel is built by CANN
+# (ms_rope_attention/aclnn/build.sh). First in the list: its one source is the longest compile.
+extensions.insert(0, Extension(
+    EMULATOR, sources=[f"{ACLNN}/emulator/rfa_ascend_emulated.cc"],
     include_dirs=[f"{ACLNN}/emulator", f"{ACLNN}/op_kernel", f"{ACLNN}/op_host", CSRC],
     depends=[f"{ACLNN}/emulator/kernel_operator.h", f"{ACLNN}/emulator/lib/matmul_intf.h",
              f"{ACLNN}/emulator/kernel_tiling/kernel_tiling.h", f"{ACLNN}/op_host/rotary_flash_attention_plan.h",
@@ -200,6 +203,6 @@ extensions[:0] = [] if SANITIZE else [Extension(
                  "rotary_flash_attention_grad_tiling.h")],
     extra_compile_args=["-std=c++17", "-O2", "-pthread", "-fvisibility=hidden", "-Wall", "-Wextra",
                         "-D_GLIBCXX_USE_CXX11_ABI=0"],
-    extra_link_args=["-pthread"], language="c++")]
+    extra_link_args=["-pthread"], language="c++"))
 
 setup(ext_modules=extensions, cmdclass={"build_ext": BuildKernels})

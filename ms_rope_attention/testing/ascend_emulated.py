@@ -11,7 +11,7 @@ import ctypes
 
 import numpy as np
 
-from ..cpu_runtime import NOT_BUILT, built_file, kernel_dir, open_library
+from ..cpu_runtime import built_file, kernel_dir, open_library
 from . import cpu_direct
 
 
@@ -39,7 +39,8 @@ def library() -> ctypes.CDLL:
     """The emulation's one build (no ISA variants: it verifies the Ascend kernel, not speed)."""
     path = built_file("_rfa_ascend_emulated")
     if path is None:
-        raise RuntimeError(f"the emulated Ascend kernel is not built in {kernel_dir()} ({NOT_BUILT})")
+        raise RuntimeError(f"the emulated Ascend kernel is not built in {kernel_dir()}: it is built into a checkout "
+                           "only (pip install -e ., or python setup.py build_ext --inplace), not into a wheel")
     return open_library(path, texts=("RotaryFlashAttentionLastError",))
 
 
