@@ -266,7 +266,8 @@ void SlabTimesFourRows(int64_t m, int64_t n, int64_t k, const float *x, const W 
         simd::Store(wbuf + q * kChunkK + j, LoadAsFloat(w[q] + k0 + j));
       }
     int64_t i = 0;
-    for (; i + 4 <= m; i += 4) ChunkOfGroup<4>(k, x + i * k + k0, wbuf, len, acc + i * 4);
+    if constexpr (kQuadRowsOfX)  // 16 accumulators: with 16 vector registers (AVX2), pairs
+      for (; i + 4 <= m; i += 4) ChunkOfGroup<4>(k, x + i * k + k0, wbuf, len, acc + i * 4);
     for (; i + 2 <= m; i += 2) ChunkOfGroup<2>(k, x + i * k + k0, wbuf, len, acc + i * 4);
     for (; i < m; ++i) ChunkOfGroup<1>(k, x + i * k + k0, wbuf, len, acc + i * 4);
   }
