@@ -212,8 +212,8 @@ void SmallRowsProduct(int64_t m, int64_t n, int64_t k, const float *x, const W *
 // Past a few rows of x, the in-register form above converts each weight once per group of four x
 // rows and reads both W and x from L2 at each pass. ChunkedRowsProduct converts each block of four
 // rows of W once per call, kChunkK weights at a time, into a float32 buffer that stays in L1; every
-// group of four x rows (up to kChunkedRowsMax) multiplies that chunk there, its 16 partial sums kept
-// in a buffer between chunks. Each (x row, W row) pair accumulates exactly as in QuadRowsOfX (the
+// group of four x rows (two with 16 vector registers; up to kChunkedRowsMax in all) multiplies that
+// chunk there, its partial sums kept in a buffer between chunks. Each (x row, W row) pair accumulates exactly as in QuadRowsOfX (the
 // same lanes in the same order, then the same reduction and tail): the results are bit for bit those
 // of SmallRowsProduct, and each row's is that row's alone. Measured with x (m, 4096) by a float16 W
 // (11008, 4096), 2 threads of the Xeon without AMX, the forms alternating in one process (min of 7):
