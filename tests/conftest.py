@@ -121,6 +121,12 @@ def corpus(tmp_path):
     return path
 
 
+def pytest_collection_modifyitems(items):
+    """The tests marked starts_first go to the workers first, the rest in their order: started last, one
+    of them would run alone at the end of the suite while the other workers idle."""
+    items.sort(key=lambda item: item.get_closest_marker("starts_first") is None)
+
+
 def pytest_addoption(parser):
     parser.addoption("--long", action="store_true", default=False,
                      help="run the long form of the property tests (thousands of random cases)")

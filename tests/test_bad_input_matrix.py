@@ -47,6 +47,7 @@ def test_matrix_has_at_least_120_cases():
     assert len(CASES) >= 120 and len({case_id for case_id, *_ in CASES}) == len(CASES)
 
 
+@pytest.mark.starts_first
 def test_every_bad_input_raises_its_clear_error(mode_results):
     mode, results = mode_results
     failures = []

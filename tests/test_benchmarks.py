@@ -233,6 +233,7 @@ def test_mindformers_compat_stands_in_for_hyper_parallel():
     assert out.strip() == "hyper_parallel.core.dtensor.dtensor.DTensor"
 
 
+@pytest.mark.starts_first
 def test_tiny_sweep_end_to_end(tmp_path):
     results = ttft.main(["--model", "tiny", "--lengths", "8", "33", "--rounds", "2", "--out", str(tmp_path),
                          "--mindformers-python", str(tmp_path / "no-such-python"), "--peak-seconds", "0.02"])
@@ -283,6 +284,7 @@ def test_training_benchmark_end_to_end(tmp_path):
     assert llama["fused"]["tokens_per_s"] > 0 and llama["unfused"]["tokens_per_s"] > 0
 
 
+@pytest.mark.starts_first
 def test_context_parallel_benchmark_end_to_end(tmp_path):
     """One short length, one process against CP=2 under msrun: both finish, the ranks' losses sum to
     the one process's, and a point over the memory limit is reported as out of memory."""
@@ -572,6 +574,7 @@ def test_paged_benchmark_end_to_end(tmp_path):
     assert (tmp_path / "paged.json").exists() and (tmp_path / "paged.png").exists()
 
 
+@pytest.mark.starts_first
 def test_serving_benchmark_on_the_tiny_model(tmp_path):
     """benchmarks/serving.py's three parts on the tiny model: decode steps of both caches, the
     prefix-cached request, and a four-request trace through every project system, tokens identical

@@ -98,7 +98,8 @@ def test_mesh_ranks_lay_the_tensor_axis_fastest():
 
 # The tests of the one launch run in one worker (the group), so that the launch runs once: a module
 # fixture runs once per xdist worker, and each run of it is a 2-rank job of about 100-150 s.
-one_launch = pytest.mark.xdist_group("distributed-launch")
+def one_launch(test):
+    return pytest.mark.starts_first(pytest.mark.xdist_group("distributed-launch")(test))
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +186,7 @@ def _train(tmp_path, corpus, packing, name, steps, extra=(), workers=None):
     return tmp_path / name
 
 
+@pytest.mark.starts_first
 def test_data_parallel_packed_training_tracks_one_process_and_resumes(corpus, tmp_path):
     """``models.llama.train --data-parallel --packing varlen`` on 2 ranks (each rank whole documents
     of every packed batch): 3 steps, stopped, then resumed to 5 from rank 0's checkpoint; the weights
@@ -197,6 +199,7 @@ def test_data_parallel_packed_training_tracks_one_process_and_resumes(corpus, tm
     assert not (dp / "step-6").exists() and (dp / "latest").read_text() == "step-5"
 
 
+@pytest.mark.starts_first
 def test_data_parallel_composes_with_tensor_and_context_parallel(corpus, tmp_path):
     """4 ranks: 2 steps as data 2 x tensor 2, resumed to 4 as data 2 x context 2, then to 5 as
     context 2 x tensor 2, each from the whole weights and AdamW moments rank 0 gathered and wrote;

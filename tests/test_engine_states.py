@@ -348,6 +348,7 @@ class EngineMachine(RuleBasedStateMachine):
             self.restore()
 
 
+@pytest.mark.starts_first
 def test_the_engine_holds_its_invariants_under_random_use(checkpoint, graph):
     model = load_checkpoint(checkpoint[1], progress=False)
     weights = [[p.asnumpy() for p in model.get_parameters()]]

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ms_rope_attention.cpu_runtime import usable_isas
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +38,7 @@ def _run(args, cwd, env=None):
     return done.stdout
 
 
+@pytest.mark.starts_first
 def test_sdist_installs_into_a_fresh_environment_and_runs(tmp_path):
     _run([sys.executable, "-m", "build", "--sdist", "--outdir", str(tmp_path / "dist"), str(ROOT)], ROOT)
     (sdist,) = (tmp_path / "dist").glob("ms_rope_attention-*.tar.gz")

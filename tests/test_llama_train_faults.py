@@ -265,6 +265,7 @@ def _launch(data, out, faults, *extra, steps):
     return launch(FAULTED, args, workers=2, timeout=300, env={"FAULTS": faults})
 
 
+@pytest.mark.starts_first
 def test_data_parallel_run_stops_on_one_ranks_sigterm_and_resumes(data, tmp_path):
     """2 ranks, rank 0's saves slowed by 2 s (the other rank reaches the end first: it must not read
     what rank 0 has not written), 2 steps; resumed, rank 1 alone gets SIGTERM during step 3: both

@@ -61,6 +61,7 @@ def test_mixed_precision(level):
     np.testing.assert_allclose(fused[:10], unfused[:10], rtol=1e-2)
 
 
+@pytest.mark.starts_first
 def test_cli_trains_saves_generates_and_resumes(corpus, tmp_path, capsys):
     out = tmp_path / "run"
     common = ["--model", "tiny", "--data", str(corpus), "--out", str(out), "--seq-len", "64", "--batch-size", "2"]

@@ -6,6 +6,7 @@ took 102 s of the suite on 2 busy cores); ``pytest tests/test_property.py --long
 other one in GRAPH_MODE."""
 import mindspore as ms
 import numpy as np
+import pytest
 from mindspore import Tensor, nn
 
 import ms_rope_attention as mra
@@ -63,6 +64,7 @@ def check(case, dtype, rng, graph):
     assert np.abs(lse.asnumpy()[finite] - rl[finite]).max(initial=0) <= 1e-3, (case, dtype)
 
 
+@pytest.mark.starts_first
 def test_random_valid_calls_match_the_reference(long_run):
     rng = np.random.default_rng(2026)
     for i in range(LONG_CASES if long_run else CASES):
