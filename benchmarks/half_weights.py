@@ -11,9 +11,12 @@ Calls alternate round by round; min and median.
 
 Generation: each (context, round, system) point in a fresh process (``peers.generation_point``; llama.cpp's
 ``llama_cpp_peer.generation_point`` under its environment's interpreter): TTFT, decode
-tokens/s per sequence (median step), peak RSS, and the time of one full decoder layer of the prefill
-(llama.cpp: its prefill one layer deeper minus its prefill, as llama.cpp prunes the last layer to the
-token whose logits it returns; the others: TTFT / layers, the embedding and LM head included). Greedy
+tokens/s per sequence (median step), peak RSS, and the time of one full decoder layer of the prefill.
+Every system times ``--prefills`` prefills of the whole prompt after its warm-up and before the
+generation whose TTFT is reported, so every TTFT and full layer comes from the same warm state. A full
+layer: llama.cpp's prefill one layer deeper minus its prefill (min of each), as llama.cpp prunes the
+last layer to the token whose logits it returns; the others' fastest prefill / layers, the embedding
+and LM head included (they prune nothing). Greedy
 tokens of this project's two systems must agree (the same arithmetic on the same values). transformers
 and llama.cpp run in the half dtype they are given (their own arithmetic in it, so their tokens may
 differ; reported, not required).
@@ -152,8 +155,8 @@ def summarize(runs: list[dict], layers: int) -> list[dict]:
             fastest = {n: min(t for r in ok for t in r["prefill_s"][str(n)]) for n in (depth, depth + 1)}
             rows[-1].update({"per_full_layer_s": fastest[depth + 1] - fastest[depth],
                              **{field: ok[0][field] for field in ("system_info", "threads", "versions", "method")}})
-        else:
-            rows[-1]["per_full_layer_s"] = rows[-1]["ttft_min_s"] / layers
+        else:  # the fastest whole prefill over the processes, the embedding and LM head included
+            rows[-1]["per_full_layer_s"] = min(t for r in ok for t in r["prefill_s"]) / layers
     return rows
 
 
@@ -208,7 +211,8 @@ def table(results: dict) -> str:
                      f"{r['per_full_layer_s']:.3f} | {r['tokens_per_s']:.1f} | {r['step_median_ms']:.1f} | "
                      f"{r['peak_rss_gb']:.1f} |")
     lines.append("Per full layer: llama.cpp's prefill one layer deeper minus its prefill (min of each over its "
-                 "processes); the others' TTFT / layers (the embedding and LM head included).")
+                 f"processes); the others' fastest prefill / layers (the embedding and LM head included); "
+                 f"{results['settings']['prefills']} prefills per process, after the warm-up.")
     llama = [r for r in results["summary"] if r["status"] == "ok" and "system_info" in r]
     if llama:
         lines.append(f"llama.cpp: {llama[0]['threads']} threads, system info: {llama[0]['system_info'].strip()}")
@@ -280,6 +284,8 @@ def main(argv=None) -> dict:
                         help="the interpreter of llama.cpp's own virtual environment (make llama-cpp)")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--prefills", type=int, default=3,
+                        help="whole-prompt prefills each process times after its warm-up (the full layer's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-gemm", action="store_true", help="skip the GEMM section")
     parser.add_argument("--peak-seconds", type=float, default=0.5,
@@ -312,13 +318,14 @@ def main(argv=None) -> dict:
                 result = files if files["status"] != "ok" else run_isolated(
                     "llama_cpp_peer", "generation_point",
                     {"model": files["model"], "deeper_model": files["deeper_model"], "context": context,
-                     "new_tokens": args.new_tokens, "seed": args.seed},
+                     "new_tokens": args.new_tokens, "seed": args.seed, "repeats": args.prefills},
                     python=args.llama_cpp_python, memory_limit_bytes=limit, timeout_s=7200)
             else:
                 kind, extra = SYSTEMS[system]
                 result = run_isolated("peers", "generation_point",
                                       {"system": kind, "checkpoint": scratch, "context": context, "batch": "1",
-                                       "new_tokens": args.new_tokens, "seed": args.seed, **extra},
+                                       "new_tokens": args.new_tokens, "seed": args.seed,
+                                       "prefills": args.prefills, **extra},
                                       memory_limit_bytes=limit, timeout_s=7200)
             runs.append({"system": system, "context": context, "round": round_, **result})
         paired = []
@@ -326,7 +333,8 @@ def main(argv=None) -> dict:
             for context in tqdm(args.contexts, desc="paired float32 / half", unit="process"):
                 result = run_isolated("half_weights", "paired_point",
                                       {"checkpoint": scratch, "context": context, "new_tokens": args.new_tokens,
-                                       "seed": args.seed}, memory_limit_bytes=limit, timeout_s=7200)
+                                       "seed": args.seed, "prefills": args.prefills},
+                                      memory_limit_bytes=limit, timeout_s=7200)
                 if result["status"] != "ok":
                     raise RuntimeError(f"paired point at {context} failed: {result.get('error')}\n"
                                        f"{result.get('log_tail', '')}")

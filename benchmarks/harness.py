@@ -15,17 +15,20 @@ import tempfile
 import time
 
 
-def timed(fn, repeats: int) -> tuple[float, list[float]]:
-    """(seconds of the first call, which includes compilation, then ``repeats`` timed calls)."""
-    start = time.perf_counter()
-    fn()
-    first = time.perf_counter() - start
+def timed_calls(fn, calls: int) -> list[float]:
+    """The seconds of each of ``calls`` calls of ``fn``."""
     times = []
-    for _ in range(repeats):
+    for _ in range(calls):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return first, times
+    return times
+
+
+def timed(fn, repeats: int) -> tuple[float, list[float]]:
+    """(seconds of the first call, which includes compilation, then ``repeats`` timed calls)."""
+    first = timed_calls(fn, 1)[0]
+    return first, timed_calls(fn, repeats)
 
 
 def alternate(series: dict, repeats: int, max_rounds: int = 10, budget_s: float = 30.0) -> dict:

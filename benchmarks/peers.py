@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness import stats, timed
+from harness import stats, timed, timed_calls
 
 WARM_UP_TOKENS = 16  # a generation point compiles / warms up on prompts cut to this many tokens
 
@@ -349,9 +349,11 @@ def mindformers_prefill_point(checkpoint: str, length: int, repeats: int, seed: 
 # The generation points (child processes) and transformers' generate.
 
 def project_generation_point(backend: str, checkpoint: str, context: int, batch: str, new_tokens: int, seed: int,
-                             weight_dtype: str = "auto", compute_dtype: str = "auto") -> dict:
+                             weight_dtype: str = "auto", compute_dtype: str = "auto", prefills: int = 0) -> dict:
     """This project's ``Generator`` in GRAPH_MODE on its in-place KV cache (``weight_dtype`` and
-    ``compute_dtype`` as ``load_checkpoint`` takes them; the cache the model's default)."""
+    ``compute_dtype`` as ``load_checkpoint`` takes them; the cache the model's default). ``prefills``
+    prefills of the whole prompts (and the first token's choice) timed after the warm-up and before
+    the generation, as ``llama_cpp_peer.generation_point`` times its own: ``prefill_s``."""
     import ms_rope_attention  # noqa: F401  before MindSpore, as users run it (docs/threads.md)
     import mindspore as ms
 
@@ -367,10 +369,11 @@ def project_generation_point(backend: str, checkpoint: str, context: int, batch:
     capacity = bucket_capacity(max(map(len, prompts)) + new_tokens, lm.max_positions)
     gen = Generator(lm, slots=len(prompts), capacity=capacity)
     compile_s = gen.warm_up([p[:WARM_UP_TOKENS] for p in prompts])
+    prefill_s = timed_calls(lambda: gen.prefill_logits(prompts).argmax(-1), prefills)
     result = gen.generate(prompts, new_tokens, eos_ids=())
     return {"backend_ran": lm.backend, "compute_ran": lm.compute_dtype, "compile_s": compile_s, "ttft_s": result.ttft_s,
             "step_ms": [ms_ for _, ms_ in result.step_ms], "cached_tokens": [c for c, _ in result.step_ms],
-            "tokens": result.tokens}
+            "tokens": result.tokens, "prefill_s": prefill_s}
 
 
 def hf_stamps():
@@ -409,9 +412,10 @@ def hf_generate(lm, prompts, new_tokens: int, cache: str, streamer=None) -> list
 
 
 def hf_generation_point(cache: str, checkpoint: str, context: int, batch: str, new_tokens: int, seed: int,
-                        dtype: str = "float32") -> dict:
+                        dtype: str = "float32", prefills: int = 0) -> dict:
     """transformers' ``generate`` (greedy, sdpa) with ``cache`` 'dynamic' or 'static', every core,
-    the model in ``dtype``."""
+    the model in ``dtype``; ``prefills`` as ``project_generation_point`` times them (a ``generate``
+    of one token each)."""
     import torch
     import transformers
 
@@ -422,6 +426,7 @@ def hf_generation_point(cache: str, checkpoint: str, context: int, batch: str, n
     start = time.perf_counter()
     hf_generate(lm, [p[:WARM_UP_TOKENS] for p in prompts], 2, cache)
     compile_s = time.perf_counter() - start
+    prefill_s = timed_calls(lambda: hf_generate(lm, prompts, 1, cache), prefills)
     stamps = hf_stamps()
     start = time.perf_counter()
     tokens = hf_generate(lm, prompts, new_tokens, cache, stamps)
@@ -429,7 +434,7 @@ def hf_generation_point(cache: str, checkpoint: str, context: int, batch: str, n
     return {"backend_ran": f"transformers {transformers.__version__}, torch {torch.__version__}, {cache} cache",
             "compile_s": compile_s, "ttft_s": times[0] - start, "step_ms": list(np.diff(times) * 1e3),
             "cached_tokens": [sum(map(len, prompts)) + len(prompts) * (i + 1) for i in range(len(times) - 1)],
-            "tokens": tokens}
+            "tokens": tokens, "prefill_s": prefill_s}
 
 
 def generation_point(system: str, **kwargs) -> dict:

@@ -474,12 +474,16 @@ def test_half_weights_benchmark_on_the_tiny_model(tmp_path):
                                                                     for m in half_weights.GEMM_ROWS}
     results = half_weights.main(["--model", "tiny", "--contexts", "16", "--rounds", "1", "--new-tokens", "3",
                                  "--systems", "fused-float32", "fused-half", "--no-gemm", "--peak-seconds", "0.02",
-                                 "--out", str(tmp_path)])
+                                 "--prefills", "2", "--out", str(tmp_path)])
     assert json.loads((tmp_path / "half_weights.json").read_text())["peaks"]["float32_fma_gflops"] > 0
     assert [r["status"] for r in results["summary"]] == ["ok", "ok"] and not results["tokens_disagree"]
+    layers = results["settings"]["layers"]
+    for run, row in zip(sorted(results["runs"], key=lambda r: r["system"]), results["summary"]):
+        assert len(run["prefill_s"]) == 2  # whole-prompt prefills after the warm-up, before the generation
+        assert row["per_full_layer_s"] == min(run["prefill_s"]) / layers
     assert [r["against"] for r in results["ratios"]] == ["fused-float32"]
-    paired = results["paired"][0]  # both systems in one process, call by call: 3 prefills and 2 steps each
-    assert [len(paired["prefill_s"][s]) for s in ("fused-float32", "fused-half")] == [3, 3]
+    paired = results["paired"][0]  # both systems in one process, call by call: 2 prefills and 2 steps each
+    assert [len(paired["prefill_s"][s]) for s in ("fused-float32", "fused-half")] == [2, 2]
     assert len(paired["decode_speedup_pairs"]) == 2 and paired["decode_speedup_median"] > 0
     assert paired["tokens"]["fused-half"] == paired["tokens"]["fused-float32"] == results["summary"][0]["tokens"][0]
     assert "Paired" in half_weights.table(results)
