@@ -23,6 +23,18 @@ STEPS = 4
 FAULTED = Path(__file__).resolve().parent / "distributed" / "faulted_training.py"
 
 
+@pytest.fixture(autouse=True)
+def terminal_dispositions():
+    """SIGINT and SIGHUP as a terminal leaves them, whatever started pytest: under ``nohup`` SIGHUP is
+    ignored, and the trainer rightly leaves an ignored signal ignored (so a signal test would see no stop)."""
+    previous = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGHUP)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    yield
+    for number, handler in previous.items():
+        signal.signal(number, handler)
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """64 short documents: 21 rows of 64 bytes, 10 batches of 2 rows an epoch."""
