@@ -293,6 +293,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--memory-limit-gb", type=float, default=round(0.9 * memory_total_bytes() / 2**30, 1))
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
+    if args.prefills < 1:
+        parser.error(f"--prefills: expected at least 1 (a full layer is the fastest of them), got {args.prefills}")
     limit = int(args.memory_limit_gb * 2**30)
     peaks = arithmetic_peaks(args.peak_seconds)  # this CPU's peaks, before anything else runs
     gemm = {"read_bandwidth_gb_per_s": float("nan"), "bandwidth_probe": "skipped", "shape": [0, 0], "rows": []}

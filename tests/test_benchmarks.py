@@ -490,6 +490,13 @@ def test_half_weights_benchmark_on_the_tiny_model(tmp_path):
     assert (tmp_path / "half_weights.json").exists() and (tmp_path / "half_weights.png").exists()
 
 
+def test_half_weights_refuses_no_prefills(capsys):
+    """A full layer is the fastest of the timed prefills: none is refused by name before anything runs."""
+    with pytest.raises(SystemExit):
+        half_weights.main(["--prefills", "0"])
+    assert "--prefills: expected at least 1" in capsys.readouterr().err
+
+
 def test_llama_cpp_systems_skip_without_their_environment(tmp_path):
     """Without llama.cpp's interpreter its systems are reported skipped (make llama-cpp named), and no
     GGUF file is written."""

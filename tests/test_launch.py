@@ -88,12 +88,23 @@ def _launch(job, mode, **options):
 
 def test_a_job_that_succeeds_removes_its_log_folder(job, monkeypatch):
     """The control: no fault, status 0, no process left, and the launcher's temporary log folder is gone."""
-    monkeypatch.delenv("MS_NODE_TIMEOUT", raising=False)  # so the launcher's default applies
+    monkeypatch.delenv("MS_NODE_TIMEOUT", raising=False)  # so the launcher's defaults apply
+    monkeypatch.delenv("MS_CPU_COMM_OP_TIMEOUT", raising=False)
     run, _ = _launch(job, "ok")
     assert run.returncode == 0, run.logs
     assert "rank 1 iteration 2" in run.logs[1] and run.log_dir is None
-    assert "rank 1 MS_NODE_TIMEOUT=10" in run.logs[1]  # the launcher's default
+    assert "rank 1 MS_NODE_TIMEOUT=10 MS_CPU_COMM_OP_TIMEOUT=300" in run.logs[1]  # the launcher's defaults
     assert not list(job.glob("msrun-*"))
+    _assert_none_left(job)
+
+
+def test_a_rank_late_to_its_first_collective_is_waited_for(job, monkeypatch):
+    """Rank 0 reaches its first AllReduce 15 s after rank 1 (a slower compile on a busy machine): with
+    MindSpore's own wait rank 1's AllReduce failed; with the launcher's the job succeeds."""
+    monkeypatch.delenv("MS_CPU_COMM_OP_TIMEOUT", raising=False)
+    run, _ = _launch(job, "late")
+    assert run.returncode == 0, run.logs
+    assert "rank 1 iteration 2" in run.logs[1] and "rank 0 iteration 2" in run.logs[0]
     _assert_none_left(job)
 
 

@@ -37,6 +37,11 @@ from pathlib import Path
 # Cluster building polls every 1 s instead of 3-5 s, and a node lost for 10 s ends the job; defaults
 # only: a value set in the environment is kept.
 FAST_CLUSTER = {"MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1", "MS_NODE_TIMEOUT": "10"}
+# A CPU collective waits up to 300 s for its peers (a default too): ranks reach their first collective
+# after compiling their graphs, at different speeds on a busy machine, and with MindSpore's own wait a
+# rank 15 s late failed its peer's AllReduce (5 s late passed). A rank that dies still ends the job at
+# once: msrun sees its exit.
+PATIENT_COLLECTIVES = {"MS_CPU_COMM_OP_TIMEOUT": "300"}
 # Set to a fresh random value in the environment of each launch's msrun: every process of the job inherits it.
 JOB_VARIABLE = "MS_ROPE_ATTENTION_LAUNCH"
 TIMEOUT_STATUS = 124  # as coreutils' timeout; a job stopped by a signal ends with 128 + its number
@@ -268,7 +273,7 @@ def launch(script, args=(), *, workers: int = 2, log_dir=None, timeout: float = 
     log_dir.mkdir(parents=True, exist_ok=True)
     # msrun starts its workers with the `python` of PATH: this interpreter's comes first.
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    run_env = {**FAST_CLUSTER, **os.environ, "PATH": path, **(env or {})}
+    run_env = {**FAST_CLUSTER, **PATIENT_COLLECTIVES, **os.environ, "PATH": path, **(env or {})}
 
     job = _Job(log_dir if temporary else None)
     try:
