@@ -291,12 +291,8 @@ def _numpy_read_bandwidth(size: int, threads: int, repeats: int, reason: str) ->
 
     block = np.ones(size // 4, np.float32)
     slices = np.array_split(block, threads)
-    times = []
     with ThreadPoolExecutor(threads) as pool:
-        for _ in range(repeats):
-            start = time.perf_counter()
-            list(pool.map(np.sum, slices))
-            times.append(time.perf_counter() - start)
+        times = timed_calls(lambda: list(pool.map(np.sum, slices)), repeats)
     name = "numpy sum, one slice per core"
     return {"bytes_per_s": block.nbytes / min(times), "probe": name,
             "probes_gb_per_s": {name: block.nbytes / min(times) / 1e9},
