@@ -19,7 +19,7 @@ KERNEL_SOURCES := $(wildcard ms_rope_attention/csrc/*) $(wildcard ms_rope_attent
 # An extra's requirements as pyproject.toml lists them (its one place), for installing them alone.
 EXTRA = $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['$(1)']))")
 
-.PHONY: test bench bench-full bench-serve venv thirdparty clean sanitize fuzz serve
+.PHONY: test bench bench-full bench-serve bench-faults venv thirdparty clean sanitize fuzz serve
 
 venv: $(STAMP)
 
@@ -109,6 +109,14 @@ bench-full: $(STAMP) $(PEERS) $(MINDFORMERS) $(LLAMA_CPP)
 # docs/benchmarks.md). Writes benchmarks/results/serve_load.json and serve_load.png.
 bench-serve: $(STAMP) $(LLAMA_CPP) $(AIPERF)
 	$(PY) benchmarks/serve_load.py
+
+# The HTTP server on the tiny model beside hostile and careless clients (issue 64): a normal streamed chat trace
+# alone, then beside idle connections at the cap, eight 4 MiB bodies, poisoned temperatures, 64 streams that
+# leave after their first chunk and SIGTERM; its TTFT p50 / p99 and failed requests against the trace alone, PASS
+# or FAIL per attack (benchmarks/serve_faults.py, a couple of minutes). Writes benchmarks/results/serve_faults.json
+# and serve_faults.png.
+bench-faults: $(STAMP)
+	$(PY) benchmarks/serve_faults.py
 
 # The peers the TTFT benchmark measures beside this project: Hugging Face transformers on PyTorch (in
 # .venv), and MindFormers in a virtual environment of its own (it pins transformers 4.57; see

@@ -1,6 +1,7 @@
 """What every benchmark here shares: each measurement in a fresh child process (its own peak memory,
 its own compile), a memory watchdog that stops a run before it takes the machine down and reports it
-as out of memory, min/median statistics, and a description of the machine and versions."""
+as out of memory, min/median statistics, a description of the machine and versions, and a server
+process's life (a free loopback port, waiting for it to be ready, stopping it and its children)."""
 from __future__ import annotations
 
 import importlib
@@ -8,11 +9,15 @@ import json
 import os
 import platform
 import resource
+import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 
 
 def timed_calls(fn, calls: int) -> list[float]:
@@ -300,7 +305,7 @@ def _numpy_read_bandwidth(size: int, threads: int, repeats: int, reason: str) ->
             "method": f"{name} over {size / 2**30:.2f} GiB, best of {repeats} (peaks.c's read loop {reason})"}
 
 
-def _rss_bytes(pid: int) -> int:
+def rss_bytes(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
@@ -364,7 +369,7 @@ def _wait(proc, result_path: str, memory_limit_bytes: int | None, timeout_s: flo
     deadline = time.monotonic() + timeout_s
     peak = 0
     while proc.poll() is None:
-        rss = _rss_bytes(proc.pid)
+        rss = rss_bytes(proc.pid)
         peak = max(peak, rss)
         if memory_limit_bytes and rss > memory_limit_bytes:
             proc.kill()
@@ -386,6 +391,71 @@ def _wait(proc, result_path: str, memory_limit_bytes: int | None, timeout_s: flo
     if result.get("status") == "ok":
         result.setdefault("peak_rss_mb", peak / 2**20)  # as sampled every poll_s (a lower bound)
     return result
+
+
+# ---------------------------------------------------------------------------------------------
+# A server process (benchmarks/serve_load.py, serve_faults.py): started in a session of its own, so
+# stopping it stops whatever it started.
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 10.0) -> tuple[int, str]:
+    """(status, body) of a GET, an error status included."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+
+
+def tail(path, lines: int = 40) -> str:
+    """The last ``lines`` lines of a log file ("" when there is none)."""
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def wait_ready(process, url: str, log_path, timeout_s: float) -> None:
+    """Until ``url`` answers 200; RuntimeError (with the log's tail) if the process exits or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with code {process.returncode} before it was ready:\n"
+                               f"{tail(log_path)}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server was not ready after {timeout_s:.0f} s:\n{tail(log_path)}")
+        try:
+            if http_get(url, timeout=5)[0] == 200:
+                return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+
+
+def stop(process, timeout_s: float = 60.0) -> None:
+    """SIGTERM (this project's server drains: its requests are done by now), then its whole process group."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+    kill_group(process)
+
+
+def kill_group(process) -> None:
+    """The processes left in ``process``'s group (it was started in a session of its own)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    process.wait()
 
 
 def save(results: dict, out: str, json_name: str, png_name: str, plot, table) -> None:

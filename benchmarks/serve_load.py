@@ -61,8 +61,6 @@ import argparse
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -71,7 +69,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from harness import machine_info, run_isolated, save
+from harness import free_port, http_get, kill_group, machine_info, run_isolated, save, stop, tail, wait_ready
 
 SCHEMA_VERSION = 1
 ROOT = Path(__file__).resolve().parent.parent
@@ -371,20 +369,6 @@ def plot(results: dict, path) -> None:
 # ---------------------------------------------------------------------------------------------
 # The servers and the load generator (the parent process).
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str, timeout: float = 10.0) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode(errors="replace")
-
-
 def server_command(system: str, args, checkpoint: str, gguf: str | None, port: int) -> list[str]:
     if SYSTEMS[system] is None:
         return [str(args.llama_cpp_python), "-m", "llama_cpp.server", "--model", gguf, "--model_alias", SERVED_NAME,
@@ -441,29 +425,6 @@ def aiperf_command(args, system: str, trace: str, rate: float | None, url: str, 
             *trace_arguments(trace, args, artifacts)]
 
 
-def _tail(path, lines: int = 40) -> str:
-    try:
-        return "".join(Path(path).read_text(errors="replace").splitlines(keepends=True)[-lines:])
-    except OSError:
-        return ""
-
-
-def wait_ready(process, url: str, log_path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with code {process.returncode} before it was ready:\n"
-                               f"{_tail(log_path)}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the server was not ready after {timeout_s:.0f} s:\n{_tail(log_path)}")
-        try:
-            if _get(url, timeout=5)[0] == 200:
-                return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.5)
-
-
 def warm_up(base: str, system: str) -> None:
     """One short request of its own (no prompt of the trace): llama.cpp allocates its buffers."""
     body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Good morning"}], "max_tokens": 4,
@@ -477,28 +438,8 @@ def warm_up(base: str, system: str) -> None:
 
 def scrape(base: str) -> list | None:
     """The server's /metrics samples, or None when it serves none (llama-cpp-python's server)."""
-    status, text = _get(base + "/metrics")
+    status, text = http_get(base + "/metrics")
     return parse_prometheus(text) if status == 200 else None
-
-
-def stop(process, timeout_s: float = 60.0) -> None:
-    """SIGTERM (this server drains: its requests are done by now), then its whole process group."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-    _kill_group(process)
-
-
-def _kill_group(process) -> None:
-    """The processes left in ``process``'s group (it was started in a session of its own)."""
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    process.wait()
 
 
 def run_bounded(command: list[str], timeout_s: float, **popen) -> int:
@@ -508,7 +449,7 @@ def run_bounded(command: list[str], timeout_s: float, **popen) -> int:
     try:
         return process.wait(timeout=timeout_s)
     finally:
-        _kill_group(process)
+        kill_group(process)
 
 
 def run_point(args, system: str, trace: str, rate: float, checkpoint: str, gguf: str | None, scratch: str) -> dict:
@@ -557,11 +498,11 @@ def run_point(args, system: str, trace: str, rate: float, checkpoint: str, gguf:
                     point["server_log"] = llama_cpp_prefix_reuse(f.read())
             if returncode != 0:
                 raise RuntimeError(f"aiperf exited with code {returncode}:\n"
-                                   f"{_tail(os.path.join(artifacts, 'aiperf.out'))}")
+                                   f"{tail(os.path.join(artifacts, 'aiperf.out'))}")
             exports = sorted(Path(artifacts).rglob("profile_export_aiperf.json"))
             if not exports:
                 raise RuntimeError(f"aiperf wrote no profile_export_aiperf.json:\n"
-                                   f"{_tail(os.path.join(artifacts, 'aiperf.out'))}")
+                                   f"{tail(os.path.join(artifacts, 'aiperf.out'))}")
             point["aiperf"] = json.loads(exports[0].read_text())
             if trace == "burst":
                 records = sorted(Path(artifacts).rglob("profile_export.jsonl"))
@@ -570,7 +511,7 @@ def run_point(args, system: str, trace: str, rate: float, checkpoint: str, gguf:
                 point["burst"] = burst_figures(records[0].read_text(), args.burst_prompt)
             point["status"] = "ok"
         except (RuntimeError, OSError, subprocess.SubprocessError, urllib.error.URLError) as exc:
-            point.update(status="error", error=f"{type(exc).__name__}: {exc}"[:4000], server_log_tail=_tail(log_path))
+            point.update(status="error", error=f"{type(exc).__name__}: {exc}"[:4000], server_log_tail=tail(log_path))
         finally:
             stop(process)
     if point["status"] == "ok":
