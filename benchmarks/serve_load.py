@@ -377,7 +377,7 @@ def server_command(system: str, args, checkpoint: str, gguf: str | None, port: i
                 "--flash_attn", "true", "--interrupt_requests", "false", "--verbose", "true"]  # its log: reuse
     command = [sys.executable, "-m", "models.llama.serve", "--checkpoint", checkpoint, "--host", "127.0.0.1",
                "--port", str(port), "--served-model-name", SERVED_NAME, "--max-batch", str(args.max_batch),
-               "--log-level", "warning", *SYSTEMS[system]]
+               "--log-level", "warning", "--enable-prompt-tokens-details", *SYSTEMS[system]]  # usage's cached tokens
     budget = getattr(args, "max_num_batched_tokens", None)
     if budget and "--no-chunked-prefill" not in SYSTEMS[system]:
         command += ["--max-num-batched-tokens", str(budget)]

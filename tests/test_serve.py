@@ -7,7 +7,9 @@ Checked: streamed and whole completions and chat completions against the generat
 tokens, usage with the prefix cache's hit, ignore_eos, stop strings across token boundaries, every
 refusal's status and OpenAI-shaped body, a client leaving mid-stream or mid-wait (its blocks back in
 the pool), a reader that stalls, a failing engine step ending its request only, a bounded concurrent
-soak leaving the pool full, the metric names, and a drain on SIGTERM. Pure parts (detokenizer, chat
+soak leaving the pool full, the metric names, and a drain on SIGTERM; what a client may make the
+server do before its request is queued (issue 64: caps, Content-Type, Host, the key before routing,
+cached tokens and cache_salt), partly on a second app with a command line's defaults on the same engine. Pure parts (detokenizer, chat
 template, protocol) first, without the server.
 """
 import asyncio
@@ -171,7 +173,8 @@ class Served:
         self.url, self.service, self.generator, self.tokenizer = url, service, generator, tokenizer
         self.reference = reference
         self.client = self.new_client()
-        self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+        self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {API_KEY}",
+                                                        "Content-Type": "application/json"}, timeout=60)
 
     def new_client(self, max_retries=0):
         return openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=max_retries, timeout=60)
@@ -219,7 +222,7 @@ def served():
     service = EngineService(generator, Metrics("tiny"), max_waiting=MAX_WAITING)
     settings = Settings("tiny", tokenizer, ChatTemplate.from_directory(None), api_key=API_KEY,
                         max_body_bytes=BODY_LIMIT, max_tokens_limit=TOKENS_LIMIT, send_timeout_s=30.0,
-                        body_timeout_s=1.0)
+                        body_timeout_s=1.0, enable_prompt_tokens_details=True)
     server = uvicorn.Server(uvicorn.Config(create_app(service, settings), host="127.0.0.1", port=0,
                                            log_level="warning", timeout_keep_alive=5))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -534,6 +537,27 @@ def test_a_failing_step_ends_its_requests_only(served):
     served.assert_pool_full()
 
 
+def test_a_tiny_temperature_is_greedy_and_an_unsampleable_row_says_so_without_the_samplers_message(served):
+    """Issue 64 F1: a temperature of 5e-324 (accepted: finite and >= 0) is greedy, vLLM's rule (the
+    logits over it overflowed, and numpy's "probabilities contain NaN" ended every request of the
+    step, this one a 500 echoing it). A row of NaN logits, the model's fault, is still a 500, one
+    that says what failed in the API's words."""
+    settings = dict(model="tiny", prompt="w5 w9", max_tokens=4, extra_body={"ignore_eos": True})
+    greedy = served.client.completions.create(temperature=0, **settings).choices[0].text
+    assert served.client.completions.create(temperature=5e-324, **settings).choices[0].text == greedy
+    runs = {name: getattr(served.generator, name) for name in ("_run_prefill", "_run_decode")}
+    for name, run in runs.items():
+        setattr(served.generator, name, lambda work, run=run: np.full_like(run(work), np.nan))
+    try:
+        error = assert_error(served.post("/v1/completions", json={"prompt": "w5", "max_tokens": 3}), 500, "engine_error")
+    finally:
+        for name in runs:
+            delattr(served.generator, name)
+    assert error["message"] == ("generation failed: the model's output for this request could not be sampled "
+                                "(NaN or +inf logits, or none finite)")
+    served.assert_pool_full()
+
+
 def test_concurrent_soak_leaves_the_pool_full(served):
     """32 requests, 8 at a time, of both endpoints, streamed or not; every fourth stream is dropped
     after its first chunk. A dropped request holds its place until the engine's next turn, so a
@@ -602,6 +626,164 @@ def test_metric_names(served):
     assert m[("vllm:request_success_total", ("finished_reason", "stop"))] > 0
     assert m[("vllm:prefix_cache_hits_total",)] > 0
     assert 'model_name="tiny"' in httpx.get(served.url + "/metrics").text
+
+
+# ---- issue 64: what a client may make the server do before its request is queued ----
+@pytest.fixture(scope="module")
+def plain(served):
+    """A second app on the module's engine, with the settings a command line gets by default (4 MiB
+    bodies, 64 requests prepared at once, no cached-token details, loopback Host names); uvicorn
+    without lifespan, so the engine thread stays the first app's. Its URL."""
+    settings = Settings("tiny", served.tokenizer, ChatTemplate.from_directory(None), api_key=API_KEY)
+    server = uvicorn.Server(uvicorn.Config(create_app(served.service, settings), host="127.0.0.1", port=0,
+                                           log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the second server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    server.should_exit = True
+    thread.join(30)
+
+
+KEY = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def rss_mb() -> float:
+    """This process's resident memory: the servers run in its threads."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+
+
+def test_large_bodies_wait_their_turn(served, plain):
+    """Issue 64 F3: eight 4 MiB chats of 100k messages at once (under the body limit) took a normal
+    request from 0.02 s to 14.2 s and RSS from 660 to 1874 MB: each was parsed on the event loop,
+    validated into 100k objects, rendered and tokenized before anything counted it. Now the messages
+    are refused at MAX_MESSAGES while validated (after the first 2049), off the event loop, one body at a
+    time; a normal request meanwhile answers within 0.5 s and the memory goes back."""
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": "w5 w6"} for i in range(100001)]
+    body = json.dumps({"messages": messages, "max_tokens": 1}).encode()
+    del messages
+    before = rss_mb()
+    with ThreadPoolExecutor(8) as pool:
+        heavy = [pool.submit(httpx.post, plain + "/v1/chat/completions", content=body, timeout=120,
+                             headers={**KEY, "Content-Type": "application/json"}) for _ in range(8)]
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        normal = httpx.post(plain + "/v1/completions", json={"prompt": "w1 w2 w3", "max_tokens": 2}, headers=KEY,
+                            timeout=60)
+        took = time.monotonic() - t0
+        answers = [f.result() for f in heavy]
+    assert normal.status_code == 200 and took < 0.5, (normal.text, took)
+    for answer in answers:
+        assert "at most 2048 items" in assert_error(answer, 400, "invalid_value", "messages")["message"]
+    del body, answers
+    assert rss_mb() - before < 100, (before, rss_mb())
+    long_text = "w5 " * (512 * 32 // 3 + 1)  # past the context at 32 characters a token: never tokenized
+    assert_error(httpx.post(plain + "/v1/completions", json={"prompt": long_text}, headers=KEY), 400,
+                 "context_length_exceeded", "prompt")
+    assert_error(httpx.post(plain + "/v1/completions", json={"prompt": [5] * 100_000}, headers=KEY), 400,
+                 "context_length_exceeded", "prompt")
+    assert_error(served.post("/v1/completions", json={"prompt": [[5]] * 3}), 400, param="prompt")
+    assert_error(served.post("/v1/completions", json={"prompt": "w5", "stop": ["w" * 1025]}), 400, param="stop")
+
+
+def test_too_many_requests_being_prepared_is_429(plain):
+    """Past --max-preparing (64) requests between their headers and the queue (here, bodies that do not
+    arrive), one more is refused at once with 429 and Retry-After, before its body is read; a place is
+    free again once a body's client leaves."""
+    import socket
+
+    port = int(plain.rsplit(":", 1)[1])
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {API_KEY}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{").encode()
+    stalled = [socket.create_connection(("127.0.0.1", port)) for _ in range(64)]
+    try:
+        for sock in stalled:
+            sock.sendall(head)
+        deadline, response = time.monotonic() + 20, None
+        while time.monotonic() < deadline:
+            response = httpx.post(plain + "/v1/completions", json={"prompt": "w5", "max_tokens": 0}, headers=KEY)
+            if response.status_code == 429:
+                break
+            time.sleep(0.05)
+        error = assert_error(response, 429, "too_many_preparing")
+        assert int(response.headers["retry-after"]) >= 1 and "--max-preparing 64" in error["message"]
+    finally:
+        for sock in stalled:
+            sock.close()
+    deadline = time.monotonic() + 20
+    while (response := httpx.post(plain + "/v1/completions", json={"prompt": "w5", "max_tokens": 0},
+                                  headers=KEY)).status_code == 429:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert_error(response, 400, param="max_tokens")
+
+
+def test_cached_tokens_are_opt_in_and_cache_salt_isolates(served, plain):
+    """Issue 64 F4: every usage carried prompt_tokens_details.cached_tokens, so a client saw whether
+    another had sent a prompt (48 of 50 tokens cached), and cache_salt was dropped. Now the details are
+    shown only with --enable-prompt-tokens-details (null without: vLLM's shape), and requests share
+    cached blocks only with requests of the same cache_salt."""
+    prompt = [1] + [int(t) for t in np.random.default_rng(64).integers(3, 256, 47)]
+
+    def cached(salt=None, url=served.url):
+        extra = {} if salt is None else {"cache_salt": salt}
+        usage = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1, **extra}, headers=KEY,
+                           timeout=60).json()["usage"]
+        return usage["prompt_tokens_details"] and usage["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0 and cached() == 0  # the same text: no block shared across salts
+    assert cached("tenant-a") >= 32 and cached() >= 32  # within one salt, and unsalted, it is
+    assert cached(url=plain) is None  # the default: no details
+    stream = httpx.post(plain + "/v1/completions", headers=KEY, timeout=60, json={
+        "prompt": prompt, "max_tokens": 1, "stream": True, "stream_options": {"include_usage": True}}).text
+    last = json.loads(stream.split("data: ")[-2])
+    assert last["usage"]["prompt_tokens"] == 48 and "prompt_tokens_details" not in last["usage"]
+    assert_error(served.post("/v1/completions", json={"prompt": prompt, "cache_salt": ""}), 400, param="cache_salt")
+    served.assert_pool_full()
+
+
+def test_browsers_and_foreign_hosts_are_refused(served):
+    """Issue 64 F6: any Content-Type was parsed as JSON, so a page of any origin could make a loopback
+    server generate with a "simple" POST (text/plain, a form, no type: no preflight), and a foreign
+    Host was answered (DNS rebinding). Now a body must be application/json (415 otherwise) and only the
+    loopback names are answered (421 otherwise), both in OpenAI's error shape."""
+    body = '{"prompt": "w5", "max_tokens": 1}'
+    for content_type in ("text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
+                         "multipart/form-data; boundary=x", None):
+        headers = {**KEY, **({"Content-Type": content_type} if content_type else {})}
+        assert_error(httpx.post(served.url + "/v1/completions", content=body, headers=headers), 415,
+                     "unsupported_media_type")
+    ok = httpx.post(served.url + "/v1/completions", content=body,
+                    headers={**KEY, "Content-Type": "application/json; charset=utf-8"})
+    assert ok.status_code == 200, ok.text
+    port = served.url.rsplit(":", 1)[1]
+    for host in ("attacker.example", f"attacker.example:{port}", f"127.0.0.1.attacker.example:{port}"):
+        for method, path in (("GET", "/v1/models"), ("GET", "/health"), ("POST", "/v1/completions")):
+            error = assert_error(httpx.request(method, served.url + path, headers={**KEY, "Host": host},
+                                               content=body if method == "POST" else None), 421, "host_not_allowed")
+            assert "--allowed-hosts" in error["message"]
+    for host in (f"localhost:{port}", "127.0.0.1", f"[::1]:{port}", f"LOCALHOST:{port}"):
+        assert httpx.get(served.url + "/v1/models", headers={**KEY, "Host": host}).status_code == 200, host
+
+
+def test_the_key_is_checked_before_routing(served):
+    """Issue 64 F9: /v1/unknown and /v1/embeddings answered 404 without the key (route enumeration),
+    and a 401 had no WWW-Authenticate. Now any path under /v1 is 401 without the key, with
+    'WWW-Authenticate: Bearer'; with it, an unknown route is 404."""
+    for method, path in (("GET", "/v1/unknown"), ("POST", "/v1/embeddings"), ("GET", "/v1/models"),
+                         ("POST", "/v1/completions"), ("GET", "/v1"), ("OPTIONS", "/v1/completions")):
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            response = httpx.request(method, served.url + path, headers=headers)
+            assert_error(response, 401, "invalid_api_key")
+            assert response.headers["www-authenticate"] == "Bearer"
+    assert_error(httpx.get(served.url + "/v1/unknown", headers=KEY), 404)
+    for open_path in ("/health", "/metrics"):
+        assert httpx.get(served.url + open_path).status_code == 200
 
 
 # ---- a process of its own ----

@@ -55,11 +55,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens-limit", type=int, help="largest max_tokens a request may ask (default: the "
                                                              "model's context)")
     parser.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (413 past it)")
+    parser.add_argument("--max-preparing", type=int, default=64,
+                        help="most requests read, parsed and tokenized at once, from before the body is read until "
+                             "queued (429 past it; default 64, as --max-waiting: a burst the queue takes is not "
+                             "refused before it)")
+    parser.add_argument("--allowed-hosts", nargs="+", metavar="HOST",
+                        help="the Host names answered (421 otherwise; '*' any; IPv6 in brackets). Default: "
+                             "127.0.0.1 localhost [::1] when --host is loopback, else any")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="report usage.prompt_tokens_details.cached_tokens (vLLM's flag): it tells a client "
+                             "whether another sent the same prompt prefix, unless they use different cache_salt")
     parser.add_argument("--stream-timeout", type=float, default=30.0,
                         help="seconds a client may leave a stream unread before its request is aborted")
     parser.add_argument("--body-timeout", type=float, default=30.0,
                         help="seconds a request's body may take to arrive (408 past it)")
     parser.add_argument("--timeout-keep-alive", type=int, default=5, help="seconds an idle connection stays open")
+    parser.add_argument("--max-connections", type=int,
+                        help="most connections open at once; one more is answered 503 and closed (default: the "
+                             "open-files limit, raised to its hard limit, less 128 for the server's own files, at "
+                             "most 4096)")
+    parser.add_argument("--header-timeout", type=float, default=10.0,
+                        help="seconds a connection has to send a whole request head, from its opening (or the first "
+                             "byte of a kept-alive connection's next request); past it, it is closed")
     parser.add_argument("--drain-timeout", type=float, default=300.0,
                         help="on SIGTERM, seconds to wait for running requests before shutting down anyway")
     parser.add_argument("--backend", default="fused", choices=["fused", "auto", "unfused"],
@@ -107,7 +124,7 @@ def load(args, mesh=None):
 def generator_options(args, parser) -> dict:
     """``PagedGenerator``'s keyword arguments from the command line."""
     for name in ("max_batch", "max_waiting", "max_num_batched_tokens", "max_tokens_limit", "max_body_bytes",
-                 "tensor_parallel"):
+                 "tensor_parallel", "max_connections", "max_preparing"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')}: expected a positive number, got {value}")
@@ -125,7 +142,7 @@ def main(argv=None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     api_key = args.api_key or os.environ.get("RFA_API_KEY") or None
 
-    from .app import Settings, create_app
+    from .app import Settings, allowed_hosts, create_app
     from .metrics import Metrics
     from .scheduler import EngineService
     from .server import run
@@ -156,7 +173,10 @@ def main(argv=None) -> None:
     service = EngineService(generator, Metrics(name), max_waiting=args.max_waiting)
     settings = Settings(served_model_name=name, tokenizer=tokenizer, chat_template=template, api_key=api_key,
                         max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit,
-                        send_timeout_s=args.stream_timeout, body_timeout_s=args.body_timeout)
+                        send_timeout_s=args.stream_timeout, body_timeout_s=args.body_timeout,
+                        max_preparing=args.max_preparing,
+                        allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),
+                        enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     log = logging.getLogger("models.llama.serve")
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without an API key: anyone who reaches it may use it (set RFA_API_KEY)",
@@ -166,12 +186,16 @@ def main(argv=None) -> None:
         name, model.backend, generator.pool.usable, generator.block_size, template.name,
         "required" if api_key else "not required", args.host, args.port)
     try:
-        run(create_app(service, settings), service, host=args.host, port=args.port,
-            timeout_keep_alive=args.timeout_keep_alive, drain_timeout_s=args.drain_timeout, log_level=args.log_level)
+        status = run(create_app(service, settings), service, host=args.host, port=args.port,
+                     timeout_keep_alive=args.timeout_keep_alive, drain_timeout_s=args.drain_timeout,
+                     max_connections=args.max_connections, header_timeout_s=args.header_timeout,
+                     log_level=args.log_level)
     finally:
         if leader is not None:
             service.stop()  # the engine thread has ended (the app's shutdown stopped it): no step in flight
             leader.close()
+    if status:  # the engine died (server.ENGINE_DIED): a supervisor restarts the server
+        raise SystemExit(status)
 
 
 def _follow(generator, channel) -> None:

@@ -3,11 +3,16 @@
 
 ``plan`` refuses, before anything is queued, what could never run: a prompt and ``max_tokens``
 past the model's context (``context_length_exceeded``), past ``--max-tokens-limit``, or needing more
-KV blocks than the whole cache has. A ``Completion`` submits the request (429 when the queue is
-full, 503 when the server does not take requests), then yields its text as the engine's tokens
-arrive, through the incremental detokenizer (stop strings across tokens, incomplete characters held
-back). The token that ended a request (EOS, ``stop_token_ids``) is counted but not shown; a stop
-string ends the request in the engine at once. Every request ends exactly once, with a reason
+KV blocks than the whole cache has; ``check_text`` refuses, before it is tokenized, a prompt text
+too long for the context at ``MAX_CHARS_PER_TOKEN`` characters a token. A ``top_k`` of the whole
+vocabulary or more is no cut (so no sampling setting the API takes can make the engine refuse a
+row). A ``Completion`` submits the request (429 when the queue is full, 503 when the server does not
+take requests), then yields its text as the engine's tokens arrive, through the incremental
+detokenizer (stop strings across tokens, incomplete characters held back). The token that ended a
+request (EOS, ``stop_token_ids``) is counted but not shown; a stop string ends the request in the
+engine at once. Its usage reports the prompt's prefix-cache hit only when asked
+(``--enable-prompt-tokens-details``: it tells whether another client sent the same prompt prefix,
+unless their ``cache_salt`` differ). Every request ends exactly once, with a reason
 counted in ``vllm:request_success_total``: stop, length, abort (the client left) or error.
 """
 from __future__ import annotations
@@ -18,12 +23,17 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from ..engine.block_pool import blocks_for
+from ..engine.common import SamplingError
 from .detokenizer import IncrementalDetokenizer
 from .errors import APIError, bad_request
 from .protocol import Usage
 from .scheduler import EngineService, Overloaded, Submission, Unavailable
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens of /v1/completions
+# Llama tokenizers average 3-5 characters a token on text and code; a text longer than the context at 32
+# characters a token cannot fit it, and is refused before tokenizing (a text of long runs of one character,
+# which tokenizers pack tighter, is refused with it).
+MAX_CHARS_PER_TOKEN = 32
 
 
 @dataclass(frozen=True)
@@ -36,6 +46,10 @@ class Limits:
     vocab_size: int
     eos_ids: tuple[int, ...]  # the model's
 
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.max_model_len * MAX_CHARS_PER_TOKEN
+
     @classmethod
     def of(cls, generator, max_tokens_limit: int | None) -> "Limits":
         model = generator.model
@@ -43,11 +57,28 @@ class Limits:
                    generator.pool.usable, model.vocab_size, tuple(model.config.eos_token_ids))
 
 
+def _too_long(limits: Limits, prompt_param: str, asked: str, param: str | None = None) -> APIError:
+    """OpenAI's context_length_exceeded (its message's words), naming the prompt or ``param``."""
+    return APIError(400, f"This model's maximum context length is {limits.max_model_len} tokens. However, you "
+                    f"requested {asked}. Please reduce the length of the {prompt_param} or completion.",
+                    param=param or prompt_param, code="context_length_exceeded")
+
+
+def check_text(length: int, limits: Limits, prompt_param: str) -> None:
+    """A prompt text of ``length`` characters, before it is tokenized: refused when it cannot fit."""
+    if length > limits.max_prompt_chars:
+        raise _too_long(limits, prompt_param, f"a text of {length} characters in the {prompt_param} (this server "
+                        f"tokenizes at most {limits.max_prompt_chars}, {MAX_CHARS_PER_TOKEN} a token of the context)")
+
+
 def plan(request, prompt: list[int], limits: Limits, *, max_tokens: int | None, prompt_param: str) -> Submission:
     """The engine's request for ``request`` (a validated protocol request) and its prompt ids."""
     if not prompt:
         raise bad_request("the prompt is empty", prompt_param)
-    if any(not 0 <= t < limits.vocab_size for t in prompt):
+    if len(prompt) >= limits.max_model_len:  # before looking at each id
+        raise _too_long(limits, prompt_param, f"{len(prompt)} tokens in the {prompt_param} and at least one in the "
+                        "completion")
+    if min(prompt) < 0 or max(prompt) >= limits.vocab_size:
         raise bad_request(f"token ids must be in [0, {limits.vocab_size})", prompt_param)
     if max_tokens is not None and max_tokens > limits.max_tokens_limit:
         raise bad_request(f"max_tokens: {max_tokens} is more than this server allows ({limits.max_tokens_limit})",
@@ -56,27 +87,25 @@ def plan(request, prompt: list[int], limits: Limits, *, max_tokens: int | None, 
     if max_tokens is None:  # OpenAI's defaults, within what is left of the context
         max_tokens = min(limits.max_tokens_limit, room,
                          room if prompt_param == "messages" else DEFAULT_COMPLETION_TOKENS)
-    if room < 1 or len(prompt) + max_tokens > limits.max_model_len:
-        raise APIError(400, f"This model's maximum context length is {limits.max_model_len} tokens. However, you "
-                       f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the {prompt_param}, "
-                       f"{max_tokens} in the completion). Please reduce the length of the {prompt_param} or "
-                       "completion.", param=prompt_param if room < 1 else "max_tokens",
-                       code="context_length_exceeded")
+    if len(prompt) + max_tokens > limits.max_model_len:
+        raise _too_long(limits, prompt_param, f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the "
+                        f"{prompt_param}, {max_tokens} in the completion)", "max_tokens")
     need = blocks_for(len(prompt) + max_tokens - 1, limits.block_size)
     if need > limits.cache_blocks:
         raise bad_request(f"{len(prompt)} prompt tokens + {max_tokens} new tokens need {need} KV cache blocks of "
                           f"{limits.block_size} positions; this server's cache holds {limits.cache_blocks}",
                           "max_tokens", code="exceeds_kv_cache")
-    stop_ids = tuple(request.stop_token_ids or ())
-    if any(not 0 <= t < limits.vocab_size for t in stop_ids):
+    stop_ids = tuple(dict.fromkeys(request.stop_token_ids or ()))
+    if stop_ids and (min(stop_ids) < 0 or max(stop_ids) >= limits.vocab_size):
         raise bad_request(f"token ids must be in [0, {limits.vocab_size})", "stop_token_ids")
     eos = (() if request.ignore_eos else limits.eos_ids) + stop_ids
     top_k = request.top_k or 0
     return Submission(prompt=list(prompt), max_tokens=max_tokens,
                       temperature=1.0 if request.temperature is None else request.temperature,
-                      top_k=0 if top_k < 0 else top_k, top_p=1.0 if request.top_p is None else request.top_p,
+                      top_k=0 if not 0 < top_k < limits.vocab_size else top_k,
+                      top_p=1.0 if request.top_p is None else request.top_p,
                       seed=secrets.randbits(63) if request.seed is None else request.seed,
-                      eos_ids=tuple(dict.fromkeys(eos)))
+                      eos_ids=tuple(dict.fromkeys(eos)), cache_salt=request.cache_salt)
 
 
 class Completion:
@@ -84,8 +113,10 @@ class Completion:
     ``(text, finish_reason)``, finish_reason set on the last; ``abort()`` ends it early."""
 
     def __init__(self, service: EngineService, submission: Submission, decode: Callable[[list[int]], str],
-                 stop: tuple[str, ...] = (), retry_after_s: int = 1):
+                 stop: tuple[str, ...] = (), retry_after_s: int = 1, report_cached_tokens: bool = False):
         self.service, self.submission = service, submission
+        self.report_cached_tokens = report_cached_tokens  # usage's prompt_tokens_details (another client's
+        # prompt shows in it: --enable-prompt-tokens-details)
         self.detokenizer = IncrementalDetokenizer(decode, submission.prompt, stop)
         self.end_ids = frozenset(submission.eos_ids)
         self.retry_after_s = retry_after_s
@@ -115,6 +146,9 @@ class Completion:
             event = await self.stream.next()
             if event.error is not None:
                 self._end("error")
+                if isinstance(event.error, SamplingError):  # the model's fault (no parameter makes one): a 500
+                    raise APIError(500, "generation failed: the model's output for this request could not be "
+                                   "sampled (NaN or +inf logits, or none finite)", code="engine_error")
                 raise APIError(500, f"generation failed: {event.error}", code="engine_error")
             self.completion_tokens += 1
             if event.finished and event.token in self.end_ids:
@@ -142,7 +176,8 @@ class Completion:
     @property
     def usage(self) -> Usage:
         cached = self.stream.cached_tokens if self.stream is not None else 0
-        return Usage.of(len(self.submission.prompt), self.completion_tokens, cached)
+        return Usage.of(len(self.submission.prompt), self.completion_tokens,
+                        cached if self.report_cached_tokens else None)
 
     def _end(self, reason: str) -> None:
         if self.ended is None:

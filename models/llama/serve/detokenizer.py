@@ -8,9 +8,13 @@ the same window without the new tokens (vLLM's incremental detokenization). Text
 ends in U+FFFD (an incomplete UTF-8 sequence) waits for the next token.
 
 Stop strings are matched on the text, across token boundaries: a string split over three tokens
-stops the request as well as one inside a token. The text returned ends before the stop string.
-Text that could still become the start of a stop string is held back until the next token
-decides; at the end (EOS, the token limit) it is released.
+stops the request as well as one inside a token. The request stops at the first character that
+completes a stop string (the longest one, when several end there), however the text was split into
+tokens; the text returned ends before it. Text that could still become the start of a stop string
+(at most the longest stop string's length less one character) is held back until the next token
+decides; at the end (EOS, the token limit) it is released. Each stop string is followed by a
+Knuth-Morris-Pratt matcher fed each new character once, so the work per token is linear in its new
+characters (amortized), whatever the stop strings' and the text's lengths.
 """
 from __future__ import annotations
 
@@ -18,6 +22,33 @@ from typing import Callable, Sequence
 
 PROMPT_CONTEXT = 5        # prompt tokens the first window starts with (their text is not output)
 INCOMPLETE = "\ufffd"     # what a decoder makes of a partial UTF-8 sequence
+
+
+class _StopMatcher:
+    """One stop string's matcher: ``matched`` is the length of the longest prefix of the string the
+    text fed so far ends with (Knuth-Morris-Pratt: ``fall[k]`` is the longest proper prefix of
+    ``string[:k + 1]`` that is also its suffix)."""
+
+    def __init__(self, string: str):
+        self.string, self.matched = string, 0
+        self.fall = [0] * len(string)
+        k = 0
+        for i in range(1, len(string)):
+            while k and string[i] != string[k]:
+                k = self.fall[k - 1]
+            if string[i] == string[k]:
+                k += 1
+            self.fall[i] = k
+
+    def feed(self, char: str) -> bool:
+        """Whether the text now ends with the whole string."""
+        string, k = self.string, self.matched
+        while k and string[k] != char:
+            k = self.fall[k - 1]
+        if string[k] == char:
+            k += 1
+        self.matched = k
+        return k == len(string)
 
 
 class IncrementalDetokenizer:
@@ -30,6 +61,7 @@ class IncrementalDetokenizer:
         self._prefix = 0                  # the window starts here
         self._read = len(self._ids)       # ids up to here are in ``text``
         self.stop = tuple(stop)
+        self._matchers = [_StopMatcher(s) for s in self.stop]
         self.text = ""                    # the output so far (what was sent and what is held back)
         self._sent = 0                    # characters of ``text`` handed out
         self.stopped = False
@@ -56,12 +88,15 @@ class IncrementalDetokenizer:
         return self._release(final=True)
 
     def _append(self, new: str) -> None:
-        start = len(self.text)
+        if self._matchers:
+            for i, char in enumerate(new):
+                ended = [m for m in self._matchers if m.feed(char)]  # every matcher sees every character
+                if ended:  # the text ends before the longest string ending here (it may begin in earlier text)
+                    text = self.text + new[:i + 1]
+                    self.text = text[:len(text) - max(len(m.string) for m in ended)]
+                    self.stopped = True
+                    return
         self.text += new
-        hits = [i for i in (self.text.find(s, max(0, start - len(s) + 1)) for s in self.stop) if i >= 0]
-        if hits:
-            self.text = self.text[:min(hits)]
-            self.stopped = True
 
     def _release(self, final: bool) -> str:
         end = len(self.text) if final or self.stopped else len(self.text) - self._held()
@@ -71,10 +106,4 @@ class IncrementalDetokenizer:
 
     def _held(self) -> int:
         """Characters at the end of the text that begin some stop string (they may complete it)."""
-        longest = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(s[:k]):
-                    longest = k
-                    break
-        return longest
+        return max((m.matched for m in self._matchers), default=0)

@@ -42,6 +42,7 @@ class Submission:
     top_p: float = 1.0
     seed: int = 0
     eos_ids: tuple[int, ...] | None = None  # None: the model's; (): none (ignore_eos)
+    cache_salt: str | None = None           # shares cached blocks only with requests of the same salt
 
 
 @dataclass
@@ -231,7 +232,8 @@ class EngineService:
         s = stream.submission
         try:
             request_id = self.generator.add_request(s.prompt, s.max_tokens, temperature=s.temperature, top_k=s.top_k,
-                                                    top_p=s.top_p, seed=s.seed, eos_ids=s.eos_ids)
+                                                    top_p=s.top_p, seed=s.seed, eos_ids=s.eos_ids,
+                                                    cache_salt=s.cache_salt)
         except Exception as exc:  # noqa: BLE001  refused (ValueError) or worse: this request only
             stream.done = True
             self._post(stream, Event(finished=True, error=exc))
