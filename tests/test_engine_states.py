@@ -1,7 +1,7 @@
 """The paged engine driven by a machine: a hypothesis rule-based state machine adds requests
 (shared prefixes, a shared BOS token, lengths at block edges, cache salts, greedy and sampled),
-steps, aborts, poisons a request's logits (its row cannot be sampled), makes the next model call
-fail, and swaps the model's weights, on the tiny model with budgets down to one sequence, with
+steps, aborts, poisons a request's row (NaN logits, or a sampler that raises), makes the next
+model call fail, and swaps the model's weights, on the tiny model with budgets down to one sequence, with
 whole-prompt prefill steps or chunked prefill (``max_num_batched_tokens`` of 2, 5 or 16: prompts
 split over steps, mixed steps, decode tokens filling the budget). After every rule it checks what
 must always hold:
@@ -39,7 +39,7 @@ import mindspore as ms
 import test_llama
 from test_llama import CONFIG
 
-from models.llama.engine import Generator, PagedGenerator
+from models.llama.engine import Generator, PagedGenerator, SamplingError
 from models.llama.engine.block_pool import SCRATCH_BLOCK, blocks_for, prefix_keys
 from models.llama.engine.kv_cache import STEP_TOKENS, block_bytes
 from models.llama.model import DTYPES
@@ -91,12 +91,17 @@ class EngineMachine(RuleBasedStateMachine):
         self.paged.max_num_batched_tokens = chunk
         self.chunk, self.split = chunk, set()
         COUNTS["chunked examples"] += chunk is not None
-        self.poisoned, self.fail_next = set(), False
+        self.poisoned, self.fail_next = {}, False  # poisoned: request id -> 'nan' or 'raises'
         self.shadow: dict[int, Shadow] = {}
         draw, call_prefill, call_decode = self.paged._draw, self.paged.prefill, self.paged.decode
 
-        def poisoning_draw(request, row):  # the real sampler, on a row made NaN
-            return draw(request, np.full_like(row, np.nan) if request.id in self.poisoned else row)
+        def broken_sampler(logits):
+            raise RuntimeError("a bug of the sampler")
+
+        def poisoning_draw(request, row):  # the real _draw, on a row made NaN or through a sampler that raises
+            if self.poisoned.get(request.id) == "raises":
+                request.sampling.draw = broken_sampler
+            return draw(request, np.full_like(row, np.nan) if self.poisoned.get(request.id) == "nan" else row)
 
         def failing(call):
             def run(*args):
@@ -166,6 +171,7 @@ class EngineMachine(RuleBasedStateMachine):
             assert record.state in ("waiting", "running")
             if token.error is not None:
                 assert token.request in self.poisoned and token.token is None and token.finished
+                assert isinstance(token.error, SamplingError if self.poisoned[token.request] == "nan" else RuntimeError)
                 record.state = "failed"
                 continue
             assert token.request not in self.poisoned
@@ -239,11 +245,12 @@ class EngineMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(r.state in ("waiting", "running") for r in self.shadow.values()))
     @rule(data=st.data(), now=st.integers(0, 2))
     def poison(self, data, now):
-        """The request's next row of logits is NaN: it must end alone, with its error."""
+        """The request's next row of logits is NaN, or its sampler raises (any exception drawing a
+        row: issue 64's F1): it must end alone, with its error."""
         if now:
             return
         unfinished = sorted(i for i, r in self.shadow.items() if r.state in ("waiting", "running"))
-        self.poisoned.add(data.draw(st.sampled_from(unfinished)))
+        self.poisoned[data.draw(st.sampled_from(unfinished))] = data.draw(st.sampled_from(["nan", "raises"]))
 
     @rule(now=st.integers(0, 2))
     def fail_the_next_call(self, now):

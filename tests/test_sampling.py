@@ -3,10 +3,15 @@ every call at any temperature, top_k and top_p returns a token (the float64 sum 
 few ulps under 1 once made 41-59% of the calls at the default top_p=1 raise), the draws follow the
 temperature-scaled distribution restricted as stated, and rows or settings it cannot honour are
 refused by name, never answered with an arbitrary token."""
+import sys
+import warnings
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from models.llama.engine.common import SamplingError, check_sampling, sample
+from models.llama.engine.common import SAMPLING_EPS, SamplingError, check_sampling, sample
 
 
 @pytest.mark.parametrize("vocab", [256, 32000, 128256])
@@ -65,3 +70,43 @@ def test_bad_settings_are_refused_by_name(settings, message):
         check_sampling(**full)
     with pytest.raises(ValueError, match=message):
         sample(np.zeros((1, 4)), np.random.default_rng(0), **full)
+
+
+FLOAT_MAX = sys.float_info.max
+# every finite float >= 0, the edges named: the subnormals that once overflowed the scaling to NaN
+# (issue 64: 5e-324 failed a whole engine step), the greedy threshold, the largest finite values
+TEMPERATURES = st.floats(0, FLOAT_MAX) | st.sampled_from(
+    [5e-324, 1e-310, 2.2e-308, SAMPLING_EPS * 0.999, SAMPLING_EPS, 1e-3, 1.0, 1e300, FLOAT_MAX])
+TOP_PS = st.floats(0, 1, exclude_min=True) | st.sampled_from([5e-324, 1e-300, 0.5, 1 - 2 ** -53, 1.0])
+TOP_KS = st.integers(0, 20) | st.integers(0, 2 ** 100) | st.just(10 ** 30)
+LOGITS = st.floats() | st.sampled_from([-np.inf, -FLOAT_MAX, FLOAT_MAX, 5e-324, -5e-324, 0.0, 3.4e38, -3.4e38])
+
+
+@settings(max_examples=400, derandomize=True, database=None, deadline=None)
+@given(logits=st.integers(1, 3).flatmap(lambda rows: st.integers(1, 12).flatmap(
+           lambda vocab: st.lists(st.lists(LOGITS, min_size=vocab, max_size=vocab), min_size=rows, max_size=rows))),
+       dtype=st.sampled_from([np.float32, np.float64]), temperature=TEMPERATURES, top_k=TOP_KS, top_p=TOP_PS,
+       seed=st.integers(0, 3))
+def test_every_setting_the_api_accepts_draws_a_token_or_raises_sampling_error(logits, dtype, temperature, top_k,
+                                                                                top_p, seed):
+    """Issue 64 F1: any temperature, top_p and top_k ``check_sampling`` accepts, over rows holding
+    -inf, the largest and the subnormal floats (float32's overflowing to inf), draws a token with a
+    finite logit in every row, quietly, or refuses a row holding NaN or +inf or no finite value with
+    ``SamplingError``: never another exception (numpy's "probabilities contain NaN" once ended every
+    request of an engine step)."""
+    with np.errstate(over="ignore"):
+        rows = np.array(logits, dtype=dtype)
+    check_sampling(temperature, top_k, top_p)
+    unsampleable = (np.isnan(rows) | np.isposinf(rows)).any(-1) | ~np.isfinite(rows).any(-1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an overflow on the way is a warning: none either
+        try:
+            tokens = sample(rows, np.random.default_rng(seed), temperature, top_k, top_p)
+        except SamplingError:
+            assert unsampleable.any()
+            return
+    assert not unsampleable.any() and tokens.shape == (len(rows),)
+    for row, token in zip(rows, tokens):
+        assert 0 <= token < rows.shape[1] and np.isfinite(row[token])
+        if temperature < SAMPLING_EPS or top_k == 1:
+            assert row[token] == row.max()

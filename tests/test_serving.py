@@ -335,6 +335,35 @@ def test_a_request_whose_row_cannot_be_sampled_ends_alone_and_the_step_commits_t
     assert_pool_at_rest(paged)
 
 
+def test_any_exception_drawing_a_row_ends_that_request_alone(checkpoint, graph, rng, monkeypatch):
+    """Issue 64 F1: three sampled requests, the middle one's draw raising a RuntimeError at its
+    third token (numpy's "probabilities contain NaN" once, from a temperature of 5e-324). It ends
+    with a last ``Token`` carrying that error after its two tokens, and the others, in the same
+    steps, get the tokens they get alone (``_draw`` caught only ``SamplingError``: the step raised
+    and ended every request in it); every block comes back."""
+    model = load_checkpoint(checkpoint[1], progress=False)
+    a, b, c = prompts_of(rng, 4, 9, 6, shared=[])
+    paged = PagedGenerator(model, max_cache_bytes=budget(model, 16), max_batch=3)
+    ids = [paged.add_request(p, 6, eos_ids=(), temperature=0.8, seed=1) for p in (a, b, c)]
+    failure = RuntimeError("injected: the sampler broke")
+    sampling = paged.waiting[1].sampling
+    draw, draws = sampling.draw, []
+
+    def breaking_draw(logits):
+        draws.append(1)
+        if len(draws) == 3:
+            raise failure
+        return draw(logits)
+
+    monkeypatch.setattr(sampling, "draw", breaking_draw)
+    tokens, errors = drain(paged)
+    assert errors == {ids[1]: failure} and len(tokens[ids[1]]) == 2
+    assert_pool_at_rest(paged)
+    for request, prompt in ((ids[0], a), (ids[2], c)):  # alone, on the same graphs: no new compile
+        paged.reset_prefix_cache()
+        assert [t.token for t in paged.stream([prompt], 6, eos_ids=(), temperature=0.8, seed=1)] == tokens[request]
+
+
 def test_a_step_that_fails_before_its_graph_runs_ends_its_requests_and_registers_nothing(checkpoint, graph, rng):
     """F8: the second joining request's growth raises after the first one's copy-on-write swap put
     a block never copied into its table. Every request of the step ends, its blocks freed and none

@@ -6,6 +6,7 @@ they return, the base of their compiled graphs, and the memory they may take.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -47,7 +48,7 @@ def _is_real(value) -> bool:
 
 def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
     """Refuses, naming the setting, what ``sample`` cannot honour (NaN, strings, fractional top_k)."""
-    if not _is_real(temperature) or not 0 <= temperature < float("inf"):
+    if not _is_real(temperature) or not 0 <= temperature <= sys.float_info.max:  # a larger int is no float
         raise ValueError(f"temperature: expected a finite number >= 0, got {temperature!r}")
     if not _is_real(top_p) or not 0 < top_p <= 1:
         raise ValueError(f"top_p: expected a number in (0, 1], got {top_p!r}")
@@ -68,26 +69,38 @@ class SamplingError(ValueError):
     """A row of logits no token can be drawn from (NaN, or no finite logit)."""
 
 
+SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature under it is greedy
+
+
 def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float = 0.0, top_k: int = 0,
            top_p: float = 1.0) -> np.ndarray:
-    """Next token per row of ``logits`` (B, vocab): greedy at temperature 0, else sampled from the
-    temperature-scaled distribution restricted to the top_k tokens and the smallest prefix of them
-    (by probability) holding top_p of the mass; ``top_p=1`` cuts nothing. A row holding NaN or +inf,
-    or only -inf, raises ``SamplingError`` (its argmax would be an arbitrary token)."""
+    """Next token per row of ``logits`` (B, vocab): greedy at a temperature under ``SAMPLING_EPS``
+    (vLLM's rule: at 5e-324 every logit over the temperature overflowed, and the NaN probabilities
+    failed the draw), else sampled from the temperature-scaled distribution restricted to the top_k
+    tokens (0, or a top_k over the vocabulary: no cut) and the smallest prefix of them (by
+    probability) holding top_p of the mass; ``top_p=1`` cuts nothing. Any setting ``check_sampling``
+    accepts draws a token: each row's maximum is subtracted before the scaling, so nothing
+    overflows to NaN (a difference of two huge logits is -inf: that token's probability is 0). A
+    row holding NaN or +inf, or only -inf, raises ``SamplingError`` (its argmax would be an
+    arbitrary token)."""
     check_sampling(temperature, top_k, top_p)
     logits = np.asarray(logits)
     bad = np.isnan(logits).any(-1) | np.isposinf(logits).any(-1) | ~np.isfinite(logits).any(-1)
     if bad.any():
         raise SamplingError(f"logits: row {int(np.argmax(bad))} holds NaN or +inf, or no finite value; "
                             "no token can be drawn from it")
-    if temperature == 0:
+    if temperature < SAMPLING_EPS:
         return logits.argmax(-1)
-    out = np.empty(logits.shape[0], np.int64)
-    for b, row in enumerate(logits.astype(np.float64) / temperature):
+    rows = logits.astype(np.float64)
+    with np.errstate(over="ignore"):
+        rows = (rows - rows.max(-1, keepdims=True)) / temperature  # each row's maximum 0, the others <= 0
+    top_k = min(int(top_k), rows.shape[-1])
+    out = np.empty(rows.shape[0], np.int64)
+    for b, row in enumerate(rows):
         order = np.argsort(-row, kind="stable")
         if top_k:
             order = order[:top_k]
-        probs = np.exp(row[order] - row[order[0]])
+        probs = np.exp(row[order])  # the first is 1: the sum is in [1, vocab]
         probs /= probs.sum()
         keep = len(probs)
         if top_p < 1:  # the float64 sum of the mass may end a few ulps under 1: never search for 1 itself
@@ -266,7 +279,7 @@ class Engine:
         sampled. ``max_new_tokens`` is one int or one per prompt; a request ends at one of ``eos_ids``
         (default: the config's) or at its ``max_new_tokens``. ``on_step(kind, seconds)`` is told each
         graph call ('prefill' or 'decode', sampling and host time included). A request that cannot
-        be sampled raises its ``SamplingError``; an abandoned or failed stream leaves nothing of its
+        be sampled raises its error (``SamplingError``: NaN logits); an abandoned or failed stream leaves nothing of its
         own in the cache."""
         counts = self._check(prompts, max_new_tokens)
         check_sampling(temperature, top_k, top_p)
