@@ -138,6 +138,8 @@ class Completion:
             self._end("error")
             if isinstance(event.error, ValueError):  # the engine refused it (checked above; a race)
                 raise bad_request(f"refused by the engine: {event.error}", None, code="rejected")
+            if isinstance(event.error, Unavailable):  # it stopped before taking the request
+                raise APIError(503, str(event.error), code=event.error.code)
             raise APIError(500, "the engine failed to take the request", code="engine_error")
 
     async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
@@ -146,10 +148,7 @@ class Completion:
             event = await self.stream.next()
             if event.error is not None:
                 self._end("error")
-                if isinstance(event.error, SamplingError):  # the model's fault (no parameter makes one): a 500
-                    raise APIError(500, "generation failed: the model's output for this request could not be "
-                                   "sampled (NaN or +inf logits, or none finite)", code="engine_error")
-                raise APIError(500, f"generation failed: {event.error}", code="engine_error")
+                raise APIError(500, f"generation failed: {_reason(event.error)}", code="engine_error")
             self.completion_tokens += 1
             if event.finished and event.token in self.end_ids:
                 text, self.finish_reason = detok.finish(), "stop"
@@ -183,3 +182,13 @@ class Completion:
         if self.ended is None:
             self.ended = reason
             self.service.metrics.finished(reason, self.service.clock() - self.stream.arrival)
+
+
+def _reason(error: Exception) -> str:
+    """What a client is told of the engine error that ended its request: the engine's own words only where
+    they are meant for it (the exception of a failed step may quote internals; the server's log has it)."""
+    if isinstance(error, SamplingError):  # the model's fault (no parameter the API takes makes one)
+        return "the model's output for this request could not be sampled (NaN or +inf logits, or none finite)"
+    if isinstance(error, Unavailable):
+        return str(error)
+    return "the engine failed this request (the server's log says why)"

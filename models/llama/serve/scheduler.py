@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import mindspore as ms
 
+from ..engine.common import SamplingError
 from ..engine.kv_cache import STEP_TOKENS, token_bucket
 from .metrics import Metrics
 
@@ -210,8 +211,8 @@ class EngineService:
             self.error = exc
             log.exception("the engine thread stopped")
         finally:
-            self._end_all(RuntimeError("the server is shutting down" if self.error is None else
-                                       f"the engine stopped: {self.error!r}"))
+            self._end_all(Unavailable("the server is shutting down", "draining") if self.error is None else
+                          Unavailable("the engine stopped; see the server's log", "engine_dead"))
 
     def _warm_up(self) -> None:
         gen = self.generator
@@ -275,6 +276,9 @@ class EngineService:
             if stream is None:
                 continue
             if token.error is not None:
+                if not isinstance(token.error, SamplingError):  # a bug of the sampler: its traceback, here only
+                    log.error("drawing request %d's token failed; it ends alone", token.request,
+                              exc_info=token.error)
                 self._end(stream, Event(finished=True, error=token.error))
                 continue
             if stream.first_token_at is None:
