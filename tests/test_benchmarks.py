@@ -934,6 +934,14 @@ def test_serve_faults_outcomes_percentiles_and_the_rule(tmp_path):
     row = serve_faults.summarize("idle", held, alone["ttft_p99_ms"])
     assert (row["ok"], row["refused"], row["failed"], row["verdict"]) == (5, 3, 0, "PASS")
     assert row["p99_over_alone"] == pytest.approx(50 / 32.77)
+    # requests queued behind the attack's own are counted, not in the percentiles; failing, they fail the attack
+    queued = [{**_faults_request(ttft_s=0.5), "queued": True}] * 2 + [_faults_request(ttft_s=0.03)] * 4
+    behind = serve_faults.summarize("disconnect", queued, alone["ttft_p99_ms"])
+    assert (behind["ok"], behind["queued"], behind["queued_ttft_max_ms"], behind["ttft_p99_ms"]) == (6, 2, 500, 30)
+    assert behind["verdict"] == "PASS" and "| 2: 500 | PASS |" in serve_faults.table(
+        {"summary": [behind], "runs": {}})
+    lost = serve_faults.summarize("disconnect", [{**_faults_request(error="x"), "queued": True}], None)
+    assert lost["failed"] == 1 and lost["verdict"] == "FAIL"
     slow = serve_faults.summarize("disconnect", [_faults_request(ttft_s=0.07)] * 4, alone["ttft_p99_ms"])
     assert slow["verdict"] == "FAIL" and slow["reasons"] == ["the p99 TTFT is 2.14x its value alone (at most 2x)"]
     broken = serve_faults.summarize("poison", [_faults_request(), _faults_request(error="x"),
@@ -946,7 +954,8 @@ def test_serve_faults_outcomes_percentiles_and_the_rule(tmp_path):
     results = {"summary": rows, "runs": {"idle": {"records": held, "details": {"connections": 128}}},
                "machine": {"cpus": 2}, "settings": {"requests": 24, "interval": 0.2, "max_tokens": 16}}
     text = serve_faults.table(results)
-    assert "| idle | 8 | 5 | 3 | 0 | 50.0 / 50.0 | 1.53x | PASS |" in text and "| sigterm | | | | | | | SKIPPED: not here |" in text
+    assert "| idle | 8 | 5 | 3 | 0 | 50.0 / 50.0 | 1.53x | - | PASS |" in text
+    assert "| sigterm | | | | | | | | SKIPPED: not here |" in text
     assert 'idle: {"connections": 128}' in text and "poison FAILS: 2 of 3 normal requests failed" in text
     serve_faults.plot(results, tmp_path / "serve_faults.png")
     assert (tmp_path / "serve_faults.png").stat().st_size > 0
