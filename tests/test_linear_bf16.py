@@ -26,6 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 ISAS = [isa for isa in usable_isas() if isa in built_libraries(linear.STEM)]
 BUILT = bool(linear.onednn())
 needs_onednn = pytest.mark.skipif(not BUILT, reason="projection library built without oneDNN (not x86_64 Linux)")
+# bfloat16 arithmetic needs oneDNN in the build and bfloat16 instructions in the CPU (AVX512-BF16 / AMX-BF16), or
+# it is refused with the library's own words: its tests run where it runs; where it does not (an AVX2 CPU),
+# test_this_cpus_refusal checks that every entry refuses it with those words.
+BF16_PROBLEM = linear.library().RfaLinearComputeProblem(b"bfloat16").decode()
+needs_bf16 = pytest.mark.skipif(bool(BF16_PROBLEM), reason=BF16_PROBLEM)
 BF16 = ml_dtypes.bfloat16
 
 
@@ -40,7 +45,7 @@ def reference(x, w):
     return xr @ w64.T, 1e-6 * (np.abs(xr) @ np.abs(w64).T) + 1e-30
 
 
-@needs_onednn
+@needs_bf16
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("m", [1, 2, 16, 17, 37, 512])
 @pytest.mark.parametrize("n, k", [(40, 72), (72, 40), (11, 1), (1, 11), (1, 1), (130, 257), (4099, 33)])
@@ -54,7 +59,7 @@ def test_equals_float64_reference_on_rounded_inputs(m, n, k, isa, rng, bf16_engi
         assert np.all(np.abs(y - expected) <= tol), np.max(np.abs(y - expected) / tol)
 
 
-@needs_onednn
+@needs_bf16
 def test_leading_dimensions_and_a_long_sum(rng, bf16_engines):
     x = rng.standard_normal((2, 3, 5, 4096)).astype(np.float32)
     w = bf16(rng.standard_normal((19, 4096)))
@@ -64,7 +69,7 @@ def test_leading_dimensions_and_a_long_sum(rng, bf16_engines):
         assert y.shape == (2, 3, 5, 19) and np.all(np.abs(y.reshape(-1, 19) - expected) <= tol)
 
 
-@needs_onednn
+@needs_bf16
 @pytest.mark.parametrize("m", [1, 37])
 def test_exact_where_the_math_is_exact(m, rng, bf16_engines):
     """Small integers: bfloat16 holds them, and every partial sum is an integer below 2^24, so any
@@ -76,7 +81,7 @@ def test_exact_where_the_math_is_exact(m, rng, bf16_engines):
         assert np.array_equal(y, (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32))
 
 
-@needs_onednn
+@needs_bf16
 def test_x_is_rounded_to_nearest_even(bf16_engines):
     """Halfway cases between bfloat16 neighbours (7 stored mantissa bits) go to the even one, others
     to the nearest: not truncation. K = 1 and W = 1, so y is bf16(x) itself; 5 rows (past the decode
@@ -92,7 +97,7 @@ def test_x_is_rounded_to_nearest_even(bf16_engines):
             assert np.array_equal(y, x[rows, 0].astype(BF16).astype(np.float32))
 
 
-@needs_onednn
+@needs_bf16
 @pytest.mark.parametrize("m", [4, 9])  # the decode path; past it
 def test_non_finite_values_propagate(m, rng, bf16_engines):
     x = rng.standard_normal((m, 24)).astype(np.float32)
@@ -105,7 +110,7 @@ def test_non_finite_values_propagate(m, rng, bf16_engines):
         assert np.isfinite(np.delete(y, [1, 2], axis=0)).all()
 
 
-@needs_onednn
+@needs_bf16
 def test_empty_sum_and_empty_outputs(bf16_engines):
     for _ in bf16_engines():
         for m in (3, 9):
@@ -139,7 +144,7 @@ def test_the_engine_is_the_faster_units_by_the_probe(monkeypatch):
         assert linear.bf16_engine() == f"{forced}: RFA_BF16_GEMM={forced}"
 
 
-@needs_onednn
+@needs_bf16
 def test_both_engines_agree_within_the_bound_and_differ_only_in_order(rng, bf16_engines):
     """The same arithmetic on other units: both within the float64 bound, and not bit-identical in
     general (another float32 summation order), at a prefill-sized product."""
@@ -152,7 +157,7 @@ def test_both_engines_agree_within_the_bound_and_differ_only_in_order(rng, bf16_
     assert not np.array_equal(results["onednn"], results["fma"])
 
 
-@needs_onednn
+@needs_bf16
 @pytest.mark.parametrize("value", ["FMA", "amx", "1", " fma"])
 def test_a_bad_engine_setting_is_refused_by_name(value, monkeypatch):
     monkeypatch.setenv("RFA_BF16_GEMM", value)
@@ -165,6 +170,7 @@ def test_a_bad_engine_setting_is_refused_by_name(value, monkeypatch):
     assert (linear.multiply(x, w, compute_dtype="bfloat16") == 3).all()
 
 
+@needs_bf16
 @pytest.mark.parametrize("weight_dtype", [np.float32, np.float16])
 def test_bfloat16_arithmetic_refuses_other_weight_dtypes(weight_dtype):
     if not BUILT:
@@ -211,7 +217,7 @@ def test_float32_arithmetic_is_the_default_entry_bit_for_bit(weight_dtype, rng):
         assert np.array_equal(linear.multiply(x, w, compute_dtype="float32"), y)
 
 
-@needs_onednn
+@needs_bf16
 def test_bfloat16_differs_from_float32_arithmetic(rng):
     """The attribute reaches the kernel: rounding x changes the result beyond float32's rounding."""
     x = rng.standard_normal((5, 64)).astype(np.float32)
@@ -231,7 +237,7 @@ class Projection(nn.Cell):
         return self.op(x, self.weight)
 
 
-@needs_onednn
+@needs_bf16
 def test_op_in_both_modes_with_a_dynamic_sequence_length(mode, rng):
     w = bf16(rng.standard_normal((24, 40)))
     net = Projection(w, "bfloat16")
@@ -245,13 +251,14 @@ def test_op_in_both_modes_with_a_dynamic_sequence_length(mode, rng):
         assert np.array_equal(y, linear.multiply(x, w, compute_dtype="bfloat16"))
 
 
+@needs_bf16
 def test_op_is_one_primitive_per_compute_dtype():
     assert linear.linear_op() is linear.linear_op("float32")
     if BUILT:
         assert linear.linear_op("bfloat16") is linear.linear_op("bfloat16") is not linear.linear_op()
 
 
-@needs_onednn
+@needs_bf16
 def test_op_refuses_a_float32_weight_under_bfloat16_at_launch(rng):
     net = Projection(rng.standard_normal((4, 8)).astype(np.float32), "bfloat16")
     with pytest.raises(RuntimeError):
@@ -295,7 +302,7 @@ def fresh(code: str) -> str:
     return run.stdout
 
 
-@needs_onednn
+@needs_bf16
 @pytest.mark.parametrize("order", ["mindspore first", "ours first"])
 def test_private_onednn_beside_mindspores_in_both_import_orders(order):
     prelude = "import mindspore as ms; ms.set_device('CPU')\n" if order == "mindspore first" else OURS_FIRST.format(
@@ -304,7 +311,7 @@ def test_private_onednn_beside_mindspores_in_both_import_orders(order):
     assert re.search(r"onednn oneDNN 3\.2\.\d+ \(OpenMP runtime\)", out), out
 
 
-@needs_onednn
+@needs_bf16
 @pytest.mark.parametrize("omp_threads", [None, "1"])
 def test_onednn_runs_on_the_openmp_pool_of_the_process(omp_threads):
     """One OpenMP runtime (libgomp) for our kernels and oneDNN: its thread count is the process's
@@ -344,15 +351,30 @@ assert (linear.multiply(x, w) == 3).all()
     env = dict(os.environ, PYTHONPATH=str(ROOT), ONEDNN_MAX_CPU_ISA=cap)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    best = cap.lower() if cap == "AVX2" or "avx512bw" in cpu_flags() else "avx2"  # the cap, or the CPU's below it
     expected = (f"compute_dtype: 'bfloat16' needs bfloat16 instructions (AVX512-BF16 or AMX-BF16), which oneDNN does "
-                f"not find on this CPU (its best: {cap.lower()}")
+                f"not find on this CPU (its best: {best}")
     assert run.stdout.count(expected) == 2, run.stdout
+
+
+@pytest.mark.skipif(not BF16_PROBLEM, reason="this CPU and build run bfloat16 arithmetic (the tests above check it)")
+def test_this_cpus_refusal_is_the_librarys_problem_by_name(rng):
+    """Where bfloat16 arithmetic cannot run (no oneDNN, or no bfloat16 instructions), every entry refuses it
+    with the library's words, naming compute_dtype, before touching memory; float32 arithmetic of the same
+    bfloat16 weight runs."""
+    x, w = rng.standard_normal((3, 8)).astype(np.float32), bf16(rng.standard_normal((5, 8)))
+    assert BF16_PROBLEM.startswith("compute_dtype: 'bfloat16'"), BF16_PROBLEM
+    for call in (lambda: linear.multiply(x, w, compute_dtype="bfloat16"), lambda: linear.linear_op("bfloat16"),
+                 lambda: linear.linear_op("bfloat16", packed_out_features=5)):
+        with pytest.raises(ValueError, match=re.escape(BF16_PROBLEM)):
+            call()
+    assert np.allclose(linear.multiply(x, w), x.astype(np.float64) @ w.astype(np.float64).T, rtol=1e-5, atol=1e-5)
 
 
 # W reordered once into oneDNN's blocked layout (linear.pack_weight): the same products as W as stored
 # where both run on oneDNN (M > 16); decode-sized rows of W as stored stream into vdpbf16ps instead
 # (another summation order: both within the reference's bound).
-@needs_onednn
+@needs_bf16
 @pytest.mark.parametrize("m", [1, 17, 512])
 @pytest.mark.parametrize("n, k", [(40, 72), (11, 1), (1, 11), (4099, 33)])
 def test_packed_weight_gives_the_plain_weights_result(m, n, k, rng, monkeypatch):
@@ -368,7 +390,7 @@ def test_packed_weight_gives_the_plain_weights_result(m, n, k, rng, monkeypatch)
     assert np.array_equal(y, plain) if m > 16 else np.all(np.abs(plain - expected) <= tol)
 
 
-@needs_onednn
+@needs_bf16
 @pytest.mark.parametrize("shift", [0, 16, 48])
 def test_pack_into_the_callers_buffer_at_any_alignment_and_copy_it(shift, rng):
     """The layout starts at the buffer's first 64-byte boundary, wherever the caller's buffer starts;
@@ -387,7 +409,7 @@ def test_pack_into_the_callers_buffer_at_any_alignment_and_copy_it(shift, rng):
     assert np.array_equal(linear.multiply(x, moved, compute_dtype="bfloat16", packed_out_features=24), expected)
 
 
-@needs_onednn
+@needs_bf16
 @pytest.mark.parametrize("case, message", [
     ("another N in the same block", "weight: packed for (1, 11), used as (packed_out_features, in_features) = (5, 11)"),
     ("no trailer", "weight: expected a buffer RfaLinearPack wrote (its trailer is missing)"),
@@ -421,7 +443,7 @@ def test_packed_weight_misuse_is_refused_by_name(case, message, rng):
                         out_shape=(3, max(n, 1)))
 
 
-@needs_onednn
+@needs_bf16
 def test_pack_refuses_a_weight_that_is_not_bfloat16():
     with pytest.raises(ValueError, match=re.escape("weight: expected bfloat16, got float32")):
         linear.pack_weight(np.ones((4, 3), np.float32))
@@ -436,7 +458,7 @@ def test_packed_out_features_needs_bfloat16_arithmetic():
         linear.linear_op("float32", packed_out_features=8)
 
 
-@needs_onednn
+@needs_bf16
 def test_op_with_a_packed_weight_in_both_modes(mode, rng):
     w = bf16(rng.standard_normal((24, 40)))
 
