@@ -669,6 +669,10 @@ def test_large_bodies_wait_their_turn(served, plain):
     body = json.dumps({"messages": messages, "max_tokens": 1}).encode()
     del messages
     before = rss_mb()
+    t0 = time.monotonic()
+    assert httpx.post(plain + "/v1/completions", json={"prompt": "w1 w2 w4", "max_tokens": 2}, headers=KEY,
+                      timeout=60).status_code == 200
+    alone = time.monotonic() - t0
     with ThreadPoolExecutor(8) as pool:
         heavy = [pool.submit(httpx.post, plain + "/v1/chat/completions", content=body, timeout=120,
                              headers={**KEY, "Content-Type": "application/json"}) for _ in range(8)]
@@ -678,7 +682,9 @@ def test_large_bodies_wait_their_turn(served, plain):
                             timeout=60)
         took = time.monotonic() - t0
         answers = [f.result() for f in heavy]
-    assert normal.status_code == 200 and took < 0.5, (normal.text, took)
+    # 0.5 s on an idle machine; under the suite's load (3 workers on 2 cores) the same request alone takes
+    # longer, and the bound with it (the old code took 14-27 s)
+    assert normal.status_code == 200 and took < max(0.5, 10 * alone), (normal.text, took, alone)
     for answer in answers:
         assert "at most 2048 items" in assert_error(answer, 400, "invalid_value", "messages")["message"]
     del body, answers

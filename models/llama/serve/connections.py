@@ -26,9 +26,12 @@ import socket
 import time
 from dataclasses import dataclass, field
 
-import h11
-from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
-from uvicorn.protocols.http.h11_impl import H11Protocol
+try:
+    import h11
+    from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+except ImportError as exc:  # the serve extra
+    raise ImportError("models.llama.serve needs the serve extra: pip install 'ms_rope_attention[serve]'") from exc
 
 from .errors import APIError
 
