@@ -1,6 +1,9 @@
 """Shared fixtures: CPU device, execution modes, random inputs, and dtype tolerances."""
+import contextlib
 import os
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -135,3 +138,20 @@ def pytest_addoption(parser):
 @pytest.fixture
 def long_run(request):
     return request.config.getoption("--long")
+
+
+@contextlib.contextmanager
+def running_in_thread(server, ready=lambda: True, timeout: float = 30.0):
+    """A uvicorn ``server`` serving in a thread of this process until the block ends, entered once it
+    listens and ``ready()`` holds."""
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not (server.started and ready()):
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield server
+    finally:
+        server.should_exit = True
+        thread.join(30)

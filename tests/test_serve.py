@@ -49,6 +49,7 @@ from models.llama.serve.protocol import ChatCompletionRequest, CompletionRequest
 from models.llama.serve.responses import GenerationResponse, TextFormat  # noqa: E402
 from models.llama.serve.scheduler import EngineService, Submission  # noqa: E402
 from models.llama.tokenizer import Tokenizer  # noqa: E402
+from conftest import running_in_thread  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # One server for the file: its tests run in one worker, in order.
@@ -225,16 +226,9 @@ def served():
                         body_timeout_s=1.0, enable_prompt_tokens_details=True)
     server = uvicorn.Server(uvicorn.Config(create_app(service, settings), host="127.0.0.1", port=0,
                                            log_level="warning", timeout_keep_alive=5))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not (server.started and service.ready):
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield Served(f"http://127.0.0.1:{port}", service, generator, tokenizer, reference)
-    server.should_exit = True
-    thread.join(30)
+    with running_in_thread(server, lambda: service.ready, timeout=120):
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield Served(f"http://127.0.0.1:{port}", service, generator, tokenizer, reference)
     ms.set_context(mode=previous)
 
 
@@ -639,15 +633,8 @@ def plain(served):
     settings = Settings("tiny", served.tokenizer, ChatTemplate.from_directory(None), api_key=API_KEY)
     server = uvicorn.Server(uvicorn.Config(create_app(served.service, settings), host="127.0.0.1", port=0,
                                            log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the second server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    server.should_exit = True
-    thread.join(30)
+    with running_in_thread(server):
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
 
 
 KEY = {"Authorization": f"Bearer {API_KEY}"}

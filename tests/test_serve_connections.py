@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import pytest
 
 uvicorn = pytest.importorskip("uvicorn")
 from models.llama.serve.connections import ConnectionLimits, LimitedH11Protocol  # noqa: E402
+from conftest import running_in_thread  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.xdist_group("serve_connections")  # one worker, one server for the first three
@@ -62,16 +62,8 @@ def server():
     limits = ConnectionLimits(MAX_CONNECTIONS, HEADER_TIMEOUT)
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
                             http=functools.partial(LimitedH11Protocol, limits=limits))
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    yield server
-    server.should_exit = True
-    thread.join(10)
+    with running_in_thread(uvicorn.Server(config)) as server:
+        yield server
 
 
 def address(server):
