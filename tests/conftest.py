@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import ms_rope_attention  # noqa: E402,F401  before MindSpore, as users import it (docs/threads.md)
 import mindspore as ms  # noqa: E402
+from suite_profile import pytest_configure  # noqa: E402,F401  RFA_SUITE_PROFILE=DIR: where the time goes
 
 ms.set_device("CPU")
 
