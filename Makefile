@@ -19,7 +19,7 @@ KERNEL_SOURCES := $(wildcard ms_rope_attention/csrc/*) $(wildcard ms_rope_attent
 # An extra's requirements as pyproject.toml lists them (its one place), for installing them alone.
 EXTRA = $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['$(1)']))")
 
-.PHONY: test bench bench-full bench-serve bench-faults venv thirdparty clean sanitize fuzz serve
+.PHONY: test test-all bench bench-full bench-serve bench-faults venv thirdparty clean sanitize fuzz serve
 
 venv: $(STAMP)
 
@@ -43,8 +43,15 @@ serve: $(STAMP)
 # with an xdist_group run in one worker, in file order (tests/test_generation.py says why). The 25
 # slowest tests are listed at the end: where the suite's time goes, in every CI log.
 TEST_WORKERS ?= $(shell nproc | awk '{print ($$1 < 3) ? $$1 + 1 : 4}')
+PYTEST_SUITE = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
+# make test: every test but the slow integration runs (marked integration: the sdist install, msrun launches, the
+# third-party environments, the benchmarks end to end, the long forms of the random tests); make test-all: all of
+# them (what CI runs). docs/testing.md says what each covers and how long each takes.
 test: $(STAMP) sanitize
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 tests
+	$(PYTEST_SUITE) -m "not integration" tests
+
+test-all: $(STAMP) sanitize
+	$(PYTEST_SUITE) tests
 
 # The paged engine's state machine (tests/test_engine_states.py) for many random examples instead of
 # make test's bounded, derandomized ones: about 25,000 engine steps (FUZZ_EXAMPLES=700), a few minutes.
@@ -70,7 +77,8 @@ SANITIZE_ENV = ASAN_OPTIONS=detect_leaks=0:halt_on_error=1 UBSAN_OPTIONS=halt_on
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so):$$(gcc -print-file-name=libubsan.so)" \
 	RFA_CPU_KERNEL_DIR=$(CURDIR)/build/sanitize/ms_rope_attention
 sanitize: $(STAMP) $(BUILD_REQUIRES)
-	RFA_SANITIZE=1 $(PY) setup.py -q build_ext --build-lib build/sanitize --build-temp build/sanitize-tmp
+	RFA_SANITIZE=1 RFA_ISAS=$$($(PY) -c "from ms_rope_attention.cpu_runtime import usable_isas; print(','.join(usable_isas()))") \
+		$(PY) setup.py -q build_ext --build-lib build/sanitize --build-temp build/sanitize-tmp
 	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup tests/test_kernel_sweep.py tests/test_kernel_nonfinite.py \
 		tests/test_kernel.py tests/test_kernel_decode.py tests/test_kernel_backward.py tests/test_linear.py tests/test_embedding.py \
 		tests/test_paged.py -k 'not primitives'

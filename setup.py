@@ -2,7 +2,8 @@
 
 The CPU kernel is built once per instruction set (picked at run time by ms_rope_attention/cpu_runtime.py);
 each build is a plain shared library loaded by MindSpore's aot Custom op, not a Python module.
-``RFA_SANITIZE=1`` builds them with AddressSanitizer + UBSan for the sanitizer test run.
+``RFA_SANITIZE=1`` builds them with AddressSanitizer + UBSan for the sanitizer test run, ``RFA_ISAS`` only
+the instruction sets it names.
 """
 import importlib.metadata
 import os
@@ -26,6 +27,12 @@ ISA_FLAGS = {"generic": []}
 if platform.machine() in ("x86_64", "AMD64"):
     ISA_FLAGS["avx2"] = ["-mavx2", "-mfma", "-mf16c"]
     ISA_FLAGS["avx512"] = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]
+# RFA_ISAS=generic,avx2 builds only those (the sanitizer run builds the ones this CPU executes; a wheel, all).
+if os.environ.get("RFA_ISAS"):
+    unknown = set(os.environ["RFA_ISAS"].split(",")) - set(ISA_FLAGS)
+    if unknown:
+        raise SystemExit(f"RFA_ISAS: unknown instruction sets {sorted(unknown)}: expected some of {sorted(ISA_FLAGS)}")
+    ISA_FLAGS = {isa: flags for isa, flags in ISA_FLAGS.items() if isa in os.environ["RFA_ISAS"].split(",")}
 SANITIZE = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-O1", "-DRFA_EXACT_SCRATCH"] if os.environ.get("RFA_SANITIZE") else []
 
 

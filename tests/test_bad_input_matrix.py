@@ -38,7 +38,7 @@ def run_mode(mode):
     return results
 
 
-@pytest.fixture(scope="module", params=["pynative", "graph"])
+@pytest.fixture(scope="module", params=["pynative", pytest.param("graph", marks=pytest.mark.integration)])
 def mode_results(request):
     return request.param, run_mode(request.param)
 

@@ -234,6 +234,7 @@ def test_mindformers_compat_stands_in_for_hyper_parallel():
     assert out.strip() == "hyper_parallel.core.dtensor.dtensor.DTensor"
 
 
+@pytest.mark.integration
 @pytest.mark.starts_first
 def test_tiny_sweep_end_to_end(tmp_path):
     results = ttft.main(["--model", "tiny", "--lengths", "8", "33", "--rounds", "2", "--out", str(tmp_path),
@@ -262,6 +263,7 @@ def test_tiny_sweep_end_to_end(tmp_path):
     assert {row["fused"]["rounds"] for row in results["summary"]["rows"]} == {2}
 
 
+@pytest.mark.integration
 def test_mindformers_peer_matches_on_the_tiny_model(tmp_path):
     thirdparty_python("mindformers")
     results = ttft.main(["--model", "tiny", "--lengths", "37", "--repeats", "1", "--out", str(tmp_path),
@@ -269,6 +271,7 @@ def test_mindformers_peer_matches_on_the_tiny_model(tmp_path):
     assert {r["backend"]: r["status"] for r in results["runs"]} == {"fused": "ok", "mindformers": "ok"}
 
 
+@pytest.mark.integration
 def test_training_benchmark_end_to_end(tmp_path):
     """One tiny point of every competitor (PyTorch ones report "skipped" where it is not installed)."""
     results = train.main(["--lengths", "48", "--repeats", "1", "--llama-model", "tiny", "--llama-lengths", "16",
@@ -285,6 +288,7 @@ def test_training_benchmark_end_to_end(tmp_path):
     assert llama["fused"]["tokens_per_s"] > 0 and llama["unfused"]["tokens_per_s"] > 0
 
 
+@pytest.mark.integration
 @pytest.mark.starts_first
 def test_context_parallel_benchmark_end_to_end(tmp_path):
     """One short length, one process against CP=2 under msrun: both finish, the ranks' losses sum to
@@ -405,6 +409,7 @@ def test_projections_benchmark_end_to_end(tmp_path):
         assert ours["fraction_of_bfloat16_dot_peak"] == (pytest.approx(ours["gflops"] / bf16) if bf16 else None)
 
 
+@pytest.mark.integration
 def test_fuse_benchmark_end_to_end(tmp_path):
     """Both libraries' tiny models before and after fuse(), in their own environments, and MindFormers'
     fused serving path against transformers."""
@@ -448,6 +453,7 @@ def test_decode_summary_growth_ratios_and_token_agreement():
     assert [len(p) for p in peers.prompts_for("varlen8", 64, 100, 0)] == [8, 16, 24, 32, 40, 48, 56, 64]
 
 
+@pytest.mark.integration
 def test_decode_benchmark_end_to_end(tmp_path):
     results = decode.main(["--model", "tiny", "--contexts", "9", "--varlen-contexts", "16", "--new-tokens", "3",
                            "--rounds", "1", "--out", str(tmp_path)])
@@ -466,6 +472,7 @@ def test_decode_benchmark_end_to_end(tmp_path):
     assert "fused / best HF" in decode.table(results)
 
 
+@pytest.mark.integration
 def test_half_weights_benchmark_on_the_tiny_model(tmp_path):
     """The GEMM point on a small W, then this project's two systems on a tiny float16 checkpoint, each
     alone and both in one process: the same greedy tokens (main raises otherwise), ratios against
@@ -515,6 +522,7 @@ def test_llama_cpp_systems_skip_without_their_environment(tmp_path):
 LLAMA_CPP_LOGITS_RTOL = {"bf16": 2.0 ** -6, "f16": 2.0 ** -9}
 
 
+@pytest.mark.integration
 def test_llama_cpp_peer_computes_the_checkpoint(tmp_path):
     """llama.cpp on the tiny float16 checkpoint written as bf16 and f16 GGUF files: the logits of the
     prompt's last token agree with tests/llama_reference.py's float64 forward on the same weights
@@ -557,6 +565,7 @@ def test_llama_cpp_peer_computes_the_checkpoint(tmp_path):
             assert "AVX512_BF16 = 1" in point["system_info"], point["system_info"]
 
 
+@pytest.mark.integration
 def test_half_weights_benchmark_with_llama_cpp(tmp_path):
     """The llama.cpp systems inside the half-weights benchmark on the tiny model: their rows, the
     per-full-layer column and ratio, and llama.cpp's system info in the table."""
@@ -586,6 +595,7 @@ def test_paged_benchmark_end_to_end(tmp_path):
     assert (tmp_path / "paged.json").exists() and (tmp_path / "paged.png").exists()
 
 
+@pytest.mark.integration
 @pytest.mark.starts_first
 def test_serving_benchmark_on_the_tiny_model(tmp_path):
     """benchmarks/serving.py's three parts on the tiny model: decode steps of both caches, the
@@ -843,6 +853,7 @@ def test_char_tokenizer_round_trips_and_the_server_reads_it(tmp_path):
         peers.char_vocabulary(40000)
 
 
+@pytest.mark.integration
 def test_llama_cpp_splits_text_as_the_char_tokenizer_does(tmp_path):
     """The tiny checkpoint with the character tokenizer as a GGUF file: llama.cpp, from its vocabulary
     alone, gives the benchmark's probe texts the ids the tokenizers package gives them, and decodes
@@ -865,6 +876,7 @@ def test_llama_cpp_splits_text_as_the_char_tokenizer_does(tmp_path):
     assert point["texts"] == list(serve_load.TOKENIZER_PROBES)
 
 
+@pytest.mark.integration
 def test_serve_load_smoke_run(tmp_path):
     """benchmarks/serve_load.py --smoke: the server on the tiny model in its own process, loaded by
     aiperf (its own environment) with each trace: every request done with exactly its tokens as the
@@ -961,6 +973,7 @@ def test_serve_faults_outcomes_percentiles_and_the_rule(tmp_path):
     assert (tmp_path / "serve_faults.png").stat().st_size > 0
 
 
+@pytest.mark.integration
 @pytest.mark.starts_first
 def test_serve_faults_smoke_run(tmp_path):
     """benchmarks/serve_faults.py --smoke: the server on the tiny model in its own process, the normal trace

@@ -87,6 +87,7 @@ np.save(sys.argv[3], np.stack(logits))
 """
 
 
+@pytest.mark.integration
 @needs_bf16
 def test_the_bfloat16_model_is_at_least_as_close_to_float64_as_transformers_bfloat16(bf16_checkpoint, tmp_path):
     """Last-token logits over seeded prompts (1..100 tokens): max error relative to the largest

@@ -47,6 +47,7 @@ def check_run(cmd, expected="0 of 11 cases failed") -> None:
     assert expected in result.stdout
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_native_program_matches_reference(tmp_path):
     check_run([str(build("g++", tmp_path / "kernel_vs_reference"))])
@@ -66,6 +67,7 @@ def test_half_weight_product_matches_reference(tmp_path, isa):
     check_run([str(program)], f"{isa}: 0 of 27 product cases failed, 0 of 65536 bfloat16 patterns differ")
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(AARCH64_CXX is None, reason="needs aarch64-linux-gnu-g++ (Debian g++-aarch64-linux-gnu)")
 def test_aarch64_build_compiles_warning_free(tmp_path):
     import scipy_openblas32  # the projection library's cblas.h (architecture-independent declarations)
@@ -75,6 +77,7 @@ def test_aarch64_build_compiles_warning_free(tmp_path):
         assert result.returncode == 0, f"{source.name}: {result.stderr}"
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(AARCH64_CXX is None or QEMU is None,
                     reason="needs aarch64-linux-gnu-g++ and qemu-aarch64 (Debian g++-aarch64-linux-gnu, qemu-user)")
 def test_aarch64_program_matches_reference_under_qemu(tmp_path):

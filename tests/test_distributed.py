@@ -99,7 +99,7 @@ def test_mesh_ranks_lay_the_tensor_axis_fastest():
 # The tests of the one launch run in one worker (the group), so that the launch runs once: a module
 # fixture runs once per xdist worker, and each run of it is a 2-rank job of about 100-150 s.
 def one_launch(test):
-    return pytest.mark.starts_first(pytest.mark.xdist_group("distributed-launch")(test))
+    return pytest.mark.integration(pytest.mark.starts_first(pytest.mark.xdist_group("distributed-launch")(test)))
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +186,7 @@ def _train(tmp_path, corpus, packing, name, steps, extra=(), workers=None):
     return tmp_path / name
 
 
+@pytest.mark.integration
 @pytest.mark.starts_first
 def test_data_parallel_packed_training_tracks_one_process_and_resumes(corpus, tmp_path):
     """``models.llama.train --data-parallel --packing varlen`` on 2 ranks (each rank whole documents
@@ -199,6 +200,7 @@ def test_data_parallel_packed_training_tracks_one_process_and_resumes(corpus, tm
     assert not (dp / "step-6").exists() and (dp / "latest").read_text() == "step-5"
 
 
+@pytest.mark.integration
 @pytest.mark.starts_first
 def test_data_parallel_composes_with_tensor_and_context_parallel(corpus, tmp_path):
     """4 ranks: 2 steps as data 2 x tensor 2, resumed to 4 as data 2 x context 2, then to 5 as
@@ -214,6 +216,7 @@ def test_data_parallel_composes_with_tensor_and_context_parallel(corpus, tmp_pat
     assert (mesh / "latest").read_text() == "step-5"
 
 
+@pytest.mark.integration
 def test_tensor_parallel_generation_cli_prints_one_process_tokens(capsys, tmp_path):
     """``models.llama.generate --tensor-parallel 2`` under msrun on a one-process checkpoint: rank 0
     prints the tokens one process generates (greedy, KV cache), and rank 1 prints nothing."""

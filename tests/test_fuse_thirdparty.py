@@ -7,6 +7,8 @@ import subprocess
 import pytest
 from conftest import ROOT, thirdparty_python
 
+pytestmark = pytest.mark.integration  # make test-all only (docs/testing.md)
+
 
 @pytest.mark.parametrize("library", ["mindformers", "mindnlp"])
 def test_fuse_on_the_librarys_models(library):

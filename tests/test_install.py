@@ -14,6 +14,8 @@ from ms_rope_attention.cpu_runtime import usable_isas
 
 ROOT = Path(__file__).resolve().parents[1]
 
+pytestmark = pytest.mark.integration  # make test-all only (docs/testing.md)
+
 CALL = """
 import numpy as np, mindspore as ms
 import ms_rope_attention as mra

@@ -18,6 +18,8 @@ import pytest
 
 from ms_rope_attention.distributed.launch import STOP_SIGNALS, TIMEOUT_STATUS, launch, processes_with, reserve_port
 
+pytestmark = pytest.mark.integration  # make test-all only (docs/testing.md)
+
 ROOT = Path(__file__).resolve().parents[1]
 FAULTY = ROOT / "tests" / "distributed" / "faulty_ranks.py"
 # The scheduler gives up on a lost rank after 3 s instead of the launcher's 10 (its wait ends a failed job).

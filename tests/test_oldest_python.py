@@ -12,6 +12,8 @@ import tomllib
 import pytest
 from conftest import ROOT, thirdparty_python
 
+pytestmark = pytest.mark.integration  # make test-all only (docs/testing.md)
+
 def oldest_python() -> str:
     return thirdparty_python("python3.10")
 

@@ -30,6 +30,7 @@ def _run(args, cwd):
     return output
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("cache", [[], ["--paged"]], ids=["contiguous", "paged"])
 def test_generate_is_quiet(tmp_path, cache):
     out = _run(["-m", "models.llama.generate", "--model", "tiny", "--ids", "1,15,27", "--ids", "1,9",
@@ -37,6 +38,7 @@ def test_generate_is_quiet(tmp_path, cache):
     assert "backend fused:CPU" in out
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("packing", ["fixed", "varlen"])
 def test_train_is_quiet(corpus, tmp_path, packing):
     out = _run(["-m", "models.llama.train", "--model", "tiny", "--data", str(corpus), "--out", str(tmp_path / "run"),
@@ -44,6 +46,7 @@ def test_train_is_quiet(corpus, tmp_path, packing):
     assert "final loss" in out
 
 
+@pytest.mark.integration
 def test_cell_and_functional_with_dynamic_shapes_are_quiet(tmp_path):
     out = _run([str(ROOT / "tests" / "scripts" / "dynamic_shape_calls.py")], tmp_path)
     assert "calls done" in out
