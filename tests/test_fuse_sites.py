@@ -375,28 +375,68 @@ def relative(a, b):
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-@pytest.mark.parametrize("attention", [SelfAttn, PackedQKV, ScaleFirst, BooleanHide, BooleanKeep,
-                                       MergedHeads, HelperMethods, PartialRotary, ComplexPairs])
-def test_the_zoo_is_fused_in_both_modes(attention, mode, monkeypatch):
+ZOO = [SelfAttn, PackedQKV, ScaleFirst, BooleanHide, BooleanKeep, MergedHeads, HelperMethods, PartialRotary,
+       ComplexPairs]
+
+
+def ported(attention):
     ms.set_seed(0)
     model = PortedComplex(attention) if getattr(attention, "complex_rotations", False) else Ported(attention)
     model.set_train(False)
-    want = model(ids()).asnumpy()
+    return model
+
+
+def fuse_strictly(model):
     report = fuse(model, strict=True)
     assert report.fused == ["blocks.0.attn", "blocks.1.attn"] and {s.family for s in report} == {"handwritten"}
+    return report
+
+
+class InOneGraph(nn.Cell):
+    """Every model on the same ids as one GRAPH_MODE graph: one compile for the zoo, not one per model
+    (their compile is mostly fixed cost: 4-6 s each on 2 busy cores)."""
+
+    def __init__(self, models):
+        super().__init__()
+        self.models = nn.CellList(models)
+
+    def construct(self, ids):
+        outs = ()
+        for model in self.models:
+            outs += (model(ids),)
+        return outs
+
+
+@pytest.mark.parametrize("mode", ["pynative"], indirect=True)
+@pytest.mark.parametrize("attention", ZOO)
+def test_the_zoo_is_fused_in_both_modes(attention, mode, monkeypatch):
+    """PyNative, with the op's calls counted; test_the_zoo_is_fused_in_one_graph is GRAPH_MODE's half."""
+    model = ported(attention)
+    want = model(ids()).asnumpy()
+    report = fuse_strictly(model)
     calls = []
-    if mode == "pynative":  # counted eagerly (a graph would trace the counter once, and cannot parse it)
-        real = runtime.rotary_flash_attention
+    real = runtime.rotary_flash_attention  # counted eagerly (a graph would trace the counter once, and cannot parse it)
 
-        def counting(*args, **kwargs):
-            calls.append(1)
-            return real(*args, **kwargs)
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
 
-        monkeypatch.setattr(runtime, "rotary_flash_attention", counting)
+    monkeypatch.setattr(runtime, "rotary_flash_attention", counting)
     got = model(ids()).asnumpy()
     assert 0 < relative(got, want) < 1e-4, str(report)  # close, and not the original's bits: the op ran
-    if mode == "pynative":
-        assert len(calls) == 2  # once per layer
+    assert len(calls) == 2  # once per layer
+
+
+@pytest.mark.parametrize("mode", ["graph"], indirect=True)
+def test_the_zoo_is_fused_in_one_graph(mode):
+    """The zoo in GRAPH_MODE: the originals as one graph, then the fused models as another."""
+    models = [ported(attention) for attention in ZOO]
+    wants = InOneGraph(models)(ids())
+    reports = [fuse_strictly(model) for model in models]
+    gots = InOneGraph(models)(ids())
+    for attention, report, want, got in zip(ZOO, reports, wants, gots):
+        relative_error = relative(got.asnumpy(), want.asnumpy())
+        assert 0 < relative_error < 1e-4, (attention.__name__, str(report))  # close, not the original's bits
 
 
 @pytest.mark.parametrize("attention, reason", [

@@ -26,7 +26,24 @@ class OpNet(nn.Cell):
         return self.op(q, k, v, cos, sin, aq, ak)
 
 
-def run_case(case, rng, backend, dtype="float32", key_rotated=False):
+class InOneGraph(nn.Cell):
+    """Several nets' calls as one GRAPH_MODE graph: one compile for every case of a test. An unfused op's
+    compile is mostly fixed cost (alone 3-7 s on 2 busy cores, a third of that more beside another op)."""
+
+    def __init__(self, nets, arities):
+        super().__init__()
+        self.nets = nn.CellList(list(nets))
+        self.bounds = tuple(int(b) for b in np.cumsum([0, *arities]))
+
+    def construct(self, *args):
+        outs = ()
+        for i in range(len(self.nets)):
+            outs += (self.nets[i](*args[self.bounds[i]:self.bounds[i + 1]]),)
+        return outs
+
+
+def prepare_case(case, rng, backend, dtype="float32", key_rotated=False):
+    """(net, its inputs, check(outputs)) of one case against the float64 reference."""
     q, k, v, cos, sin, aq, ak = case.make(rng)
     q, k, v = (round_to(t, dtype) for t in (q, k, v))
     ro, rl, rk = reference(q, k, v, cos, sin, case.heads, case.layout, case.mode, case.rotary_dim, None, case.causal,
@@ -35,29 +52,69 @@ def run_case(case, rng, backend, dtype="float32", key_rotated=False):
     # with avx512_bf16: tests/test_kernel_bf16.py checks that against its own reference)
     net = OpNet(backend=backend, key_rotated=key_rotated, compute_dtype="float32", **case.kwargs)
     offsets = (Tensor(np.array(aq, np.int64)), Tensor(np.array(ak, np.int64))) if aq is not None else ()
-    out, lse, rot = net(*(to_tensor(t, dtype) for t in (q, k, v)), Tensor(cos.astype(np.float32)),
-                        Tensor(sin.astype(np.float32)), *offsets)
-    assert out.dtype == MS_DTYPES[dtype]
-    assert np.abs(to_numpy(out) - ro).max() <= tolerance(dtype, ro)
-    assert np.abs(to_numpy(rot) - rk).max() <= tolerance(dtype, rk)
-    np.testing.assert_allclose(lse.asnumpy(), rl, atol=1e-4)
-    return net
+    inputs = (*(to_tensor(t, dtype) for t in (q, k, v)), Tensor(cos.astype(np.float32)),
+              Tensor(sin.astype(np.float32)), *offsets)
+
+    def check(out, lse, rot):
+        assert out.dtype == MS_DTYPES[dtype], (case, dtype)
+        assert np.abs(to_numpy(out) - ro).max() <= tolerance(dtype, ro), (case, dtype)
+        assert np.abs(to_numpy(rot) - rk).max() <= tolerance(dtype, rk), (case, dtype)
+        np.testing.assert_allclose(lse.asnumpy(), rl, atol=1e-4, err_msg=f"{case} {dtype}")
+    return net, inputs, check
+
+
+def run_case(case, rng, backend, dtype="float32", key_rotated=False):
+    net, inputs, check = prepare_case(case, rng, backend, dtype, key_rotated)
+    check(*net(*inputs))
+
+
+def run_in_one_graph(prepared):
+    """prepare_case's results run as one GRAPH_MODE graph, each output checked."""
+    nets, inputs, checks = zip(*prepared)
+    outs = InOneGraph(nets, [len(i) for i in inputs])(*(t for i in inputs for t in i))
+    for check, out in zip(checks, outs):
+        check(*out)
+
+
+LAYOUTS, ROTARY, CAUSAL = ["BNSD", "BSND", "BSH", "TND"], [(0, None), (1, 8)], [True, False]
+
+
+def layouts_case(layout, rotary, causal):
+    return Case(layout=layout, mode=rotary[0], rotary_dim=rotary[1], causal=causal, q_len=5, kv_len=9,
+                q_lens=[3, 1, 4], kv_lens=[3, 6, 9])
+
+
+@pytest.mark.parametrize("mode", ["pynative"], indirect=True)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("rotary", ROTARY)
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_layouts_modes_causal(mode, backend, layout, rotary, causal, rng):
+    run_case(layouts_case(layout, rotary, causal), rng, backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("layout", ["BNSD", "BSND", "BSH", "TND"])
-@pytest.mark.parametrize("rotary", [(0, None), (1, 8)])
-@pytest.mark.parametrize("causal", [True, False])
-def test_layouts_modes_causal(mode, backend, layout, rotary, causal, rng):
-    case = Case(layout=layout, mode=rotary[0], rotary_dim=rotary[1], causal=causal, q_len=5, kv_len=9,
-                q_lens=[3, 1, 4], kv_lens=[3, 6, 9])
-    run_case(case, rng, backend)
+def test_layouts_modes_causal_in_one_graph(graph, backend):
+    """test_layouts_modes_causal's cases in GRAPH_MODE as one graph, each on the inputs the rng fixture
+    would give it."""
+    run_in_one_graph([prepare_case(layouts_case(layout, rotary, causal), np.random.default_rng(1234), backend)
+                      for layout in LAYOUTS for rotary in ROTARY for causal in CAUSAL])
 
 
+LOW_PRECISION_CASE = Case(layout="BSND", q_len=17, kv_len=17, heads=4, kv_heads=1, head_dim=32)
+
+
+@pytest.mark.parametrize("mode", ["pynative"], indirect=True)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_low_precision(mode, backend, dtype, rng):
-    run_case(Case(layout="BSND", q_len=17, kv_len=17, heads=4, kv_heads=1, head_dim=32), rng, backend, dtype)
+    run_case(LOW_PRECISION_CASE, rng, backend, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_low_precision_in_one_graph(graph, backend):
+    run_in_one_graph([prepare_case(LOW_PRECISION_CASE, np.random.default_rng(1234), backend, dtype)
+                      for dtype in ("float16", "bfloat16")])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -67,11 +124,21 @@ def test_gqa_and_lengths(backend, heads, kv_heads, q_len, kv_len, rng):
     run_case(Case(heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, head_dim=16, batch=1), rng, backend)
 
 
+def key_rotated_case(layout):
+    return Case(layout=layout, mode=1, rotary_dim=8, q_len=1, kv_len=9, q_lens=[1, 1, 2], kv_lens=[3, 6, 9])
+
+
+@pytest.mark.parametrize("mode", ["pynative"], indirect=True)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", ["BSH", "TND"])
 def test_key_rotated(mode, backend, layout, rng):
-    case = Case(layout=layout, mode=1, rotary_dim=8, q_len=1, kv_len=9, q_lens=[1, 1, 2], kv_lens=[3, 6, 9])
-    run_case(case, rng, backend, key_rotated=True)
+    run_case(key_rotated_case(layout), rng, backend, key_rotated=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_key_rotated_in_one_graph(graph, backend):
+    run_in_one_graph([prepare_case(key_rotated_case(layout), np.random.default_rng(1234), backend, key_rotated=True)
+                      for layout in ("BSH", "TND")])
 
 
 def test_functional_returns(rng):
@@ -147,54 +214,53 @@ def test_table_dtypes_are_cast_not_fallen_back(mode, rng):
 
 
 @pytest.mark.parametrize("backend", ["fused", "unfused"])
-@pytest.mark.parametrize("poison", [np.nan, np.inf])
-def test_keys_a_row_cannot_see_never_reach_it(mode, backend, poison, rng):
+def test_keys_a_row_cannot_see_never_reach_it(mode, backend, rng):
     """NaN/Inf in keys and values a row cannot see leave its output and lse bit-identical: past the
     causal bound (BSND), and in the next sequence of a TND batch. Rows that do see them are not
-    finite."""
+    finite. One net per layout for the clean call and both poisons (one compile each in GRAPH_MODE)."""
     for layout, q_lens, kv_lens in (("BSND", None, None), ("TND", [20, 13], [37, 13])):
         case = Case(layout=layout, heads=4, kv_heads=2, q_len=50, kv_len=50, head_dim=16, batch=1,
                     q_lens=q_lens or [], kv_lens=kv_lens or [])
         q, k, v, cos, sin, aq, ak = case.make(rng)
-        k2, v2 = k.copy(), v.copy()
-        if layout == "BSND":
-            k2[:, 37:], v2[:, 37:] = poison, poison   # keys 37.. : rows 0..36 cannot see them
-            hidden = (slice(None), slice(0, 37))
-            seeing = (slice(None), slice(37, None))
-        else:
-            k2[37:], v2[37:] = poison, poison         # the second sequence's keys
-            hidden = (slice(0, 20),)
-            seeing = (slice(20, None),)
         net = OpNet(backend=backend, **case.kwargs)
         offsets = (Tensor(np.array(aq, np.int64)), Tensor(np.array(ak, np.int64))) if aq is not None else ()
         f32 = lambda x: Tensor(x.astype(np.float32))  # noqa: E731
         clean_out, clean_lse, _ = net(f32(q), f32(k), f32(v), f32(cos), f32(sin), *offsets)
-        out, lse, _ = net(f32(q), f32(k2), f32(v2), f32(cos), f32(sin), *offsets)
-        np.testing.assert_array_equal(out.asnumpy()[hidden], clean_out.asnumpy()[hidden])
-        lse_hidden = (slice(None), slice(None), slice(0, 37)) if layout == "BSND" else hidden
-        np.testing.assert_array_equal(lse.asnumpy()[lse_hidden], clean_lse.asnumpy()[lse_hidden])
-        assert not np.isfinite(out.asnumpy()[seeing]).all()
+        for poison in (np.nan, np.inf):
+            k2, v2 = k.copy(), v.copy()
+            if layout == "BSND":
+                k2[:, 37:], v2[:, 37:] = poison, poison   # keys 37.. : rows 0..36 cannot see them
+                hidden = (slice(None), slice(0, 37))
+                seeing = (slice(None), slice(37, None))
+            else:
+                k2[37:], v2[37:] = poison, poison         # the second sequence's keys
+                hidden = (slice(0, 20),)
+                seeing = (slice(20, None),)
+            out, lse, _ = net(f32(q), f32(k2), f32(v2), f32(cos), f32(sin), *offsets)
+            np.testing.assert_array_equal(out.asnumpy()[hidden], clean_out.asnumpy()[hidden], err_msg=f"{poison}")
+            lse_hidden = (slice(None), slice(None), slice(0, 37)) if layout == "BSND" else hidden
+            np.testing.assert_array_equal(lse.asnumpy()[lse_hidden], clean_lse.asnumpy()[lse_hidden],
+                                          err_msg=f"{poison}")
+            assert not np.isfinite(out.asnumpy()[seeing]).all(), poison
 
 
-@pytest.mark.parametrize("poison", ["query", "cos"])
-def test_nan_in_a_short_query_reaches_its_rows(mode, poison):
+def test_nan_in_a_short_query_reaches_its_rows(mode):
     """Issue 37's cases, on the decode path (q_len 5 <= 16): BNSD q, k, v (1, 4, 5, 8), causal; NaN
     at q[0, 1, 2, 3] makes that row's 8 outputs NaN, NaN at cos[4, 0] the 32 outputs of position 4
-    (every head); every other output equals the clean call's, bitwise."""
+    (every head); every other output equals the clean call's, bitwise. One net for both (one compile)."""
     rng = np.random.default_rng(7)
     q, k, v = (rng.standard_normal((1, 4, 5, 8)).astype(np.float32) for _ in range(3))
     cos, sin = (t.astype(np.float32) for t in mra.rope_tables(8, 5))
     net = OpNet(head_num=4)
     clean = net(*(Tensor(t) for t in (q, k, v, cos, sin)))[0].asnumpy()
-    bad = np.zeros(q.shape, bool)
-    if poison == "query":
-        q = q.copy()
-        q[0, 1, 2, 3] = np.nan
-        bad[0, 1, 2] = True
-    else:
-        cos = cos.copy()
-        cos[4, 0] = np.nan
-        bad[:, :, 4] = True
-    out = net(*(Tensor(t) for t in (q, k, v, cos, sin)))[0].asnumpy()
-    assert np.isnan(out[bad]).all() and np.isnan(out).sum() == bad.sum()
-    np.testing.assert_array_equal(out[~bad], clean[~bad])
+    for poison in ("query", "cos"):
+        q2, cos2, bad = q.copy(), cos.copy(), np.zeros(q.shape, bool)
+        if poison == "query":
+            q2[0, 1, 2, 3] = np.nan
+            bad[0, 1, 2] = True
+        else:
+            cos2[4, 0] = np.nan
+            bad[:, :, 4] = True
+        out = net(*(Tensor(t) for t in (q2, k, v, cos2, sin)))[0].asnumpy()
+        assert np.isnan(out[bad]).all() and np.isnan(out).sum() == bad.sum(), poison
+        np.testing.assert_array_equal(out[~bad], clean[~bad], err_msg=poison)

@@ -1,9 +1,10 @@
 """Seeded property test: random valid calls of the op against the float64 reference, in PyNative
 (functional op) and GRAPH_MODE (Cell): every layout, both rotary modes, partial rotary, GQA/MQA,
-causal and not, q_len <= kv_len, TND batches with empty and 1-token sequences, every dtype. 400 cases
-in ``make test``, every fourth in GRAPH_MODE (each of those compiles a graph of its own: half of them
-took 102 s of the suite on 2 busy cores); ``pytest tests/test_property.py --long`` runs 4000, every
-other one in GRAPH_MODE."""
+causal and not, q_len <= kv_len, TND batches with empty and 1-token sequences, every dtype. 400 cases,
+every fourth in GRAPH_MODE (each of those compiles a graph of its own: half of them took 102 s of the
+suite on 2 busy cores), drawn in one seeded sequence and run in 4 chunks: ``make test`` runs the first,
+``make test-all`` all 4; ``pytest tests/test_property.py --long`` runs 4000, every other one in
+GRAPH_MODE."""
 import mindspore as ms
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from cases import Case
 from conftest import round_to, to_numpy, to_tensor, tolerance
 from reference import reference
 
-CASES, LONG_CASES = 400, 4000
+CASES, LONG_CASES, CHUNKS = 400, 4000, 4
 
 
 def random_case(rng):
@@ -46,8 +47,8 @@ class Op(nn.Cell):
         return self.op(q, k, v, cos, sin, aq, ak)
 
 
-def check(case, dtype, rng, graph):
-    q, k, v, cos, sin, aq, ak = case.make(rng)
+def check(case, dtype, inputs, graph):
+    q, k, v, cos, sin, aq, ak = inputs
     q, k, v = (round_to(t, dtype) for t in (q, k, v))
     ro, rl, _ = reference(q, k, v, cos, sin, case.heads, case.layout, case.mode, case.rotary_dim, None, case.causal,
                           aq, ak)
@@ -65,13 +66,18 @@ def check(case, dtype, rng, graph):
 
 
 @pytest.mark.starts_first
-def test_random_valid_calls_match_the_reference(long_run):
+@pytest.mark.parametrize("chunk", [0] + [pytest.param(c, marks=pytest.mark.integration) for c in range(1, CHUNKS)])
+def test_random_valid_calls_match_the_reference(chunk, long_run):
+    """The chunk's quarter of the one seeded sequence; the cases before it are drawn, not run."""
     rng = np.random.default_rng(2026)
-    for i in range(LONG_CASES if long_run else CASES):
+    total = LONG_CASES if long_run else CASES
+    for i in range((chunk + 1) * total // CHUNKS):
         case, dtype = random_case(rng)
-        graph = i % (2 if long_run else 4) == 1
-        ms.set_context(mode=ms.GRAPH_MODE if graph else ms.PYNATIVE_MODE)
-        check(case, dtype, rng, graph)
+        inputs = case.make(rng)
+        if i >= chunk * total // CHUNKS:
+            graph = i % (2 if long_run else 4) == 1
+            ms.set_context(mode=ms.GRAPH_MODE if graph else ms.PYNATIVE_MODE)
+            check(case, dtype, inputs, graph)
 
 
 def test_random_lengths_one_graph():
