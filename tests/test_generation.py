@@ -4,6 +4,7 @@ rows against a one-shot prefill, compiled graphs that do not grow with steps, co
 streaming, and bad input refused before anything is written. Logit tolerance as in test_llama."""
 import os
 
+import mindspore as ms
 import numpy as np
 import pytest
 from mindspore import Tensor
@@ -14,7 +15,7 @@ from models.llama.engine import Generator, Token
 from models.llama.engine.kv_cache import BUCKET, bucket_capacity, token_bucket
 from models.llama.weights import load_checkpoint
 import test_llama
-from test_llama import ATOL, bsh_logits, ids_of
+from test_llama import ATOL, eager_logits, ids_of
 
 checkpoint = test_llama.checkpoint  # the tiny checkpoint fixture; graph comes from conftest.py
 # One worker runs this file, in order: MindSpore 2.10 compiles a jit Cell's dynamic-shape graph once
@@ -22,6 +23,46 @@ checkpoint = test_llama.checkpoint  # the tiny checkpoint fixture; graph comes f
 # process (a minimal Cell with set_inputs does it too), so the compile counts below depend on what
 # ran before them in the process (see docs/llama.md).
 pytestmark = pytest.mark.xdist_group("generation")
+
+
+@pytest.fixture(scope="module")
+def shared_generators():
+    """What ``generators`` shares: a generator per execution mode and slot count."""
+    return {}
+
+
+@pytest.fixture
+def generators(shared_generators, checkpoint):
+    """``generators(slots)``: a generator of the default model shared by the tests whose property
+    needs no fresh compile (each compiles its graphs once for the module, not once a test). Each
+    call resets it to a fresh generator's cache, every row zero (asserted). A test must leave every
+    slot free (checked, and freed, after it). GRAPH_MODE only: in PyNative a reused generator whose
+    cache was reset so gave continuous batching other tokens than a fresh one, so there each call
+    makes a fresh one."""
+    used = []
+
+    def generator(slots: int) -> Generator:
+        key = (ms.get_context("mode"), slots)
+        if key not in shared_generators or key[0] == ms.PYNATIVE_MODE:
+            shared_generators[key] = Generator(load_checkpoint(checkpoint[1], progress=False), slots=slots)
+            shared_generators[key].reserve(1)
+        gen = shared_generators[key]
+        fill(gen, 0.0)
+        assert not any(tensor.asnumpy().any() for tensor in (*gen.cache.keys, *gen.cache.values))
+        used.append(gen)
+        return gen
+    yield generator
+    taken = [slot for gen in used for slot in range(gen.slots_count) if gen.slots.busy[slot]]
+    for gen in used:
+        for slot in range(gen.slots_count):
+            gen.slots.release(slot)
+    assert not taken, f"the test left slots {taken} taken"
+
+
+def fill(gen, value):
+    """Every cache row of ``gen`` set to ``value``."""
+    for tensor in (*gen.cache.keys, *gen.cache.values):
+        tensor.set_data(Tensor(np.full(tensor.shape, value, np.float32)))
 
 
 def test_this_file_runs_in_one_worker(request):
@@ -35,11 +76,12 @@ def test_this_file_runs_in_one_worker(request):
 def test_prefill_steps_and_a_chunk_equal_one_full_forward(checkpoint, backend, mode, rng):
     """A prefill, one-token steps, then a 7-token chunk (a speculative block, padded to 8 tokens),
     all through the cache of slot 1 of 3: the logits of one full forward over the same tokens. Three
-    graphs: the prefill and the decode graphs of 1 and of 8 tokens."""
+    graphs: the prefill and the decode graphs of 1 and of 8 tokens. The full forward runs in PyNative,
+    in either mode: a reference that compiles nothing."""
     _, path = checkpoint
     model = load_checkpoint(path, backend=backend, progress=False)
     (ids,) = ids_of(rng, 30)
-    full = bsh_logits(model, ids)
+    full = eager_logits(model, ids)
     gen = Generator(model, slots=3)
     with gen.open(ids[:3], max_positions=len(ids)) as other, gen.open(ids[:19]) as sequence:  # slots 0 and 1
         got = [sequence.logits[None]] + [sequence.append([ids[pos]]) for pos in range(19, 23)]
@@ -50,19 +92,16 @@ def test_prefill_steps_and_a_chunk_equal_one_full_forward(checkpoint, backend, m
     assert gen.compiles == 3
 
 
-def test_padded_steps_touch_only_their_rows_and_the_scratch_row(checkpoint, mode, rng):
+def test_padded_steps_touch_only_their_rows_and_the_scratch_row(checkpoint, generators, mode, rng):
     """Three sequences decode in steps padded to 4 tokens: with NaN in every cache row no sequence
     has written (the scratch rows included), each gets the tokens it gets alone, and afterwards every
     row past a sequence's length is still NaN but the scratch row the padding wrote."""
     _, path = checkpoint
-    model = load_checkpoint(path, progress=False)
     prompts = ids_of(rng, 7, 3, 12)
-    alone = Generator(model, slots=1)
+    alone = generators(1)
     expected = [alone.generate([p], 4, eos_ids=()).tokens[0] for p in prompts]
-    gen = Generator(model, slots=3)
-    gen.reserve(16)
-    for tensor in (*gen.cache.keys, *gen.cache.values):
-        tensor.set_data(Tensor(np.full(tensor.shape, np.nan, np.float32)))
+    gen = generators(3)
+    fill(gen, np.nan)
     assert gen.generate(prompts, 4, eos_ids=()).tokens == expected
     rows = gen.cache.keys[0].asnumpy()
     capacity = gen.cache.capacity
@@ -83,33 +122,32 @@ def test_padded_steps_touch_only_their_rows_and_the_scratch_row(checkpoint, mode
     assert short.cache.scratch == 19 and [short.cache.padded_tokens(n) for n in (5, 9, 33)] == [8, 16, 33]
 
 
-def test_cache_rows_equal_the_rotated_keys_of_a_full_prefill(checkpoint, graph):
+def test_cache_rows_equal_the_rotated_keys_of_a_full_prefill(generators, graph):
     """Rows written one decode step at a time (keys rotated by the step) equal the rows one prefill
-    of the same tokens writes (keys rotated inside the fused op), in every layer."""
-    _, path = checkpoint
+    of the same tokens writes (keys rotated inside the fused op), in every layer; one generator,
+    its rows reset to zero between the two."""
     prompt = ids_of(np.random.default_rng(3), 9)[0]
-    stepped = Generator(load_checkpoint(path, progress=False), slots=2)
-    tokens = stepped.generate([prompt], 8, eos_ids=()).tokens[0]
+    gen = generators(2)
+    tokens = gen.generate([prompt], 8, eos_ids=()).tokens[0]
     sequence = prompt + tokens[:-1]  # the last token is sampled, never cached
-    once = Generator(load_checkpoint(path, progress=False), slots=2)
-    once.prefill_logits([sequence])
     n = len(sequence)
-    for a, b in zip((*stepped.cache.keys, *stepped.cache.values), (*once.cache.keys, *once.cache.values)):
-        a, b = a.asnumpy()[:n], b.asnumpy()[:n]
+    stepped = [rows.asnumpy()[:n] for rows in (*gen.cache.keys, *gen.cache.values)]
+    gen = generators(2)
+    gen.prefill_logits([sequence])
+    for a, b in zip(stepped, (*gen.cache.keys, *gen.cache.values)):
+        b = b.asnumpy()[:n]
         assert np.abs(a - b).max() <= 1e-5 and np.abs(a).max() > 0.1
 
 
-def test_decode_steps_run_the_kernels_decode_path(checkpoint, mode, rng):
+def test_decode_steps_run_the_kernels_decode_path(generators, mode, rng):
     """Each decode step of the fused model calls the kernel's decode path once per layer (the
     prefill does not): the step's one token per sequence against the cache takes that path."""
-    _, path = checkpoint
-    model = load_checkpoint(path, progress=False)
-    gen = Generator(model, slots=2)
+    gen = generators(2)
     gen.warm_up(ids_of(rng, 5, 9))
     before = decode_calls()
     steps = 4
     gen.generate(ids_of(rng, 5, 9), steps + 1, eos_ids=())  # its warm-up is done: a prefill, then the steps
-    assert decode_calls() - before == steps * model.config.num_hidden_layers
+    assert decode_calls() - before == steps * gen.model.config.num_hidden_layers
 
 
 def test_graphs_compile_once_per_capacity_bucket(checkpoint, mode, rng):
@@ -137,19 +175,17 @@ def test_graphs_compile_once_per_capacity_bucket(checkpoint, mode, rng):
     assert [bucket_capacity(n, 2048) for n in (1, 512, 513, 1500, 5000)] == [512, 512, 1024, 2048, 2048]
 
 
-def test_continuous_batching_gives_each_prompt_its_own_tokens(checkpoint, mode, rng):
+def test_continuous_batching_gives_each_prompt_its_own_tokens(generators, mode, rng):
     """Five prompts of different lengths and budgets through 2 slots: prompts join as others finish
     (one at EOS), and every prompt gets exactly the tokens it gets alone; the tokens are the argmax
-    of a full forward over prompt + tokens."""
-    _, path = checkpoint
-    model = load_checkpoint(path, progress=False)
+    of a full forward (in PyNative: no graph per length) over prompt + tokens."""
     prompts = ids_of(rng, 5, 12, 1, 30, 8)
     budgets = [6, 2, 9, 4, 5]
-    alone = Generator(model, slots=1)
+    alone = generators(1)
     expected = [alone.generate([p], n, eos_ids=()).tokens[0] for p, n in zip(prompts, budgets)]
     eos = expected[2][3]  # prompt 2 stops at its 4th token (if that token does not come earlier)
     stop = expected[2].index(eos) + 1
-    batch = Generator(model, slots=2)
+    batch = generators(2)
     events = list(batch.stream(prompts, budgets, eos_ids=(eos,)))
     got = [[e.token for e in events if e.request == i] for i in range(len(prompts))]
     want = [t[:t.index(eos) + 1] if eos in t else t for t in expected]
@@ -158,24 +194,21 @@ def test_continuous_batching_gives_each_prompt_its_own_tokens(checkpoint, mode, 
     assert next(i for i, e in enumerate(events) if e.request == 2) > first_finish  # joined a freed slot
     assert sum(e.finished for e in events) == len(prompts) and all(isinstance(e, Token) for e in events)
     assert batch.slots.free() == [0, 1]  # every slot released
-    full = load_checkpoint(path, progress=False)
     for prompt, tokens in zip(prompts, want):
-        assert tokens == bsh_logits(full, prompt + tokens[:-1]).argmax(-1)[len(prompt) - 1:].tolist()
+        assert tokens == eager_logits(batch.model, prompt + tokens[:-1]).argmax(-1)[len(prompt) - 1:].tolist()
 
 
-def test_generation_leaves_the_parameter_names_alone(checkpoint, graph, rng):
+def test_generation_leaves_the_parameter_names_alone(checkpoint, generators, graph, rng):
     """The generator's graphs hold the model without renaming its parameters: a model saved after
-    generating still writes (and loads) Hugging Face names."""
-    _, path = checkpoint
-    model = load_checkpoint(path, progress=False)
-    names = list(model.parameters_dict())
-    Generator(model, slots=1).generate(ids_of(rng, 5), 2, eos_ids=())
-    assert list(model.parameters_dict()) == names and names[0] == "model.embed_tokens.weight"
+    generating still writes (and loads) Hugging Face names, a freshly loaded model's."""
+    gen = generators(1)
+    gen.generate(ids_of(rng, 5), 2, eos_ids=())
+    names = list(load_checkpoint(checkpoint[1], progress=False).parameters_dict())
+    assert list(gen.model.parameters_dict()) == names and names[0] == "model.embed_tokens.weight"
 
 
-def test_stream_yields_tokens_as_they_come(checkpoint, graph, rng):
-    _, path = checkpoint
-    gen = Generator(load_checkpoint(path, progress=False), slots=4)
+def test_stream_yields_tokens_as_they_come(generators, graph, rng):
+    gen = generators(2)
     prompts = ids_of(rng, 4, 9)
     stream = gen.stream(prompts, 3, eos_ids=())
     first = [next(stream), next(stream)]  # the prefill's first token of each prompt, before any decode step
@@ -184,9 +217,8 @@ def test_stream_yields_tokens_as_they_come(checkpoint, graph, rng):
     assert len(rest) == 4 and [e.finished for e in rest][-2:] == [True, True]
 
 
-def test_an_abandoned_stream_leaves_nothing_behind(checkpoint, graph, rng):
-    _, path = checkpoint
-    gen = Generator(load_checkpoint(path, progress=False), slots=2)
+def test_an_abandoned_stream_leaves_nothing_behind(generators, graph, rng):
+    gen = generators(2)
     prompts = ids_of(rng, 6, 11)
     expected = gen.generate(prompts, 5, eos_ids=()).tokens
     stream = gen.stream(ids_of(rng, 20, 3), 8, eos_ids=())
@@ -196,9 +228,8 @@ def test_an_abandoned_stream_leaves_nothing_behind(checkpoint, graph, rng):
     assert gen.generate(prompts, 5, eos_ids=()).tokens == expected
 
 
-def test_stops_at_eos(checkpoint, graph, rng):
-    _, path = checkpoint
-    gen = Generator(load_checkpoint(path, progress=False))
+def test_stops_at_eos(generators, graph, rng):
+    gen = generators(1)
     prompt = ids_of(rng, 6)
     free = gen.generate(prompt, 5, eos_ids=()).tokens[0]
     stopped = gen.generate(prompt, 5, eos_ids=(free[1],)).tokens[0]
@@ -211,7 +242,7 @@ def test_float16_cache_of_a_float32_model(checkpoint, graph, rng):
     _, path = checkpoint
     model = load_checkpoint(path, progress=False)
     (ids,) = ids_of(rng, 25)
-    full = bsh_logits(model, ids)
+    full = eager_logits(model, ids)
     gen = Generator(model, slots=1, cache_dtype="float16")
     with gen.open(ids[:20], max_positions=len(ids)) as sequence:
         got = [sequence.logits[None]] + [sequence.append([t]) for t in ids[20:]]
