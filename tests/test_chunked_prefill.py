@@ -6,35 +6,40 @@ wait); greedy tokens equal to the contiguous ``Generator``'s (and so to whole-pr
 with and without shared prefixes, cached prefixes still found; a request sharing the prefix of one
 mid-prompt waits for its blocks and then shares them; a half-filled block is not registered while
 its request runs; an abort between chunks and a failed mixed step give every block back.
-tests/test_engine_states.py drives all of it at random too."""
+tests/test_engine_states.py drives all of it at random too. The tests share their generators
+(test_serving's ``Engines``): each new one compiles its graphs."""
 import numpy as np
 import pytest
 
 import test_llama
+import test_serving
 from test_llama import CONFIG
 from test_serving import assert_pool_at_rest, budget, drain
 
-from models.llama.engine import Generator, PagedGenerator
+from models.llama.engine import PagedGenerator
 from models.llama.engine.kv_cache import STEP_TOKENS
 from models.llama.engine.paged import StepRecord
-from models.llama.weights import load_checkpoint
 
 checkpoint = test_llama.checkpoint  # the tiny checkpoint fixture; graph comes from conftest.py
+pytestmark = pytest.mark.xdist_group("chunked_prefill")  # one worker: the tests share their generators
+model, module_engines, engines = test_serving.model, test_serving.module_engines, test_serving.engines  # fixtures
 SYSTEM = np.random.default_rng(11).integers(3, CONFIG.vocab_size, 37).tolist()  # ends inside block 3 of 16
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    return load_checkpoint(checkpoint[1], progress=False)
 
 
 def tokens_of(rng, n):
     return rng.integers(3, CONFIG.vocab_size, n).tolist()
 
 
-def reference(model, prompts, counts):
+def generator(engines, tokens):
+    """The module's generator, of a budget of ``tokens`` a step: 31 usable blocks and ``max_batch=5``
+    hold every test's requests at once (none of them depends on running out of either), so the tests
+    share one, its graphs compiled once."""
+    return engines.paged(max_cache_bytes=budget(engines.model, 32), max_batch=5, max_num_batched_tokens=tokens)
+
+
+def reference(engines, prompts, counts):
     """Each prompt's greedy tokens from the contiguous cache (prompts run one at a time)."""
-    return Generator(model, slots=1).generate(prompts, counts, eos_ids=()).tokens
+    return engines.contiguous(1).generate(prompts, counts, eos_ids=()).tokens
 
 
 def past_prompt(paged):
@@ -87,14 +92,14 @@ def cached_per_request(prompts_by_id, records):
     return {i: cached[i] for i in prompts_by_id}
 
 
-def test_running_requests_decode_every_step_while_a_long_prompt_is_prefilled(model, mode, rng):
+def test_running_requests_decode_every_step_while_a_long_prompt_is_prefilled(model, engines, mode, rng):
     """A budget of 8 tokens: two requests decode while a 40-token prompt (5 budgets) arrives. Each
     of its 7 steps holds both decode tokens and 6 of its tokens (4 in the last, which samples its
     first token); no step holds more than 8; everyone's tokens are the contiguous cache's. In both
     modes (the graphs are ``ms.jit`` in PyNative)."""
     a, b, long = tokens_of(rng, 3), tokens_of(rng, 5), tokens_of(rng, 40)
-    want = reference(model, [a, b, long], [20, 20, 6])
-    paged = PagedGenerator(model, max_cache_bytes=budget(model, 16), max_batch=4, max_num_batched_tokens=8)
+    want = reference(engines, [a, b, long], [20, 20, 6])
+    paged = generator(engines, 8)
     ids = [paged.add_request(a, 20, eos_ids=()), paged.add_request(b, 20, eos_ids=())]
     paged.step()
     assert paged.last_record == StepRecord("prefill", (), ((ids[0], 3), (ids[1], 5)), tuple(ids),
@@ -114,14 +119,14 @@ def test_running_requests_decode_every_step_while_a_long_prompt_is_prefilled(mod
     assert_pool_at_rest(paged)
 
 
-def test_decode_tokens_filling_the_budget_all_run_and_the_prompt_waits(model, graph, rng):
+def test_decode_tokens_filling_the_budget_all_run_and_the_prompt_waits(model, engines, graph, rng):
     """A budget of 3 with three requests decoding: their three tokens fill it, and the prompt
     that arrives waits (steps of decode tokens only, the decode graph) until one of them ends, then
     takes what the others leave: 1 token a step beside two decode tokens, 2 beside one, 3 alone."""
     prompts = [tokens_of(rng, 1) for _ in range(3)]
     long = tokens_of(rng, 9)
-    want = reference(model, prompts + [long], [4, 6, 8, 3])
-    paged = PagedGenerator(model, max_cache_bytes=budget(model, 16), max_batch=4, max_num_batched_tokens=3)
+    want = reference(engines, prompts + [long], [4, 6, 8, 3])
+    paged = generator(engines, 3)
     ids = [paged.add_request(p, n, eos_ids=()) for p, n in zip(prompts, (4, 6, 8))]
     first = paged.step()
     assert paged.last_record == StepRecord("prefill", (), tuple((i, 1) for i in ids), tuple(ids),
@@ -144,21 +149,23 @@ def test_decode_tokens_filling_the_budget_all_run_and_the_prompt_waits(model, gr
 
 
 @pytest.mark.parametrize("chunk", [None, 5, 16])
-def test_chunked_tokens_equal_the_contiguous_generators_and_prefixes_are_still_shared(model, graph, rng, chunk):
+def test_chunked_tokens_equal_the_contiguous_generators_and_prefixes_are_still_shared(model, engines, graph, rng,
+                                                                                       chunk):
     """Five prompts of mixed lengths, three sharing a 37-token prefix, queued at once: the same
     greedy tokens with every budget as the contiguous cache (so as with whole-prompt prefill,
     ``chunk=None``). The later two sharing ones wait for the first's two full blocks (chunked:
     until the chunk completing them has run) and find them: 32 tokens cached each."""
     prompts = [SYSTEM + tokens_of(rng, n) for n in (5, 20, 1)] + [tokens_of(rng, 9), tokens_of(rng, 70)]
-    want = reference(model, prompts, 10)
-    paged = PagedGenerator(model, max_cache_bytes=budget(model, 32), max_batch=5, max_num_batched_tokens=chunk)
+    want = reference(engines, prompts, 10)
+    paged = generator(engines, chunk)
     ids = [paged.add_request(p, 10, eos_ids=()) for p in prompts]
     tokens, records = run(paged, 200, budget_tokens=chunk)
     assert [tokens[i] for i in ids] == want
     assert cached_per_request(dict(zip(ids, prompts)), records) == dict(zip(ids, [0, 32, 32, 0, 0]))
     assert paged.cached_prompt_tokens == 64 and paged.prefilled_tokens == sum(map(len, prompts)) - 64
-    # one prefill graph for every chunk shape (dynamic shapes); a second PagedGenerator on the same
-    # model compiles it twice on main too (its first two calls), never once per shape
+    # one prefill graph for every chunk shape (dynamic shapes), whichever budgets the generator served
+    # before; a second PagedGenerator on the same model compiles it twice on main too (its first two
+    # calls), never once per shape
     prefills = [entry for entry in paged.compile_log if entry[0] == "_PagedPrefill"]
     assert len(prefills) <= 2 and (chunk is not None or sum(r.graph == "prefill" for r in records) >= 2)
     if chunk is not None:
@@ -170,7 +177,7 @@ def test_chunked_tokens_equal_the_contiguous_generators_and_prefixes_are_still_s
 
 
 @pytest.mark.parametrize("abort", [False, True], ids=["shares", "abort-between-chunks"])
-def test_a_request_sharing_the_prefix_of_one_mid_prompt_waits_for_its_blocks(model, graph, rng, abort):
+def test_a_request_sharing_the_prefix_of_one_mid_prompt_waits_for_its_blocks(model, engines, graph, rng, abort):
     """A 74-token prompt prefilled 8 tokens a step; after 3 steps (24 tokens: block 0 full and
     registered, block 1 half filled and not), a second prompt with the same first 64 tokens arrives.
     It waits while the first computes the blocks it would share, then finds all four (64 tokens).
@@ -179,8 +186,8 @@ def test_a_request_sharing_the_prefix_of_one_mid_prompt_waits_for_its_blocks(mod
     runs, sharing the 24 tokens computed."""
     prefix = tokens_of(rng, 64)
     first, second = prefix + tokens_of(rng, 10), prefix + tokens_of(rng, 6)
-    want = reference(model, [first, second], 5)
-    paged = PagedGenerator(model, max_cache_bytes=budget(model, 16), max_batch=2, max_num_batched_tokens=8)
+    want = reference(engines, [first, second], 5)
+    paged = generator(engines, 8)
     one = paged.add_request(first, 5, eos_ids=())
     for _ in range(3):
         paged.step()
@@ -204,7 +211,8 @@ def test_a_request_sharing_the_prefix_of_one_mid_prompt_waits_for_its_blocks(mod
     assert_pool_at_rest(paged)
 
 
-def test_beside_decode_tokens_a_step_holds_16_tokens_in_place_and_alone_a_prompt_takes_the_budget(model, graph, rng):
+def test_beside_decode_tokens_a_step_holds_16_tokens_in_place_and_alone_a_prompt_takes_the_budget(model, engines, graph,
+                                                                                                     rng):
     """A budget of 64: two requests decode while a 40-token prompt arrives. Each step holds their two
     decode tokens and 14 of its tokens (12 in the last), 16 in all, and runs the decode graph (its
     chunk read and written in place); alone, a 40-token prompt is one step of the prefill graph.
@@ -213,8 +221,8 @@ def test_beside_decode_tokens_a_step_holds_16_tokens_in_place_and_alone_a_prompt
     and values equal to the originals. Everyone's tokens are the contiguous cache's."""
     a, b, long, lone = tokens_of(rng, 3), tokens_of(rng, 5), tokens_of(rng, 40), tokens_of(rng, 40)
     copying = [lone[:24] + [t, t] for t in (9, 8, 7)]  # each shares lone's first 24 tokens: 8 in a copied block
-    want = reference(model, [a, b, long, lone] + copying, [20, 20, 6, 3, 3, 3, 3])
-    paged = PagedGenerator(model, max_cache_bytes=budget(model, 32), max_batch=4, max_num_batched_tokens=64)
+    want = reference(engines, [a, b, long, lone] + copying, [20, 20, 6, 3, 3, 3, 3])
+    paged = generator(engines, 64)
     ids = [paged.add_request(a, 20, eos_ids=()), paged.add_request(b, 20, eos_ids=())]
     paged.step()
     paged.step()
@@ -251,12 +259,12 @@ def test_beside_decode_tokens_a_step_holds_16_tokens_in_place_and_alone_a_prompt
     assert_pool_at_rest(paged)
 
 
-def test_a_failed_mixed_step_ends_every_request_of_it_and_registers_nothing(model, graph, rng):
+def test_a_failed_mixed_step_ends_every_request_of_it_and_registers_nothing(model, engines, graph, rng):
     """A mixed step (a decode token and a prompt chunk) whose model call raises: both requests end,
     every block comes back, the blocks registered before it are all that is registered, and the
     same prompt runs again to the contiguous cache's tokens."""
     short, long = tokens_of(rng, 4), tokens_of(rng, 40)
-    paged = PagedGenerator(model, max_cache_bytes=budget(model, 16), max_batch=2, max_num_batched_tokens=8)
+    paged = generator(engines, 8)
     ids = [paged.add_request(short, 10, eos_ids=()), paged.add_request(long, 4, eos_ids=())]
     for _ in range(3):
         paged.step()
@@ -276,7 +284,7 @@ def test_a_failed_mixed_step_ends_every_request_of_it_and_registers_nothing(mode
     assert [b for b in range(paged.num_blocks) if paged.pool.registered(b)] == registered
     again = paged.add_request(long, 4, eos_ids=())
     tokens, _ = drain(paged)
-    assert tokens[again] == reference(model, [long], 4)[0]
+    assert tokens[again] == reference(engines, [long], 4)[0]
     assert_pool_at_rest(paged)
 
 

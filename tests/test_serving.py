@@ -3,7 +3,8 @@ greedy tokens equal to the contiguous Generator's (the reference: its prefill an
 against full forwards in test_generation.py) in both modes and block sizes, cache rows equal to the
 contiguous cache's bit for bit (copy-on-write included), prefix caching computing only what is not
 cached and changing no token, requests joining, aborting and sampling each as they would alone,
-blocks coming back, eviction under a small budget, and bad input refused with the others untouched."""
+blocks coming back, eviction under a small budget, and bad input refused with the others untouched.
+The tests share their generators (``Engines``): each new one compiles its graphs."""
 import threading
 
 import mindspore as ms
@@ -21,7 +22,78 @@ from models.llama.model import DTYPES
 from models.llama.weights import load_checkpoint
 
 checkpoint = test_llama.checkpoint  # the tiny checkpoint fixture; graph comes from conftest.py
+pytestmark = pytest.mark.xdist_group("serving")  # one worker: the tests share their generators
 SYSTEM = np.random.default_rng(11).integers(3, CONFIG.vocab_size, 37).tolist()  # ends inside block 3 of 16
+
+
+class Engines:
+    """The generators of a module's tests on one tiny model, one per settings and execution mode:
+    a new generator compiles its graphs (most of a test's time), and one that served a test serves
+    the next as a new one would. Each is handed out idle (``idle``), with nothing cached and its
+    prompt counters at 0; after each test the model's weights are put back and a generator left
+    otherwise (the test failed mid-way) is dropped, so no test sees another's leftovers."""
+
+    def __init__(self, model):
+        self.model, self.made, self.lent = model, {}, []
+        self.weights = [p.asnumpy().copy() for p in model.get_parameters()]  # asnumpy shares the parameter's memory
+
+    def _lend(self, key, make, idle):
+        engine = self.made.get(key)
+        if engine is None:
+            engine = self.made[key] = make()
+        assert idle(engine), f"{key}: in use by this test, or left busy by another"
+        self.lent.append((key, idle))
+        return engine
+
+    def paged(self, max_num_batched_tokens=None, **settings) -> PagedGenerator:
+        """A ``PagedGenerator(model, **settings)``, one made before if alike in all but the token budget
+        (set on it: the graphs do not depend on it). Making one compiles nothing: its first step does."""
+        new = PagedGenerator(self.model, **settings)
+        key = ("paged", ms.get_context("mode"), new.block_size, new.max_batch, new.num_blocks, str(new.cache_dtype),
+               new.pool.prefix_caching)
+        paged = self._lend(key, lambda: new, idle)
+        paged.reset_prefix_cache()
+        paged.prefilled_tokens = paged.cached_prompt_tokens = 0
+        paged.max_num_batched_tokens = max_num_batched_tokens
+        assert paged.pool.cached == 0 and paged.pool.available == paged.pool.usable
+        return paged
+
+    def contiguous(self, slots: int) -> Generator:
+        return self._lend(("contiguous", ms.get_context("mode"), slots), lambda: Generator(self.model, slots=slots),
+                          lambda generator: not generator.slots.busy.any())
+
+    def give_back(self):
+        for key, still_idle in self.lent:
+            if key in self.made and not still_idle(self.made[key]):
+                del self.made[key]
+        self.lent.clear()
+        for parameter, value in zip(self.model.get_parameters(), self.weights):
+            if not np.array_equal(parameter.asnumpy(), value):
+                parameter.set_data(ms.Tensor(value))
+
+
+def idle(paged) -> bool:
+    """No request, no block held or reserved, no method replaced."""
+    return (not paged.has_unfinished and paged.reserved == 0 and not paged.pool.refs.any()
+            and not paged.pool.pending_releases() and (paged.prefill, paged.decode) == paged.graphs
+            and "_draw" not in vars(paged) and "grow" not in vars(paged.pool)
+            and "copy_blocks" not in vars(paged.cache))
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return load_checkpoint(checkpoint[1], progress=False)
+
+
+@pytest.fixture(scope="module")
+def module_engines(model):
+    return Engines(model)
+
+
+@pytest.fixture
+def engines(module_engines):
+    yield module_engines
+    module_engines.give_back()
 
 
 def prompts_of(rng, *lengths, shared=SYSTEM):
@@ -32,22 +104,26 @@ def budget(model, blocks, block_size=16):
     return blocks * block_bytes(model.cache_config, block_size, DTYPES["float32"])
 
 
-def alone(model, prompt, new_tokens, **sampling):
+def shared_paged(engines, **settings):
+    """The generator of every test whose requests fit in 63 blocks, 3 at a time (none of them depends
+    on running out of either): one, its graphs compiled once."""
+    return engines.paged(max_cache_bytes=budget(engines.model, 64), max_batch=3, **settings)
+
+
+def alone(engines, prompt, new_tokens, **sampling):
     """A request's tokens when it is the only one."""
-    paged = PagedGenerator(model, max_cache_bytes=budget(model, 64), prefix_caching=False)
+    paged = engines.paged(max_cache_bytes=budget(engines.model, 64), prefix_caching=False)
     return [t.token for t in paged.stream([prompt], new_tokens, eos_ids=(), **sampling)]
 
 
 @pytest.mark.parametrize("block_size", [16, 128])
-def test_paged_tokens_equal_the_contiguous_generators(checkpoint, mode, block_size, rng):
+def test_paged_tokens_equal_the_contiguous_generators(engines, mode, block_size, rng):
     """Four prompts of unequal lengths, three sharing a 37-token prefix, 20 new tokens each
     (crossing block boundaries): the same greedy tokens as the contiguous cache, and the decode
     steps run the paged kernel, once per layer and step."""
-    model = load_checkpoint(checkpoint[1], progress=False)
     prompts = prompts_of(rng, 5, 20, 1) + [rng.integers(3, CONFIG.vocab_size, 9).tolist()]
-    want = Generator(model, slots=4).generate(prompts, 20, eos_ids=()).tokens
-    paged = PagedGenerator(model, max_cache_bytes=budget(model, 64, block_size), block_size=block_size,
-                           max_batch=4)
+    want = engines.contiguous(4).generate(prompts, 20, eos_ids=()).tokens
+    paged = engines.paged(max_cache_bytes=budget(engines.model, 64, block_size), block_size=block_size, max_batch=4)
     calls = paged_calls()
     got = paged.generate(prompts, 20, eos_ids=())
     assert got.tokens == want
@@ -57,10 +133,9 @@ def test_paged_tokens_equal_the_contiguous_generators(checkpoint, mode, block_si
     assert paged.cached_prompt_tokens == (2 * 2 * 16 if block_size == 16 else 0)
 
 
-def test_a_cached_prefix_is_not_computed_again_and_changes_no_token(checkpoint, graph, rng):
-    model = load_checkpoint(checkpoint[1], progress=False)
+def test_a_cached_prefix_is_not_computed_again_and_changes_no_token(model, engines, graph, rng):
     prompts = prompts_of(rng, 3, 30)
-    paged = PagedGenerator(model, max_cache_bytes=budget(model, 64), max_batch=2)
+    paged = shared_paged(engines)
     first = paged.generate(prompts, 8, eos_ids=()).tokens
     computed, cached = paged.prefilled_tokens, paged.cached_prompt_tokens
     again = paged.generate(prompts, 8, eos_ids=()).tokens
@@ -73,19 +148,18 @@ def test_a_cached_prefix_is_not_computed_again_and_changes_no_token(checkpoint, 
     reused = [32, 64]
     assert paged.prefilled_tokens - computed == warm_up + sum(len(p) - n for p, n in zip(prompts, reused))
     assert paged.cached_prompt_tokens - cached == sum(reused)
-    cold = PagedGenerator(model, max_cache_bytes=budget(model, 64), max_batch=2, prefix_caching=False)
+    cold = engines.paged(max_cache_bytes=budget(model, 64), prefix_caching=False)  # alone()'s
     assert cold.generate(prompts, 8, eos_ids=()).tokens == first
     assert cold.cached_prompt_tokens == 0
 
 
 @pytest.mark.parametrize("cache_dtype, tolerance", [("float32", 1e-4), ("float16", 1e-2)])
-def test_logits_along_the_greedy_path_equal_a_full_forward(checkpoint, graph, rng, cache_dtype, tolerance):
+def test_logits_along_the_greedy_path_equal_a_full_forward(model, engines, graph, rng, cache_dtype, tolerance):
     """Each step's logits (``last_logits``) against one full forward over the prompt and the tokens
     generated before it: 1e-4 with a float32 cache (test_llama's), float16 / bfloat16 rounding of the
     keys and values with a float16 cache (as the contiguous cache's float16 test)."""
-    model = load_checkpoint(checkpoint[1], progress=False)
     (prompt,) = prompts_of(rng, 3)
-    paged = PagedGenerator(model, max_cache_bytes=budget(model, 32), cache_dtype=cache_dtype)
+    paged = shared_paged(engines, cache_dtype=cache_dtype)
     assert str(paged.cache.dtype) == {"float32": "Float32", "float16": "Float16"}[cache_dtype]
     paged.add_request(prompt, 12, eos_ids=())
     tokens, rows = [], []
@@ -105,13 +179,12 @@ def _paged_rows(paged, request, layer):
     return (keys[blocks[positions // 16], positions % 16], values[blocks[positions // 16], positions % 16])
 
 
-def test_cache_rows_equal_the_contiguous_caches_copy_on_write_included(checkpoint, graph, rng):
+def test_cache_rows_equal_the_contiguous_caches_copy_on_write_included(model, engines, graph, rng):
     """A prompt, then a second one sharing its first 44 tokens, whose block 2 (tokens 32..47) the
     first holds: the second copies it before writing (12 tokens of it shared: over half a block). Every key and value row of both, after
     prefill and after two decode steps, equals the contiguous cache's for the same tokens."""
-    model = load_checkpoint(checkpoint[1], progress=False)
     prompts = prompts_of(rng, 5, 4, shared=SYSTEM + rng.integers(3, CONFIG.vocab_size, 7).tolist())
-    paged = PagedGenerator(model, max_cache_bytes=budget(model, 32), max_batch=2)
+    paged = shared_paged(engines)
     first = paged.add_request(prompts[0], 8, eos_ids=())
     paged.step()
     second = paged.add_request(prompts[1], 8, eos_ids=())
@@ -121,7 +194,7 @@ def test_cache_rows_equal_the_contiguous_caches_copy_on_write_included(checkpoin
     assert blocks[0][:2] == blocks[1][:2] and blocks[0][2] != blocks[1][2]  # shared, then copied
     for _ in range(2):
         paged.step()
-    contiguous = Generator(model, slots=2)
+    contiguous = engines.contiguous(2)
     tokens = {r.id: list(r.seq.tokens) for r in paged.running}
     for request in (first, second):
         with contiguous.open(tokens[request]) as seq:
@@ -135,11 +208,10 @@ def test_cache_rows_equal_the_contiguous_caches_copy_on_write_included(checkpoin
                 np.testing.assert_allclose(got_v, want_v, rtol=0, atol=1e-5)
 
 
-def test_requests_joining_and_aborting_mid_stream_get_their_own_tokens(checkpoint, graph, rng):
-    model = load_checkpoint(checkpoint[1], progress=False)
+def test_requests_joining_and_aborting_mid_stream_get_their_own_tokens(model, engines, graph, rng):
     a, b, c = prompts_of(rng, 4, 21, 2)
-    solo = {name: alone(model, prompt, 10) for name, prompt in zip("abc", (a, b, c))}
-    paged = PagedGenerator(model, max_cache_bytes=budget(model, 64), max_batch=3)
+    solo = {name: alone(engines, prompt, 10) for name, prompt in zip("abc", (a, b, c))}
+    paged = shared_paged(engines)
     got = {"a": [], "b": [], "c": []}
     ids = {paged.add_request(a, 10, eos_ids=()): "a"}
     for _ in range(3):
@@ -159,12 +231,11 @@ def test_requests_joining_and_aborting_mid_stream_get_their_own_tokens(checkpoin
     assert not paged.abort(12345)
 
 
-def test_sampling_is_per_request_and_independent_of_the_batch(checkpoint, graph, rng):
-    model = load_checkpoint(checkpoint[1], progress=False)
+def test_sampling_is_per_request_and_independent_of_the_batch(model, engines, graph, rng):
     sampled, greedy = prompts_of(rng, 6, 13)
     settings = dict(temperature=0.9, top_k=20, top_p=0.95, seed=3)
-    want = alone(model, sampled, 12, **settings)
-    paged = PagedGenerator(model, max_cache_bytes=budget(model, 64))
+    want = alone(engines, sampled, 12, **settings)
+    paged = shared_paged(engines)
     first = paged.add_request(greedy, 12, eos_ids=())
     second = paged.add_request(sampled, 12, eos_ids=(), **settings)
     got = {first: [], second: []}
@@ -172,17 +243,16 @@ def test_sampling_is_per_request_and_independent_of_the_batch(checkpoint, graph,
         for t in paged.step():
             got[t.request].append(t.token)
     assert got[second] == want
-    assert got[first] == alone(model, greedy, 12)
+    assert got[first] == alone(engines, greedy, 12)
 
 
-def test_blocks_come_back_and_a_small_budget_evicts_and_queues(checkpoint, graph, rng):
+def test_blocks_come_back_and_a_small_budget_evicts_and_queues(model, engines, graph, rng):
     """A budget of 9 usable blocks: six distinct 30..40-token requests of 10 new tokens (3 blocks
     each) run three at a time, the rest queued; the cached blocks of finished ones are evicted for
     the next. Same tokens as the contiguous cache; every block back afterwards."""
-    model = load_checkpoint(checkpoint[1], progress=False)
     prompts = [rng.integers(3, CONFIG.vocab_size, n).tolist() for n in (30, 33, 36, 38, 31, 40)]
-    want = Generator(model, slots=6).generate(prompts, 10, eos_ids=()).tokens
-    paged = PagedGenerator(model, max_cache_bytes=budget(model, 10), max_batch=8)
+    want = engines.contiguous(6).generate(prompts, 10, eos_ids=()).tokens
+    paged = engines.paged(max_cache_bytes=budget(model, 10), max_batch=8)
     assert paged.pool.usable == 9
     running = []
     tokens = [[] for _ in prompts]
@@ -195,11 +265,10 @@ def test_blocks_come_back_and_a_small_budget_evicts_and_queues(checkpoint, graph
     assert paged.pool.available == paged.pool.usable and (paged.pool.refs == 0).all()
 
 
-def test_bad_input_is_refused_and_leaves_the_other_requests_alone(checkpoint, graph, rng):
-    model = load_checkpoint(checkpoint[1], progress=False)
+def test_bad_input_is_refused_and_leaves_the_other_requests_alone(model, engines, graph, rng):
     prompt = prompts_of(rng, 3)[0]
-    want = alone(model, prompt, 6)
-    paged = PagedGenerator(model, max_cache_bytes=budget(model, 8), max_batch=2)
+    want = alone(engines, prompt, 6)
+    paged = PagedGenerator(model, max_cache_bytes=budget(model, 8), max_batch=2)  # its only test
     running = paged.add_request(prompt, 6, eos_ids=())
     paged.step()
     before = (paged.pool.refs.copy(), paged.pool.available, paged.reserved)
@@ -225,14 +294,12 @@ def test_bad_input_is_refused_and_leaves_the_other_requests_alone(checkpoint, gr
     (dict(max_cache_bytes=1 << 60), "max_cache_bytes: .* over 80% of the memory available"),
     (dict(cache_dtype="bfloat16"), "cache_dtype: a bfloat16 KV cache cannot be a graph's Parameter"),
 ])
-def test_bad_settings_are_refused(checkpoint, kwargs, message):
-    model = load_checkpoint(checkpoint[1], progress=False)
+def test_bad_settings_are_refused(model, kwargs, message):
     with pytest.raises(ValueError, match=message):
         PagedGenerator(model, **kwargs)
 
 
-def test_the_default_budget_holds_max_batch_sequences_of_the_models_positions(checkpoint):
-    model = load_checkpoint(checkpoint[1], progress=False)
+def test_the_default_budget_holds_max_batch_sequences_of_the_models_positions(model):
     paged = PagedGenerator(model, max_batch=3)
     assert paged.pool.usable == 3 * blocks_for(model.max_positions, 16)
 
@@ -261,14 +328,13 @@ def assert_pool_at_rest(paged):
 
 
 @pytest.mark.parametrize("shared", [1, 10], ids=["bos-only", "partial-block"])
-def test_a_request_sized_to_the_whole_cache_is_admitted_after_a_prefix_sharing_one(checkpoint, graph, shared):
+def test_a_request_sized_to_the_whole_cache_is_admitted_after_a_prefix_sharing_one(model, engines, graph, shared):
     """F1: 3 usable blocks. A request sharing ``shared`` leading tokens with a finished one, whose
     48 positions need all 3 blocks, is admitted (then the one queued behind it). Its partially
     matched block used to be counted twice (held, and copied), so it never fit, and FIFO admission
     held every later request too: ``stream`` spun forever. BOS alone is no longer matched at all
     (under half a block); 10 tokens are, and the match is cut to whole blocks when it does not fit."""
-    model = load_checkpoint(checkpoint[1], progress=False)
-    paged = PagedGenerator(model, max_cache_bytes=budget(model, 4), max_batch=2)
+    paged = engines.paged(max_cache_bytes=budget(model, 4), max_batch=2)
     assert paged.pool.usable == 3
     first = list(range(1, 11))
     paged.add_request(first, 2, eos_ids=())
@@ -277,15 +343,14 @@ def test_a_request_sized_to_the_whole_cache_is_admitted_after_a_prefix_sharing_o
     after = paged.add_request([5, 6], 3, eos_ids=())
     tokens, errors = drain(paged)
     assert not errors and len(tokens[whole]) == 9 and len(tokens[after]) == 3
-    assert tokens[whole] == alone(model, first[:shared] + [7] * (40 - shared), 9)
+    assert tokens[whole] == alone(engines, first[:shared] + [7] * (40 - shared), 9)
     assert_pool_at_rest(paged)
 
 
-def test_the_prefix_cache_takes_a_partial_block_only_when_it_saves_half_a_block(checkpoint, graph, rng):
+def test_the_prefix_cache_takes_a_partial_block_only_when_it_saves_half_a_block(model, engines, graph, rng):
     """F9: a prompt sharing its first 7 tokens with a cached one computes all its tokens (copying a
     whole block in every layer to save 7 positions of 16 costs more than it saves); 8 are reused."""
-    model = load_checkpoint(checkpoint[1], progress=False)
-    paged = PagedGenerator(model, max_cache_bytes=budget(model, 16))
+    paged = shared_paged(engines)
     base = rng.integers(3, CONFIG.vocab_size, 12).tolist()
     paged.add_request(base, 2, eos_ids=())
     drain(paged)
@@ -296,29 +361,27 @@ def test_the_prefix_cache_takes_a_partial_block_only_when_it_saves_half_a_block(
         assert paged.cached_prompt_tokens - before == reused
 
 
-def nan_row_model(checkpoint, token):
-    """The tiny model with ``token``'s embedding row NaN: the rows of a prompt holding it turn NaN,
-    and only its own (attention never crosses sequences)."""
-    model = load_checkpoint(checkpoint[1], progress=False)
+def nan_row(model, token):
+    """``token``'s embedding row NaN (``Engines`` puts it back after the test): the rows of a prompt
+    holding it turn NaN, and only its own (attention never crosses sequences)."""
     table = model.model.embed_tokens.weight
     values = table.asnumpy()
     values[token] = np.nan
     table.set_data(ms.Tensor(values))
-    return model
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_a_request_whose_row_cannot_be_sampled_ends_alone_and_the_step_commits_the_others(
-        checkpoint, graph, rng, temperature):
+        model, engines, graph, rng, temperature):
     """F3: three requests prefilled together, the middle one's logits NaN. It ends with a
     ``SamplingError`` (no token: greedy's argmax of NaN used to be an arbitrary one, sampling raised
     out of ``step`` and left the request after it with no token pending, which the next decode fed
     as id -1), its blocks go back, nothing it wrote is cached, and the others get the tokens they
     get alone."""
-    model = nan_row_model(checkpoint, 200)
+    nan_row(model, 200)
     a, c = prompts_of(rng, 4, 9, shared=[])
     b = [5, 200, 6, 7]
-    paged = PagedGenerator(model, max_cache_bytes=budget(model, 16), max_batch=3)
+    paged = shared_paged(engines)
     ids = [paged.add_request(p, 6, eos_ids=(), temperature=temperature, seed=1) for p in (a, b, c)]
     first = paged.step()
     assert [t.request for t in first] == ids and first[1].token is None and first[1].finished
@@ -326,8 +389,8 @@ def test_a_request_whose_row_cannot_be_sampled_ends_alone_and_the_step_commits_t
     assert [r.id for r in paged.running] == [ids[0], ids[2]]
     tokens, errors = drain(paged)
     assert not errors
-    assert [first[0].token] + tokens[ids[0]] == alone(model, a, 6, temperature=temperature, seed=1)
-    assert [first[2].token] + tokens[ids[2]] == alone(model, c, 6, temperature=temperature, seed=1)
+    assert [first[0].token] + tokens[ids[0]] == alone(engines, a, 6, temperature=temperature, seed=1)
+    assert [first[2].token] + tokens[ids[2]] == alone(engines, c, 6, temperature=temperature, seed=1)
     assert_pool_at_rest(paged)
     assert paged.pool.match(b + [1]).tokens == 0  # nothing of the failed request is cached
     with pytest.raises(SamplingError):
@@ -335,15 +398,14 @@ def test_a_request_whose_row_cannot_be_sampled_ends_alone_and_the_step_commits_t
     assert_pool_at_rest(paged)
 
 
-def test_any_exception_drawing_a_row_ends_that_request_alone(checkpoint, graph, rng, monkeypatch):
+def test_any_exception_drawing_a_row_ends_that_request_alone(model, engines, graph, rng, monkeypatch):
     """Issue 64 F1: three sampled requests, the middle one's draw raising a RuntimeError at its
     third token (numpy's "probabilities contain NaN" once, from a temperature of 5e-324). It ends
     with a last ``Token`` carrying that error after its two tokens, and the others, in the same
     steps, get the tokens they get alone (``_draw`` caught only ``SamplingError``: the step raised
     and ended every request in it); every block comes back."""
-    model = load_checkpoint(checkpoint[1], progress=False)
     a, b, c = prompts_of(rng, 4, 9, 6, shared=[])
-    paged = PagedGenerator(model, max_cache_bytes=budget(model, 16), max_batch=3)
+    paged = shared_paged(engines)
     ids = [paged.add_request(p, 6, eos_ids=(), temperature=0.8, seed=1) for p in (a, b, c)]
     failure = RuntimeError("injected: the sampler broke")
     sampling = paged.waiting[1].sampling
@@ -364,13 +426,12 @@ def test_any_exception_drawing_a_row_ends_that_request_alone(checkpoint, graph, 
         assert [t.token for t in paged.stream([prompt], 6, eos_ids=(), temperature=0.8, seed=1)] == tokens[request]
 
 
-def test_a_step_that_fails_before_its_graph_runs_ends_its_requests_and_registers_nothing(checkpoint, graph, rng):
+def test_a_step_that_fails_before_its_graph_runs_ends_its_requests_and_registers_nothing(model, engines, graph, rng):
     """F8: the second joining request's growth raises after the first one's copy-on-write swap put
     a block never copied into its table. Every request of the step ends, its blocks freed and none
     registered; an ``abort`` after it finds nothing (it used to register the uncopied block as
     cached, matchable later by another prompt)."""
-    model = load_checkpoint(checkpoint[1], progress=False)
-    paged = PagedGenerator(model, max_cache_bytes=budget(model, 16), max_batch=2)
+    paged = shared_paged(engines)
     shared = rng.integers(3, CONFIG.vocab_size, 28).tolist()
     paged.add_request(shared, 2, eos_ids=())
     drain(paged)
@@ -388,18 +449,17 @@ def test_a_step_that_fails_before_its_graph_runs_ends_its_requests_and_registers
     paged.pool.grow = failing_grow
     with pytest.raises(KeyboardInterrupt):
         paged.step()
-    paged.pool.grow = grow
+    del paged.pool.grow  # the pool's own again
     assert not paged.abort(first) and not paged.abort(second)
     assert_pool_at_rest(paged)
     assert set(paged.pool.cached_blocks) <= cached
 
 
-def test_abort_from_another_thread_waits_for_the_step(checkpoint, graph, rng):
+def test_abort_from_another_thread_waits_for_the_step(model, engines, graph, rng):
     """The thread rule: every public call holds the generator's lock. An ``abort`` issued while a
     decode step is inside the model returns only after the step has ended (it used to run at once,
     changing ``running`` and the pool under the step)."""
-    model = load_checkpoint(checkpoint[1], progress=False)
-    paged = PagedGenerator(model, max_cache_bytes=budget(model, 16), max_batch=2)
+    paged = shared_paged(engines)
     ids = [paged.add_request(p, 8, eos_ids=()) for p in prompts_of(rng, 3, 5, shared=[])]
     paged.step()
     decode, inside, aborted, seen = paged.decode, threading.Event(), threading.Event(), []
@@ -421,12 +481,11 @@ def test_abort_from_another_thread_waits_for_the_step(checkpoint, graph, rng):
     assert_pool_at_rest(paged)
 
 
-def test_a_cache_salt_isolates_requests_and_a_reset_forgets_every_prefix(checkpoint, graph, rng):
+def test_a_cache_salt_isolates_requests_and_a_reset_forgets_every_prefix(model, engines, graph, rng):
     """F7: the same prompt under another salt shares nothing (no timing of another tenant's text);
     under the same salt it does. After the weights change and ``reset_prefix_cache``, nothing
     computed with the old weights is reused: the tokens are the new weights' alone."""
-    model = load_checkpoint(checkpoint[1], progress=False)
-    paged = PagedGenerator(model, max_cache_bytes=budget(model, 32), max_batch=2)
+    paged = shared_paged(engines)
     prompt = rng.integers(3, CONFIG.vocab_size, 44).tolist()
 
     def cached_by(**salt):
@@ -440,13 +499,13 @@ def test_a_cache_salt_isolates_requests_and_a_reset_forgets_every_prefix(checkpo
     assert cached_by()[0] == 0
     assert cached_by(cache_salt="tenant-a")[0] == 43
     assert cached_by(cache_salt=b"tenant-b")[0] == 43
-    for parameter in model.get_parameters():  # new weights: each matrix's rows reversed
+    for parameter in model.get_parameters():  # new weights (Engines puts them back): each matrix's rows reversed
         if parameter.ndim == 2:
             parameter.set_data(ms.Tensor(parameter.asnumpy()[::-1].copy()))
     paged.reset_prefix_cache()
     assert paged.pool.cached == 0
     reused, tokens = cached_by(cache_salt="tenant-a")
-    assert reused == 0 and tokens == alone(model, prompt, 3)
+    assert reused == 0 and tokens == alone(engines, prompt, 3)
     with pytest.raises(ValueError, match="cache_salt: expected a non-empty str or bytes"):
         paged.add_request(prompt, 3, cache_salt=7)
 
@@ -465,18 +524,16 @@ def test_a_cache_salt_isolates_requests_and_a_reset_forgets_every_prefix(checkpo
     (lambda p: p.add_request([1, 2], 2, eos_ids=[1.5]), "eos_ids: expected a list of token ids"),
     (lambda p: p.add_request([1, 2], 2, cache_salt=""), "cache_salt: expected a non-empty str or bytes"),
 ])
-def test_add_request_refuses_bad_input_by_name_and_queues_nothing(checkpoint, call, message):
-    model = load_checkpoint(checkpoint[1], progress=False)
+def test_add_request_refuses_bad_input_by_name_and_queues_nothing(model, call, message):
     paged = PagedGenerator(model, max_cache_bytes=budget(model, 8))
     with pytest.raises(ValueError, match=message):
         call(paged)
     assert not paged.has_unfinished
 
 
-def test_a_thousand_sampled_requests_run_without_an_exception(checkpoint, graph):
+def test_a_thousand_sampled_requests_run_without_an_exception(model, graph):
     """The sampling crash at the default top_p (F2) across the engine: 1,000 requests of random
     prompts, temperatures and top_k / top_p (the default top_p among them) on a small cache."""
-    model = load_checkpoint(checkpoint[1], progress=False)
     paged = PagedGenerator(model, max_cache_bytes=budget(model, 12), max_batch=8)
     rng = np.random.default_rng(5)
     for i in range(1000):
