@@ -1,9 +1,11 @@
 """models.llama.train when things go wrong: a save killed at each point, SIGINT mid-step and right
 after a periodic save, refused reuses of --out and refused resumes; then, on 2 ranks under msrun, a
 SIGTERM that reaches one rank only and a rank 0 whose save is slow. Every killed run is resumed and
-must end with the weights of one uninterrupted run."""
+must end with the weights of one uninterrupted run. The refused reuses and resumes work on copies of
+that run, not on training runs of their own (each would compile the training graphs again)."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -20,6 +22,8 @@ from models.llama.training import run_directory, signals, trainer
 from models.llama.weights import CheckpointError, load_checkpoint
 
 STEPS = 4
+# One worker for the module: the uninterrupted run (module-scoped) trains once, not once per worker.
+pytestmark = pytest.mark.xdist_group("llama_train_faults")
 FAULTED = Path(__file__).resolve().parent / "distributed" / "faulted_training.py"
 
 
@@ -55,6 +59,12 @@ def reference(data, tmp_path_factory):
     out = tmp_path_factory.mktemp("reference") / "run"
     train_cli.main(_args(data, out))
     return out
+
+
+@pytest.fixture
+def finished(reference, tmp_path):
+    """A copy of the uninterrupted run (finished at step STEPS), for a test to reuse or change."""
+    return shutil.copytree(reference, tmp_path / "run")
 
 
 def _assert_same_weights(checkpoint, reference_checkpoint, tolerance=0.0):
@@ -202,53 +212,49 @@ def _refused(argv, capsys) -> str:
     return capsys.readouterr().err
 
 
-def test_a_second_run_into_one_out_is_refused_without_overwrite(data, tmp_path, capsys):
-    out = tmp_path / "run"
-    train_cli.main(_args(data, out, steps=2))
-    assert "--out " + str(out) + ": not empty (latest, step-1, step-2); continue its run with --resume, or give " \
-           "--overwrite" in _refused(_args(data, out, steps=2), capsys)
+def test_a_second_run_into_one_out_is_refused_without_overwrite(data, finished, capsys):
+    out = finished
+    assert "--out " + str(out) + ": not empty (latest, step-1, step-2, step-3, ...); continue its run with " \
+           "--resume, or give --overwrite" in _refused(_args(data, out), capsys)
     train_cli.main(_args(data, out, "--overwrite", steps=1))
     assert sorted(p.name for p in out.iterdir()) == ["latest", "step-1"]
     assert "argument --overwrite: not allowed with argument --resume" in _refused(
         _args(data, out, "--resume", "--overwrite"), capsys)
 
 
-def test_resume_refuses_changed_replay_arguments_and_a_finished_run(data, tmp_path, capsys):
-    out = tmp_path / "run"
-    train_cli.main(_args(data, out, steps=2))
+def test_resume_refuses_changed_replay_arguments_and_a_finished_run(data, finished, tmp_path, capsys):
+    out, last = finished, finished / f"step-{STEPS}"
     error = _refused(_args(data, out, "--resume", "--accumulate", "2", "--seed", "1"), capsys)
-    assert f"--resume from {out / 'step-2'}: --accumulate 2 differs from the run's 1; --seed 1 differs from the " \
+    assert f"--resume from {last}: --accumulate 2 differs from the run's 1; --seed 1 differs from the " \
            f"run's 0" in error
     edited = tmp_path / "edited.txt"
     edited.write_text(data.read_text().replace("cat", "cow"))
     assert f"--data {edited} is not the file the run trained on" in _refused(_args(edited, out, "--resume"), capsys)
-    assert "the run is finished (step 2 of --steps 2); raise --steps" in _refused(
-        _args(data, out, "--resume", steps=2), capsys)
-    (out / "step-2" / "trainer.json").unlink()
-    _reseal(out / "step-2")
-    assert f"{out / 'step-2' / 'trainer.json'}: missing" in _refused(_args(data, out, "--resume"), capsys)
+    assert f"the run is finished (step {STEPS} of --steps {STEPS}); raise --steps" in _refused(
+        _args(data, out, "--resume"), capsys)
+    (last / "trainer.json").unlink()
+    _reseal(last)
+    assert f"{last / 'trainer.json'}: missing" in _refused(_args(data, out, "--resume", steps=STEPS + 1), capsys)
 
 
-def test_resume_refuses_an_optimizer_state_without_a_moment(data, tmp_path):
-    out = tmp_path / "run"
-    train_cli.main(_args(data, out, steps=1))
-    path = out / "step-1" / "optimizer.ckpt"
+def test_resume_refuses_an_optimizer_state_without_a_moment(data, finished):
+    out, last = finished, finished / f"step-{STEPS}"
+    path = last / "optimizer.ckpt"
     state = ms.load_checkpoint(str(path))
     dropped = next(name for name in state if name.startswith("adam_m."))
     os.remove(path)
     ms.save_checkpoint([{"name": name, "data": value} for name, value in state.items() if name != dropped], str(path))
-    _reseal(out / "step-1")
+    _reseal(last)
     with pytest.raises(CheckpointError, match=f"optimizer.ckpt: lacks {dropped}$"):
-        train_cli.main(_args(data, out, "--resume"))
+        train_cli.main(_args(data, out, "--resume", steps=STEPS + 1))
 
 
-def test_resume_refuses_a_checkpoint_whose_files_changed_after_the_save(data, tmp_path, capsys):
+def test_resume_refuses_a_checkpoint_whose_files_changed_after_the_save(data, finished, capsys):
     """SHA256SUMS (which sha256sum -c reads) lists every file of a checkpoint; a resume refuses, by
     file name, one byte changed in the weights, a file added, a file removed, or a SHA256SUMS that is
     no regular file. A checkpoint saved before SHA256SUMS existed resumes, with a FutureWarning."""
-    out = tmp_path / "run"
-    train_cli.main(_args(data, out, steps=1))
-    checkpoint = out / "step-1"
+    out = finished
+    checkpoint = out / f"step-{STEPS}"
     assert subprocess.run(["sha256sum", "--check", "--quiet", "SHA256SUMS"], cwd=checkpoint).returncode == 0
     weights = checkpoint / "model.safetensors"
     original = weights.read_bytes()
@@ -277,6 +283,7 @@ def _launch(data, out, faults, *extra, steps):
     return launch(FAULTED, args, workers=2, timeout=300, env={"FAULTS": faults})
 
 
+@pytest.mark.integration
 @pytest.mark.starts_first
 def test_data_parallel_run_stops_on_one_ranks_sigterm_and_resumes(data, tmp_path):
     """2 ranks, rank 0's saves slowed by 2 s (the other rank reaches the end first: it must not read

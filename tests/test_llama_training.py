@@ -1,5 +1,6 @@
 """Training the Llama model through the fused op: TrainOneStepCell fused vs unfused, mixed precision,
 and the training CLI (``python -m models.llama.train``) end to end."""
+import functools
 import importlib
 import json
 import re
@@ -19,7 +20,9 @@ from models.llama.training import cli, data, run_directory, signals, trainer
 from models.llama.weights import load_checkpoint
 
 
+@functools.cache
 def _losses(backend, steps=20, level=None, layout="BSH"):
+    """The losses of ``steps`` train steps from seed 0, computed once per process (tests in GRAPH_MODE)."""
     ms.set_seed(0)
     lm = LlamaForCausalLM(preset("tiny"), backend=backend, layout=layout)
     net = LlamaForTraining(lm)
@@ -34,33 +37,34 @@ def _losses(backend, steps=20, level=None, layout="BSH"):
         batch = (Tensor(ids.reshape(-1)), Tensor(labels), Tensor(np.array([24, 48], np.int64)))
     else:
         batch = (Tensor(ids), Tensor(ids))
-    return [float(step(*batch).asnumpy()) for _ in range(steps)]
+    return tuple(float(step(*batch).asnumpy()) for _ in range(steps))
 
 
-def test_fused_tracks_unfused_graph_mode():
-    ms.set_context(mode=ms.GRAPH_MODE)
+@pytest.mark.xdist_group("llama_training_fused_losses")
+def test_fused_tracks_unfused_graph_mode(graph):
     fused, unfused = _losses("fused"), _losses("unfused")
     np.testing.assert_allclose(fused, unfused, rtol=1e-4)  # float32 noise over 20 steps
     assert fused[-1] < 0.4 * fused[0]
 
 
-def test_packed_tnd_batch_trains_like_bsh():
-    """Two sequences packed (TND) give the same losses as the same two as a BSH batch."""
-    ms.set_context(mode=ms.GRAPH_MODE)
-    np.testing.assert_allclose(_losses("fused", 5, layout="TND"), _losses("fused", 5), rtol=1e-4)
+@pytest.mark.xdist_group("llama_training_fused_losses")
+def test_packed_tnd_batch_trains_like_bsh(graph):
+    """Two sequences packed (TND) give the same losses as the same two as a BSH batch (the first 5
+    steps of the BSH run test_fused_tracks_unfused_graph_mode trains: one compile for both)."""
+    np.testing.assert_allclose(_losses("fused", 5, layout="TND"), _losses("fused")[:5], rtol=1e-4)
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
-def test_mixed_precision(level):
+def test_mixed_precision(level, graph):
     """amp on a float32 model (float32 master weights): the loss falls, and fused and unfused track
     each other within float16 noise over the first 10 steps (O2 runs the attention op in float16; at
     this learning rate the two float16 trajectories drift apart by a few percent by step 20)."""
-    ms.set_context(mode=ms.GRAPH_MODE)
     fused, unfused = _losses("fused", 20, level=level), _losses("unfused", 20, level=level)
     assert np.isfinite(fused).all() and fused[-1] < 0.5 * fused[0]
     np.testing.assert_allclose(fused[:10], unfused[:10], rtol=1e-2)
 
 
+@pytest.mark.integration
 @pytest.mark.starts_first
 def test_cli_trains_saves_generates_and_resumes(corpus, tmp_path, capsys):
     out = tmp_path / "run"

@@ -1,5 +1,6 @@
 """The HTTP server (models/llama/serve) over real HTTP: one uvicorn server for the file, in a thread of
-this process (so the tests can look into its engine's pool), on the tiny model with random weights and
+this process (so the tests can look into its engine's pool), on the tiny model cut to one layer (what
+is served does not depend on depth; each graph compiles in about half the time) with random weights and
 the word-level tokenizer (token i is the word "w<i>"); the official ``openai`` client (no retries)
 and httpx drive it. The SIGTERM drain runs a server of its own in a subprocess.
 
@@ -60,6 +61,7 @@ MAX_BATCH, MAX_WAITING, TOKENS_LIMIT, BODY_LIMIT = 4, 8, 64, 16 << 10
 CHUNK = 8  # the engine's max_num_batched_tokens
 PROMPTS = [[1, 5, 9, 77], [1] + list(range(100, 137))]  # the second crosses two blocks of 16
 NEW = 12
+CONFIG = preset("tiny", num_hidden_layers=1)
 
 
 def words(text: str) -> list[int]:
@@ -135,20 +137,12 @@ def test_protocol_names_the_field(body, param):
     assert chat.messages[0].text() == "a"
 
 
-@pytest.mark.parametrize("max_batch, counts", [(3, {1, 2, 4, 8, 16}), (20, {1, 2, 4, 8, 16, 32})])
-def test_the_warm_up_compiles_every_graph_a_step_runs(max_batch, counts):
-    """With the server's default budget: the prefill graph, and the decode graph for every power of two
-    up to 16 tokens (steps in place) and to max_batch's (decode tokens alone), and no other."""
-    previous = ms.get_context("mode")
-    ms.set_context(mode=ms.GRAPH_MODE)
-    try:
-        generator = PagedGenerator(LlamaForCausalLM(preset("tiny"), backend="fused"), max_batch=max_batch,
-                                   max_cache_bytes=1 << 24, max_num_batched_tokens=512)
-        EngineService(generator, Metrics("tiny"), warm_up=False)._warm_up()
-        assert generator.prefill.compile_log
-        assert {tokens for _, tokens in generator.decode.compile_log} == counts
-    finally:
-        ms.set_context(mode=previous)
+def warmed_up(generator) -> tuple[list, set]:
+    """The server's warm-up on a generator that has compiled nothing: the prefill graph's compile log,
+    and the token counts the decode graph compiled for."""
+    assert generator.compiles == 0
+    EngineService(generator, Metrics("tiny"), warm_up=False)._warm_up()
+    return list(generator.prefill.compile_log), {tokens for _, tokens in generator.decode.compile_log}
 
 
 def test_cli_builds_the_generator_options():
@@ -170,9 +164,9 @@ def test_cli_builds_the_generator_options():
 
 # ---- the server ----
 class Served:
-    def __init__(self, url, service, generator, tokenizer, reference):
+    def __init__(self, url, service, generator, tokenizer, reference, warm_up):
         self.url, self.service, self.generator, self.tokenizer = url, service, generator, tokenizer
-        self.reference = reference
+        self.reference, self.warm_up = reference, warm_up
         self.client = self.new_client()
         self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {API_KEY}",
                                                         "Content-Type": "application/json"}, timeout=60)
@@ -213,13 +207,15 @@ class Served:
 def served():
     previous = ms.get_context("mode")
     ms.set_context(mode=ms.GRAPH_MODE)
-    config = preset("tiny")
-    model = LlamaForCausalLM(config, backend="fused")
-    # chunked prefill on, as the server runs by default: prompts longer than CHUNK tokens take several steps
-    generator = PagedGenerator(model, max_batch=MAX_BATCH, max_num_batched_tokens=CHUNK)
+    model = LlamaForCausalLM(CONFIG, backend="fused")
+    # The warm-up with the server's default budget first (test_the_warm_up_compiles_every_graph_a_step_runs),
+    # then a budget of CHUNK: prompts longer than CHUNK tokens take several steps
+    generator = PagedGenerator(model, max_batch=MAX_BATCH, max_num_batched_tokens=512)
+    warm_up = warmed_up(generator)
+    generator.max_num_batched_tokens = CHUNK
     # The generator's own greedy tokens, before it serves (it keeps their prefixes cached).
     reference = {tuple(p): generator.generate([p], NEW, eos_ids=()).tokens[0] for p in PROMPTS}
-    tokenizer = Tokenizer.words(config.vocab_size, config.bos_token_id)
+    tokenizer = Tokenizer.words(CONFIG.vocab_size, CONFIG.bos_token_id)
     service = EngineService(generator, Metrics("tiny"), max_waiting=MAX_WAITING)
     settings = Settings("tiny", tokenizer, ChatTemplate.from_directory(None), api_key=API_KEY,
                         max_body_bytes=BODY_LIMIT, max_tokens_limit=TOKENS_LIMIT, send_timeout_s=30.0,
@@ -228,7 +224,7 @@ def served():
                                            log_level="warning", timeout_keep_alive=5))
     with running_in_thread(server, lambda: service.ready, timeout=120):
         port = server.servers[0].sockets[0].getsockname()[1]
-        yield Served(f"http://127.0.0.1:{port}", service, generator, tokenizer, reference)
+        yield Served(f"http://127.0.0.1:{port}", service, generator, tokenizer, reference, warm_up)
     ms.set_context(mode=previous)
 
 
@@ -272,6 +268,18 @@ def assert_error(response, status, code=None, param=None):
     if param is not None:
         assert error["param"] == param, error
     return error
+
+
+def test_the_warm_up_compiles_every_graph_a_step_runs(served, graph):
+    """With the server's default budget: the prefill graph, and the decode graph for every power of two
+    up to 16 tokens (steps in place) and to max_batch's (decode tokens alone), and no other; for the
+    module's server (max_batch 4: its warm-up, before its budget became CHUNK) and for max_batch 20."""
+    generator = PagedGenerator(LlamaForCausalLM(CONFIG, backend="fused"), max_batch=20, max_cache_bytes=1 << 24,
+                               max_num_batched_tokens=512)
+    for max_batch, (prefill, decode), counts in ((MAX_BATCH, served.warm_up, {1, 2, 4, 8, 16}),
+                                                 (20, warmed_up(generator), {1, 2, 4, 8, 16, 32})):
+        assert prefill, max_batch
+        assert decode == counts, max_batch
 
 
 def test_health_ready_models(served):
@@ -837,6 +845,7 @@ def test_sigterm_drains_then_exits_0(tmp_path):
             process.wait()
 
 
+@pytest.mark.integration
 def test_tensor_parallel_server_answers_one_process_tokens(tmp_path, graph):
     """--tensor-parallel 2 under the launcher (msrun, 2 CPU ranks) on a checkpoint: rank 0 serves and
     schedules, both ranks run each step on their halves of the model. Two requests at once (one decode
