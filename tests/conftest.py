@@ -68,15 +68,19 @@ def to_numpy(t: ms.Tensor) -> np.ndarray:
     return t.astype(ms.float32).asnumpy().astype(np.float64)
 
 
+WORKER_MODE = ms.get_context("mode")
+
+
 @pytest.fixture(autouse=True)
 def _execution_mode_restored():
-    """Every test starts in the worker's execution mode: a test that switches to GRAPH_MODE without
-    switching back would leave the tests after it in that worker (xdist's order varies from run to run)
-    compiling graphs they were not written for."""
-    previous = ms.get_context("mode")
+    """Every test starts and ends in the worker's execution mode: a test, or a module fixture set up for
+    it (the training CLI sets GRAPH_MODE), that switches to GRAPH_MODE without switching back would leave
+    the tests after it in that worker (xdist's order varies from run to run) compiling graphs they were
+    not written for (a module-level function MindSpore cannot import by name fails to compile)."""
+    ms.set_context(mode=WORKER_MODE)
     yield
-    if ms.get_context("mode") != previous:
-        ms.set_context(mode=previous)
+    if ms.get_context("mode") != WORKER_MODE:
+        ms.set_context(mode=WORKER_MODE)
 
 
 @pytest.fixture
