@@ -14,6 +14,7 @@ from mindspore import Tensor, nn, ops
 from ms_rope_attention import FuseError, fuse
 from ms_rope_attention.fusion import attention_like
 from ms_rope_attention.fusion.handwritten import runtime
+from one_graph import InOneGraph
 
 HIDDEN, HEADS, KV_HEADS, LENGTH, VOCAB = 32, 4, 2, 9, 50
 HEAD_DIM = HIDDEN // HEADS
@@ -392,21 +393,6 @@ def fuse_strictly(model):
     return report
 
 
-class InOneGraph(nn.Cell):
-    """Every model on the same ids as one GRAPH_MODE graph: one compile for the zoo, not one per model
-    (their compile is mostly fixed cost: 4-6 s each on 2 busy cores)."""
-
-    def __init__(self, models):
-        super().__init__()
-        self.models = nn.CellList(models)
-
-    def construct(self, ids):
-        outs = ()
-        for model in self.models:
-            outs += (model(ids),)
-        return outs
-
-
 @pytest.mark.parametrize("mode", ["pynative"], indirect=True)
 @pytest.mark.parametrize("attention", ZOO)
 def test_the_zoo_is_fused_in_both_modes(attention, mode, monkeypatch):
@@ -431,9 +417,9 @@ def test_the_zoo_is_fused_in_both_modes(attention, mode, monkeypatch):
 def test_the_zoo_is_fused_in_one_graph(mode):
     """The zoo in GRAPH_MODE: the originals as one graph, then the fused models as another."""
     models = [ported(attention) for attention in ZOO]
-    wants = InOneGraph(models)(ids())
+    wants = InOneGraph(models, [1] * len(models))(*[ids()] * len(models))
     reports = [fuse_strictly(model) for model in models]
-    gots = InOneGraph(models)(ids())
+    gots = InOneGraph(models, [1] * len(models))(*[ids()] * len(models))
     for attention, report, want, got in zip(ZOO, reports, wants, gots):
         relative_error = relative(got.asnumpy(), want.asnumpy())
         assert 0 < relative_error < 1e-4, (attention.__name__, str(report))  # close, not the original's bits

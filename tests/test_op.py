@@ -11,6 +11,7 @@ from mindspore import Tensor, nn
 import ms_rope_attention as mra
 from ms_rope_attention import dispatch, functional, gradients
 from cases import Case
+from one_graph import InOneGraph
 from conftest import MS_DTYPES, round_to, to_numpy, to_tensor, tolerance
 from reference import reference
 
@@ -24,22 +25,6 @@ class OpNet(nn.Cell):
 
     def construct(self, q, k, v, cos, sin, aq=None, ak=None):
         return self.op(q, k, v, cos, sin, aq, ak)
-
-
-class InOneGraph(nn.Cell):
-    """Several nets' calls as one GRAPH_MODE graph: one compile for every case of a test. An unfused op's
-    compile is mostly fixed cost (alone 3-7 s on 2 busy cores, a third of that more beside another op)."""
-
-    def __init__(self, nets, arities):
-        super().__init__()
-        self.nets = nn.CellList(list(nets))
-        self.bounds = tuple(int(b) for b in np.cumsum([0, *arities]))
-
-    def construct(self, *args):
-        outs = ()
-        for i in range(len(self.nets)):
-            outs += (self.nets[i](*args[self.bounds[i]:self.bounds[i + 1]]),)
-        return outs
 
 
 def prepare_case(case, rng, backend, dtype="float32", key_rotated=False):
