@@ -3,9 +3,10 @@
 The CPU kernel is built once per instruction set (picked at run time by ms_rope_attention/cpu_runtime.py);
 each build is a plain shared library loaded by MindSpore's aot Custom op, not a Python module.
 ``RFA_SANITIZE=1`` builds them with AddressSanitizer + UBSan for the sanitizer test run, ``RFA_ISAS`` only
-the instruction sets it names.
+the instruction sets it names (``usable``: those this CPU runs).
 """
 import importlib.metadata
+import importlib.util
 import os
 import platform
 import shutil
@@ -23,16 +24,28 @@ EMULATOR = "ms_rope_attention._rfa_ascend_emulated"
 SOURCES = [f"{CSRC}/rfa_cpu_kernel.cc", f"{CSRC}/rfa_cpu_decode.cc", f"{CSRC}/rfa_cpu_backward.cc", f"{CSRC}/rfa_cpu_aot.cc",
            f"{CSRC}/rfa_cpu_paged.cc"]
 COMMON = ["-std=c++17", "-O3", "-fopenmp", "-D_GLIBCXX_USE_CXX11_ABI=0", "-fvisibility=hidden", "-Wall", "-Wextra"]
-ISA_FLAGS = {"generic": []}
-if platform.machine() in ("x86_64", "AMD64"):
-    ISA_FLAGS["avx2"] = ["-mavx2", "-mfma", "-mf16c"]
-    ISA_FLAGS["avx512"] = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]
-# RFA_ISAS=generic,avx2 builds only those (the sanitizer run builds the ones this CPU executes; a wheel, all).
+
+
+def _load_isas():
+    """ms_rope_attention/isas.py by path: the package itself (and MindSpore) cannot be imported here."""
+    spec = importlib.util.spec_from_file_location("_rfa_isas", "ms_rope_attention/isas.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+isas = _load_isas()
+X86 = platform.machine() in ("x86_64", "AMD64")
+ISA_FLAGS = {isa: flags for isa, flags in isas.COMPILER_FLAGS.items() if X86 or isa == "generic"}
+# RFA_ISAS=generic,avx2 builds only those, RFA_ISAS=usable the ones this CPU runs (make test's environment, and
+# the sanitizer build: the other builds are compiled by make test-all's install test and by a wheel, which has all).
 if os.environ.get("RFA_ISAS"):
-    unknown = set(os.environ["RFA_ISAS"].split(",")) - set(ISA_FLAGS)
+    wanted = isas.usable_isas() if os.environ["RFA_ISAS"] == "usable" else os.environ["RFA_ISAS"].split(",")
+    unknown = set(wanted) - set(ISA_FLAGS)
     if unknown:
-        raise SystemExit(f"RFA_ISAS: unknown instruction sets {sorted(unknown)}: expected some of {sorted(ISA_FLAGS)}")
-    ISA_FLAGS = {isa: flags for isa, flags in ISA_FLAGS.items() if isa in os.environ["RFA_ISAS"].split(",")}
+        raise SystemExit(f"RFA_ISAS: unknown instruction sets {sorted(unknown)}: expected 'usable' or some of "
+                         f"{sorted(ISA_FLAGS)}")
+    ISA_FLAGS = {isa: flags for isa, flags in ISA_FLAGS.items() if isa in wanted}
 SANITIZE = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-O1", "-DRFA_EXACT_SCRATCH"] if os.environ.get("RFA_SANITIZE") else []
 
 

@@ -21,14 +21,9 @@ import mindspore as ms
 from mindspore import nn, ops
 
 from ._compat import copy_device_tag, launches_eagerly
+from .isas import ISAS, cpu_flags, usable_isas  # noqa: F401  (this module's names before isas.py)
 from .op_info import Contract, build_reg_info
 
-ISAS = ("avx512", "avx2", "generic")
-_REQUIRED_FLAGS = {
-    "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"},
-    "avx2": {"avx2", "fma", "f16c"},
-    "generic": set(),
-}
 _PACKAGE_DIR = Path(__file__).resolve().parent
 NOT_BUILT = "the kernels are built when the package is installed: reinstall it"
 
@@ -58,23 +53,6 @@ def kernel_dir() -> Path:
         raise RuntimeError(f"RFA_CPU_KERNEL_DIR: {value!r} is writable by other users or owned by another user: "
                            "expected a directory only you (or root) can write")
     return path
-
-
-def cpu_flags() -> set[str]:
-    """The CPU feature flags of this machine (empty where /proc/cpuinfo is unavailable)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def usable_isas() -> list[str]:
-    """The instruction sets this CPU can run, best first (the portable build always)."""
-    flags = cpu_flags()
-    return [isa for isa in ISAS if _REQUIRED_FLAGS[isa] <= flags]
 
 
 def _check_override_library(path: Path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ms_rope_attention.cpu_runtime import usable_isas
+from ms_rope_attention.isas import COMPILER_FLAGS, usable_isas  # setup.py's builds' flags
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "ms_rope_attention" / "csrc"
@@ -19,9 +19,6 @@ LINEAR = [CSRC / name for name in ("rfa_cpu_linear.cc", "rfa_cpu_embedding.cc")]
 DRIVER = ROOT / "tests" / "cross" / "kernel_vs_reference.cc"
 HALF_DRIVER = ROOT / "tests" / "cross" / "half_conversion.cc"
 WEIGHTS_DRIVER = ROOT / "tests" / "cross" / "weight_rows.cc"  # the projection library's product
-# The instruction sets of setup.py's builds, as compiler flags.
-ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
-             "avx2": ["-mavx2", "-mfma", "-mf16c"], "generic": []}
 FLAGS = ["-std=c++17", "-O2", "-fopenmp", "-Wall", "-Wextra", "-Werror", f"-I{CSRC}"]
 AARCH64_CXX = shutil.which("aarch64-linux-gnu-g++")
 QEMU = shutil.which("qemu-aarch64")
@@ -56,14 +53,14 @@ def test_native_program_matches_reference(tmp_path):
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 @pytest.mark.parametrize("isa", usable_isas())
 def test_half_conversion_is_exact_for_every_pattern(tmp_path, isa):
-    program = build_half("g++", tmp_path / f"half_{isa}", ISA_FLAGS[isa])
+    program = build_half("g++", tmp_path / f"half_{isa}", COMPILER_FLAGS[isa])
     check_run([str(program)], f"{isa}: 0 of 65536 float16 patterns differ")
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 @pytest.mark.parametrize("isa", usable_isas())
 def test_half_weight_product_matches_reference(tmp_path, isa):
-    program = build_half("g++", tmp_path / f"weights_{isa}", ISA_FLAGS[isa], WEIGHTS_DRIVER)
+    program = build_half("g++", tmp_path / f"weights_{isa}", COMPILER_FLAGS[isa], WEIGHTS_DRIVER)
     check_run([str(program)], f"{isa}: 0 of 27 product cases failed, 0 of 65536 bfloat16 patterns differ")
 
 

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Lowest first. A module (or a subpackage, all of its modules) may import from its floor and below.
 FLOORS = [
-    ("compatibility", ["_compat"]),
+    ("compatibility", ["_compat", "isas"]),
     ("contract", ["op_info", "attrs"]),
     ("checks and math", ["checks", "rope", "unfused", "gradients", "layouts"]),
     ("kernels", ["cpu_runtime", "compute", "cpu_kernel", "paged_kernel", "linear", "embedding", "norm", "flash_backward",
