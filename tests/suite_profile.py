@@ -1,8 +1,10 @@
 """Where the suite's time goes (issue 66): a pytest plugin that, when RFA_SUITE_PROFILE names a directory,
 writes one JSON line per test (each xdist worker its own file): the wall time of setup, call and teardown,
 MindSpore's graph compiles (how many graphs compiled, and the seconds spent in the graph executors' compile
-entry points), the processes the test started and their CPU time (the children's rusage).
+entry points), the seconds of Python's cyclic garbage collections (MindSpore runs a full one before every compile), the
+processes the test started and their CPU time (the children's rusage).
 ``python tests/suite_profile.py DIR`` sums the lines by module and by kind (docs/testing.md)."""
+import gc
 import json
 import os
 import resource
@@ -19,7 +21,16 @@ class _Counters:
         self.compiles = 0
         self.compile_s = 0.0
         self.spawns = 0
+        self.gc_s = 0.0
         self._depth = 0
+        self._gc_start = 0.0
+        gc.callbacks.append(self._timed_gc)
+
+    def _timed_gc(self, phase, info):
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.gc_s += time.perf_counter() - self._gc_start
 
     def timed_compile(self, compile_method, compiled):
         """``compile_method`` timed; a call counts as a compile where ``compiled(result, cache_size_before)``
@@ -74,7 +85,7 @@ class SuiteProfile:
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
         counters = self._counters
-        counters.compiles, counters.compile_s, counters.spawns = 0, 0.0, 0
+        counters.compiles, counters.compile_s, counters.spawns, counters.gc_s = 0, 0.0, 0, 0.0
         self._record = {"nodeid": item.nodeid, "module": item.nodeid.split("::")[0], "phases": {}, "outcome": "passed"}
         children, cpu, start = _children_cpu(), time.process_time(), time.perf_counter()
         yield
@@ -82,7 +93,7 @@ class SuiteProfile:
                             cpu_s=round(time.process_time() - cpu, 4),
                             children_cpu_s=round(_children_cpu() - children, 4),
                             compiles=counters.compiles, compile_s=round(counters.compile_s, 4),
-                            spawns=counters.spawns)
+                            spawns=counters.spawns, gc_s=round(counters.gc_s, 4))
         self._out.write(json.dumps(self._record) + "\n")
 
     @pytest.hookimpl(hookwrapper=True)
@@ -120,7 +131,8 @@ def summary(directory: str) -> str:
     total = sum(row["wall_s"] for row in modules.values()) or 1.0
     lines = [f"{len(tests)} tests, {total:.0f} s of test time (summed over workers), "
              + ", ".join(f"{kind} {seconds:.0f} s ({seconds / total:.0%})" for kind, seconds in kinds.items()),
-             f"{sum(t['compiles'] for t in tests)} graph compiles", "",
+             f"{sum(t['compiles'] for t in tests)} graph compiles; garbage collections "
+             f"{sum(t.get('gc_s', 0.0) for t in tests):.0f} s", "",
              "| module | tests | time s | share | compiles | compile s | processes | their CPU s | slowest test s |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, row in sorted(modules.items(), key=lambda item: -item[1]["wall_s"]):
