@@ -84,7 +84,8 @@ class EngineMachine(RuleBasedStateMachine):
         r = self.resources
         self.paged = r["generators"][budget]
         # every example starts alike (the last one's teardown drained the generator): the first weights and
-        # nothing cached, so that a replayed example behaves as it did (hypothesis refuses one that does not)
+        # nothing cached, so that a replayed example behaves as it did (hypothesis refuses one that does not),
+        # and so that no block another budget wrote is read (the budgets share one cache: budget_generators)
         if r["version"]:
             self._set_weights(0)
         self.paged.reset_prefix_cache()
@@ -355,14 +356,28 @@ class EngineMachine(RuleBasedStateMachine):
             self.restore()
 
 
+def budget_generators(model) -> list[PagedGenerator]:
+    """A generator per budget (its own block pool and scheduler: all that decides admission, queueing
+    and eviction), all on the largest budget's cache and graphs, so that each graph compiles once for
+    every budget. A smaller pool hands out only blocks that cache holds; an example drives one
+    generator and its teardown empties it, and the next one's ``start`` resets the prefix cache: no
+    block another budget wrote is read."""
+    per_block = block_bytes(model.cache_config, BS, DTYPES["float32"])
+    generators = [PagedGenerator(model, max_cache_bytes=(usable + 1) * per_block, max_batch=batch)
+                  for usable, batch in BUDGETS]
+    largest = max(generators, key=lambda generator: generator.num_blocks)
+    for generator in generators:
+        generator.cache, generator.prefill, generator.decode = largest.cache, largest.prefill, largest.decode
+        generator.graphs = largest.graphs
+    return generators
+
+
 @pytest.mark.starts_first
 def test_the_engine_holds_its_invariants_under_random_use(checkpoint, graph):
     model = load_checkpoint(checkpoint[1], progress=False)
     weights = [[p.asnumpy() for p in model.get_parameters()]]
     weights.append([w[::-1].copy() if w.ndim == 2 else w for w in weights[0]])  # each matrix's rows reversed
-    per_block = block_bytes(model.cache_config, BS, DTYPES["float32"])
-    generators = [PagedGenerator(model, max_cache_bytes=(usable + 1) * per_block, max_batch=batch)
-                  for usable, batch in BUDGETS]
+    generators = budget_generators(model)
     contiguous = Generator(model, slots=1)
     references = {}
     resources = dict(model=model, weights=weights, generators=generators, version=0)
@@ -380,13 +395,16 @@ def test_the_engine_holds_its_invariants_under_random_use(checkpoint, graph):
         max_examples=FUZZ_EXAMPLES if fuzz else 60, stateful_step_count=60 if fuzz else 50,
         derandomize=not fuzz, database=None, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+    compiled = generators[0].compile_log  # the budgets share the graphs: each compiled once for all of them
+    assert len(set(compiled)) == len(compiled)
     print(f"\nengine state machine: {COUNTS['examples']} examples, {COUNTS['rules']} rules, "
           f"{COUNTS['steps']} engine steps, {COUNTS['finished']} requests finished, "
           f"{COUNTS['checked']} greedy ones checked against the contiguous generator; {COUNTS['added']} added, "
           f"{COUNTS['aborted']} aborted, {COUNTS['failed']} ended by a failure; chunked prefill: "
           f"{COUNTS['chunked examples']} examples, {COUNTS['mixed steps']} mixed steps, {COUNTS['split prompts']} "
           f"prompts prefilled over several steps, {COUNTS['full steps']} steps holding the whole budget; "
-          f"{COUNTS['prompt steps in place']} steps with prompt tokens in place")
+          f"{COUNTS['prompt steps in place']} steps with prompt tokens in place; graphs compiled for every budget "
+          f"together: {compiled}")
     assert COUNTS["checked"] > 0 and COUNTS["steps"] > 0
     assert COUNTS["mixed steps"] > 0 and COUNTS["split prompts"] > 0 and COUNTS["full steps"] > 0
     assert COUNTS["prompt steps in place"] > 0
