@@ -1,14 +1,19 @@
 """The Llama package's import circle (model.py <-> parallel.py) stays broken: model.py imports the
-tensor-parallel split, the losses and the weights import the model, and nothing imports back."""
+tensor-parallel split, the losses and the weights import the model, and nothing imports back.
+
+The checks that import models.llama run each in a child forked from one interpreter that has imported
+MindSpore and nothing of this checkout (tests/forked_imports.py): each child imports models.llama
+afresh, and MindSpore's import (~4 s) is paid once, not once per check."""
 import ast
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from forked_imports import run_forked
+
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = ROOT / "models" / "llama"
+pytestmark = pytest.mark.xdist_group("llama_imports")  # one worker runs the forked checks, once
 
 
 def _imported_modules(path: Path) -> set[str]:
@@ -33,10 +38,26 @@ def _imports_any(path: Path, modules: list[str]) -> set[str]:
     return {module for module in modules if f"models.llama.{module}" in imported}
 
 
-@pytest.mark.parametrize("module", ["model", "tensor_parallel", "losses", "weights", "parallel"])
-def test_imports_alone(module):
-    """Each module imports first in a fresh interpreter (a circle shows up as an ImportError there)."""
-    subprocess.run([sys.executable, "-c", f"import models.llama.{module}"], cwd=ROOT, check=True, timeout=300)
+IMPORTED_ALONE = ["model", "tensor_parallel", "losses", "weights", "parallel"]
+
+
+@pytest.fixture(scope="module")
+def succeeds():
+    """Asserts that a check of this module succeeded in its forked child; all of them run at the first use."""
+    checks = [f"import models.llama.{module}" for module in IMPORTED_ALONE] + [OLD_PARALLEL_PATHS]
+    checks += [old_engine_path_check(old) for old in sorted(OLD_ENGINE_PATHS)]
+    results = dict(zip(checks, run_forked(checks, ["mindspore"], cwd=ROOT)))
+
+    def succeeded(check: str):
+        status, output = results[check]
+        assert status == 0, output[-3000:]
+    return succeeded
+
+
+@pytest.mark.parametrize("module", IMPORTED_ALONE)
+def test_imports_alone(module, succeeds):
+    """Each module imports first, before any other of models.llama (a circle shows up as an ImportError there)."""
+    succeeds(f"import models.llama.{module}")
 
 
 def test_model_imports_none_of_its_importers():
@@ -55,13 +76,16 @@ def test_nothing_imports_the_deprecated_parallel_module():
     assert not importers, importers
 
 
-def test_the_old_parallel_paths_still_work():
-    code = ("from models.llama import losses, parallel, tensor_parallel, weights\n"
-            "moved = {'TensorParallel': tensor_parallel, 'IGNORE_INDEX': losses, 'ContextParallelTraining': losses,\n"
-            "         'shifted_targets': losses, 'context_parallel_batch': losses, 'gathered_state': weights,\n"
-            "         'scatter_state': weights}\n"
-            "assert all(getattr(parallel, name) is getattr(home, name) for name, home in moved.items())\n")
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=300)
+OLD_PARALLEL_PATHS = (
+    "from models.llama import losses, parallel, tensor_parallel, weights\n"
+    "moved = {'TensorParallel': tensor_parallel, 'IGNORE_INDEX': losses, 'ContextParallelTraining': losses,\n"
+    "         'shifted_targets': losses, 'context_parallel_batch': losses, 'gathered_state': weights,\n"
+    "         'scatter_state': weights}\n"
+    "assert all(getattr(parallel, name) is getattr(home, name) for name, home in moved.items())\n")
+
+
+def test_the_old_parallel_paths_still_work(succeeds):
+    succeeds(OLD_PARALLEL_PATHS)
 
 
 OLD_ENGINE_PATHS = {  # old module -> a name it held and the module that holds it now
@@ -74,10 +98,8 @@ OLD_ENGINE_PATHS = {  # old module -> a name it held and the module that holds i
 }
 
 
-@pytest.mark.parametrize("old", sorted(OLD_ENGINE_PATHS))
-def test_the_old_engine_paths_still_work_and_warn(old):
-    """models.llama.{generate, serving, decoding, block_pool, kv_cache}'s names, moved to
-    models.llama.engine, stay importable for one release with a DeprecationWarning."""
+def old_engine_path_check(old: str) -> str:
+    """The code that imports models.llama.``old`` and checks each of its moved names."""
     code = (f"import importlib, warnings\n"
             f"old = importlib.import_module('models.llama.{old}')\n"
             f"for name, home in {OLD_ENGINE_PATHS[old]!r}:\n"
@@ -99,7 +121,14 @@ def test_the_old_engine_paths_still_work_and_warn(old):
                  "    from models.llama.generate import main\n"
                  "from models.llama.engine.cli import main as cli_main\n"
                  "assert main is cli_main\n")
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=300)
+    return code
+
+
+@pytest.mark.parametrize("old", sorted(OLD_ENGINE_PATHS))
+def test_the_old_engine_paths_still_work_and_warn(old, succeeds):
+    """models.llama.{generate, serving, decoding, block_pool, kv_cache}'s names, moved to
+    models.llama.engine, stay importable for one release with a DeprecationWarning."""
+    succeeds(old_engine_path_check(old))
 
 
 def test_nothing_in_the_library_imports_an_old_engine_path():
