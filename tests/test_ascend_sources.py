@@ -9,7 +9,11 @@
   attribute, so this is a source rule);
 - the emulation headers declare names where the real ones do: code that would not compile with CANN
   does not compile here either.
+
+Each compile parses the emulation's standard headers (~1.5 s): where one translation unit can hold
+several cases (the dtype combinations of one kernel entry, the snippets), it does.
 """
+import functools
 import itertools
 import re
 import shutil
@@ -23,12 +27,13 @@ ACLNN = ROOT / "ms_rope_attention" / "aclnn"
 EMULATOR = ACLNN / "emulator"
 CXX = shutil.which("g++")
 NM = shutil.which("nm")
-pytestmark = pytest.mark.skipif(CXX is None, reason="needs g++")
+pytestmark = [pytest.mark.skipif(CXX is None, reason="needs g++"),
+              pytest.mark.xdist_group("ascend_sources")]  # one worker: each shared compile runs once
 
 
-def compile_(source: Path, std: str, *flags: str, includes=(), system_includes=()) -> subprocess.CompletedProcess:
+def compile_(source: Path, std: str, *flags: str, includes=()) -> subprocess.CompletedProcess:
     cmd = [CXX, f"-std={std}", "-fsyntax-only", "-Wall", "-Wextra", "-Werror", *flags,
-           *(f"-isystem{d}" for d in system_includes), *(f"-I{d}" for d in includes), str(source)]
+           *(f"-I{d}" for d in includes), str(source)]
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
@@ -37,26 +42,41 @@ OP_HOST = ["rotary_flash_attention.cpp", "rotary_flash_attention_grad.cpp"]  # t
 OP_HOST_INCLUDES = (EMULATOR, ACLNN / "op_kernel", ACLNN / "op_host", ROOT / "ms_rope_attention" / "csrc")
 
 
+def compile_object(source: Path, obj: Path, *flags: str) -> subprocess.CompletedProcess:
+    """``source`` compiled to ``obj`` as an op_host file of the msopgen template (C++11, position-independent,
+    the host API as system headers, as CANN's are), warnings as errors."""
+    cmd = [CXX, "-std=c++11", "-c", "-fPIC", "-Wall", "-Wextra", "-Werror", *flags,
+           f"-isystem{EMULATOR / 'host_api'}", *(f"-I{d}" for d in OP_HOST_INCLUDES), str(source), "-o", str(obj)]
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def op_host_object(tmp_path_factory):
+    """(library, source) -> the compile of op_host/``source`` to an object file for that library (once: the
+    compile test and the link test read the same one)."""
+    folder = tmp_path_factory.mktemp("op_host")
+
+    @functools.cache
+    def build(library: str, source: str) -> tuple[subprocess.CompletedProcess, Path]:
+        obj = folder / f"{Path(source).stem}{library}.o"
+        return compile_object(ACLNN / "op_host" / source, obj, *filter(None, [library])), obj
+    return build
+
+
 @pytest.mark.parametrize("source", OP_HOST)
 @pytest.mark.parametrize("library", LIBRARIES)
-def test_op_host_compiles_as_cann_compiles_it(library, source):
+def test_op_host_compiles_as_cann_compiles_it(library, source, op_host_object):
     """In each of the three builds CANN makes of op_host (the op definition, the proto library, the
     tiling library: OP_ADD expands differently in each), the host API as system headers, as CANN's are."""
-    result = compile_(ACLNN / "op_host" / source, "c++11", *filter(None, [library]),
-                      system_includes=(EMULATOR / "host_api",), includes=OP_HOST_INCLUDES)
+    result, _ = op_host_object(library, source)
     assert result.returncode == 0, result.stderr
 
 
-def strong_definitions(sources, tmp_path, *flags: str) -> list:
-    """Per source, the external symbols its object file defines strongly (code, data, bss, read-only
-    data): two such definitions of one name do not link into one library."""
+def strong_definitions(objects) -> list:
+    """Per object file, the external symbols it defines strongly (code, data, bss, read-only data): two
+    such definitions of one name do not link into one library."""
     defined = []
-    for index, source in enumerate(sources):
-        obj = tmp_path / f"{index}.o"
-        cmd = [CXX, "-std=c++11", "-c", "-fPIC", *flags, f"-isystem{EMULATOR / 'host_api'}",
-               *(f"-I{d}" for d in OP_HOST_INCLUDES), str(source), "-o", str(obj)]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        assert result.returncode == 0, result.stderr
+    for obj in objects:
         listing = subprocess.run([NM, "--defined-only", str(obj)], capture_output=True, text=True, check=True).stdout
         defined.append({fields[2] for fields in map(str.split, listing.splitlines())
                         if len(fields) == 3 and fields[1] in "TDBR"})
@@ -65,10 +85,15 @@ def strong_definitions(sources, tmp_path, *flags: str) -> list:
 
 @pytest.mark.skipif(NM is None, reason="needs nm")
 @pytest.mark.parametrize("library", LIBRARIES)
-def test_op_host_files_link_into_one_library(library, tmp_path):
+def test_op_host_files_link_into_one_library(library, op_host_object):
     """The msopgen template compiles every op_host/*.cpp into the same libraries (opbuild's, the proto
     and the tiling library): the two ops' files must not both define an external symbol."""
-    defined = strong_definitions([ACLNN / "op_host" / source for source in OP_HOST], tmp_path, *filter(None, [library]))
+    objects = []
+    for source in OP_HOST:
+        result, obj = op_host_object(library, source)
+        assert result.returncode == 0, result.stderr
+        objects.append(obj)
+    defined = strong_definitions(objects)
     assert not set.intersection(*defined), f"defined by both op_host files: {sorted(set.intersection(*defined))}"
 
 
@@ -78,17 +103,30 @@ def test_the_one_library_check_sees_a_duplicate(tmp_path):
     for source in sources:
         source.write_text("int Shared() { return 1; }\nstatic int Own() { return 2; }\nint Use() { return Own(); }\n")
     sources[1].write_text(sources[1].read_text().replace("Use", "Other"))
-    assert set.intersection(*strong_definitions(sources, tmp_path)) == {"_Z6Sharedv"}
+    for source in sources:
+        result = compile_object(source, source.with_suffix(".o"))
+        assert result.returncode == 0, result.stderr
+    assert set.intersection(*strong_definitions(source.with_suffix(".o") for source in sources)) == {"_Z6Sharedv"}
 
 
 KERNEL_ENTRIES = ["rotary_flash_attention.cpp", "rotary_flash_attention_grad.cpp"]  # the forward's, the backward's
 
 
-@pytest.mark.parametrize("query,table", list(itertools.product(["float", "half", "bfloat16_t"], repeat=2)))
+DTYPES = list(itertools.product(["float", "half", "bfloat16_t"], repeat=2))  # (DTYPE_QUERY, DTYPE_COS)
+
+
 @pytest.mark.parametrize("entry", KERNEL_ENTRIES)
-def test_kernel_entry_compiles_for_every_dtype(entry, query, table):
-    result = compile_(ACLNN / "op_kernel" / entry, "c++17", f"-DDTYPE_QUERY={query}",
-                      f"-DDTYPE_COS={table}", includes=(EMULATOR, ACLNN / "op_kernel"))
+def test_kernel_entry_compiles_for_every_dtype(entry, tmp_path):
+    """Every dtype combination in one translation unit: the entry once per combination, with DTYPE_QUERY and
+    DTYPE_COS defined as CANN's -D flags define them and the entry function renamed; each copy instantiates
+    its own kernel class, and the headers (#pragma once) are parsed once, not nine times."""
+    function = Path(entry).stem
+    source = tmp_path / f"every_dtype_{entry}"
+    source.write_text("".join(
+        f"#define DTYPE_QUERY {query}\n#define DTYPE_COS {table}\n#define {function} {function}_{query}_{table}\n"
+        f'#include "{ACLNN / "op_kernel" / entry}"\n#undef DTYPE_QUERY\n#undef DTYPE_COS\n#undef {function}\n'
+        for query, table in DTYPES))
+    result = compile_(source, "c++17", includes=(EMULATOR, ACLNN / "op_kernel"))
     assert result.returncode == 0, result.stderr
 
 
@@ -135,16 +173,40 @@ ACCEPTED = {
 }
 
 
+def compile_snippets(snippets: dict, folder: Path) -> tuple[subprocess.CompletedProcess, dict]:
+    """``snippets`` in one translation unit after PRELUDE, each in a namespace of its own; (the compile, name ->
+    the lines of the compiler's output that point into that snippet: its errors, or "required from here")."""
+    source, code, lines = folder / "snippets.cpp", PRELUDE, {}
+    for index, (name, snippet) in enumerate(sorted(snippets.items())):
+        first = code.count("\n") + 2  # the line after the namespace's opening
+        code += f"namespace snippet_{index} {{\n{snippet}\n}}\n"
+        lines[name] = range(first, code.count("\n"))
+    source.write_text(code)
+    result = compile_(source, "c++17", "-Wno-unused-variable", includes=(EMULATOR,))
+    pointing = list(re.finditer(rf"^{re.escape(str(source))}:(\d+):\d+:.*$", result.stderr, flags=re.M))
+    return result, {name: [m.group(0) for m in pointing if int(m.group(1)) in lines[name]] for name in snippets}
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    return compile_snippets(REFUSED, tmp_path_factory.mktemp("refused"))
+
+
 @pytest.mark.parametrize("name", sorted(REFUSED))
-def test_emulation_headers_refuse_what_cann_refuses(name, tmp_path):
-    source = tmp_path / "snippet.cpp"
-    source.write_text(PRELUDE + REFUSED[name] + "\n")
-    assert compile_(source, "c++17", includes=(EMULATOR,)).returncode != 0
+def test_emulation_headers_refuse_what_cann_refuses(name, refused):
+    """Its own lines fail: an error there, or a failed instantiation required from there (a specialization
+    another snippet had already failed would report nothing here: each snippet's must differ)."""
+    result, pointing = refused
+    assert pointing[name], result.stderr
+
+
+@pytest.fixture(scope="module")
+def accepted(tmp_path_factory):
+    return compile_snippets(ACCEPTED, tmp_path_factory.mktemp("accepted"))
 
 
 @pytest.mark.parametrize("name", sorted(ACCEPTED))
-def test_emulation_headers_accept_the_real_spelling(name, tmp_path):
-    source = tmp_path / "snippet.cpp"
-    source.write_text(PRELUDE + ACCEPTED[name] + "\n")
-    result = compile_(source, "c++17", "-Wno-unused-variable", includes=(EMULATOR,))
+def test_emulation_headers_accept_the_real_spelling(name, accepted):
+    """The translation unit of all of them compiles (a failure's output names the snippet's lines)."""
+    result, _ = accepted
     assert result.returncode == 0, result.stderr
