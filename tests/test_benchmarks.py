@@ -165,28 +165,19 @@ def test_summary_ratios_exponents_and_oom_rows():
     assert not ttft.same_weights([runs[0], dict(runs[1], weights_checksum=2.0)])
 
 
-def allocate(gib):
-    """Child-process target for the watchdog test: holds ``gib`` GiB resident."""
-    block = np.ones(int(gib * 2**30) // 8)
-    return {"sum": float(block[:10].sum())}
-
-
+# The child processes' targets are in tests/isolated_points.py (numpy only: each child starts in a moment).
 def test_watchdog_reports_out_of_memory_instead_of_crashing():
-    result = harness.run_isolated("test_benchmarks", "allocate", {"gib": 1.0}, memory_limit_bytes=300 * 2**20)
+    """The 1 GiB is held for up to 60 s: the watchdog, not the child's end, must end it."""
+    result = harness.run_isolated("isolated_points", "allocate", {"gib": 1.0, "hold_s": 60.0},
+                                  memory_limit_bytes=300 * 2**20)
     assert result["status"] == "oom" and "limit" in result["error"]
-    result = harness.run_isolated("test_benchmarks", "allocate", {"gib": 0.01}, memory_limit_bytes=4 * 2**30)
+    result = harness.run_isolated("isolated_points", "allocate", {"gib": 0.01}, memory_limit_bytes=4 * 2**30)
     assert result["status"] == "ok" and result["sum"] == 10.0 and result["peak_rss_mb"] > 0
 
 
-def shout_and_fail():
-    """A child point that logs (as a peer's framework does) and then fails."""
-    print("a framework log line")
-    raise RuntimeError("the point failed")
-
-
 def test_child_output_stays_off_the_terminal_and_comes_back_on_failure(capfd):
-    assert harness.run_isolated("test_benchmarks", "allocate", {"gib": 0.0})["status"] == "ok"
-    result = harness.run_isolated("test_benchmarks", "shout_and_fail", {})
+    assert harness.run_isolated("isolated_points", "allocate", {"gib": 0.0})["status"] == "ok"
+    result = harness.run_isolated("isolated_points", "shout_and_fail", {})
     assert result["status"] == "error" and "the point failed" in result["error"]
     assert "a framework log line" in result["log_tail"]
     assert "a framework log line" not in capfd.readouterr().out
@@ -196,9 +187,9 @@ def test_another_interpreter_sees_only_the_benchmarks_folder():
     """A peer's interpreter (its own virtual environment) must not get this one's sys.path."""
     result = harness.run_isolated("json", "loads", {"s": '{"answer": 42}'}, python=sys.executable)
     assert result["status"] == "ok" and result["answer"] == 42
-    assert harness.run_isolated("test_benchmarks", "allocate", {"gib": 0.0}, python=sys.executable) == {
-        "status": "skipped", "error": "not installed: test_benchmarks"}
-    assert harness.run_isolated("test_benchmarks", "allocate", {"gib": 0.0})["status"] == "ok"
+    assert harness.run_isolated("isolated_points", "allocate", {"gib": 0.0}, python=sys.executable) == {
+        "status": "skipped", "error": "not installed: isolated_points"}
+    assert harness.run_isolated("isolated_points", "allocate", {"gib": 0.0})["status"] == "ok"
 
 
 def test_bfloat16_systems_agree_with_fused_within_their_own_tolerance():
