@@ -39,7 +39,7 @@ def generator(engines, tokens):
 
 def reference(engines, prompts, counts):
     """Each prompt's greedy tokens from the contiguous cache (prompts run one at a time)."""
-    return engines.contiguous(1).generate(prompts, counts, eos_ids=()).tokens
+    return engines.contiguous().generate(prompts, counts, eos_ids=()).tokens
 
 
 def past_prompt(paged):

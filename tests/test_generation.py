@@ -34,21 +34,21 @@ def shared_generators():
 @pytest.fixture
 def generators(shared_generators, checkpoint):
     """``generators(slots)``: a generator of the default model shared by the tests whose property
-    needs no fresh compile (each compiles its graphs once for the module, not once a test). Each
-    call resets it to a fresh generator's cache, every row zero (asserted). A test must leave every
-    slot free (checked, and freed, after it). GRAPH_MODE only: in PyNative a reused generator whose
-    cache was reset so gave continuous batching other tokens than a fresh one, so there each call
-    makes a fresh one."""
+    needs no fresh compile (each compiles its graphs once for the module, not once a test). In
+    GRAPH_MODE each call resets it to a fresh generator's cache, every row zero (asserted); in
+    PyNative its rows stay as the last test left them (``fill`` says why), which changes no token.
+    A test must leave every slot free (checked, and freed, after it)."""
     used = []
 
     def generator(slots: int) -> Generator:
         key = (ms.get_context("mode"), slots)
-        if key not in shared_generators or key[0] == ms.PYNATIVE_MODE:
+        if key not in shared_generators:
             shared_generators[key] = Generator(load_checkpoint(checkpoint[1], progress=False), slots=slots)
             shared_generators[key].reserve(1)
         gen = shared_generators[key]
-        fill(gen, 0.0)
-        assert not any(tensor.asnumpy().any() for tensor in (*gen.cache.keys, *gen.cache.values))
+        if key[0] == ms.GRAPH_MODE:
+            fill(gen, 0.0)
+            assert not any(tensor.asnumpy().any() for tensor in (*gen.cache.keys, *gen.cache.values))
         used.append(gen)
         return gen
     yield generator
@@ -60,7 +60,9 @@ def generators(shared_generators, checkpoint):
 
 
 def fill(gen, value):
-    """Every cache row of ``gen`` set to ``value``."""
+    """Every cache row of ``gen`` set to ``value``. In PyNative only before its graphs compile: rows
+    set after that gave continuous batching other tokens than a fresh generator's."""
+    assert ms.get_context("mode") == ms.GRAPH_MODE or gen.compiles == 0, gen.compile_log
     for tensor in (*gen.cache.keys, *gen.cache.values):
         tensor.set_data(Tensor(np.full(tensor.shape, value, np.float32)))
 
@@ -77,9 +79,11 @@ def test_prefill_steps_and_a_chunk_equal_one_full_forward(checkpoint, backend, m
     """A prefill, one-token steps, then a 7-token chunk (a speculative block, padded to 8 tokens),
     all through the cache of slot 1 of 3: the logits of one full forward over the same tokens. Three
     graphs: the prefill and the decode graphs of 1 and of 8 tokens. The full forward runs in PyNative,
-    in either mode: a reference that compiles nothing."""
+    in either mode: a reference that compiles nothing. The unfused backend on the first layer only:
+    its attention compiles in seconds a layer and graph, and every layer runs the same code (that
+    each keeps its own cache rows, the fused model's two layers show)."""
     _, path = checkpoint
-    model = load_checkpoint(path, backend=backend, progress=False)
+    model = load_checkpoint(path, backend=backend, progress=False, num_layers=1 if backend == "unfused" else None)
     (ids,) = ids_of(rng, 30)
     full = eager_logits(model, ids)
     gen = Generator(model, slots=3)
