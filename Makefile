@@ -19,16 +19,18 @@ KERNEL_SOURCES := $(wildcard ms_rope_attention/csrc/*) $(wildcard ms_rope_attent
 # An extra's requirements as pyproject.toml lists them (its one place), for installing them alone.
 EXTRA = $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['$(1)']))")
 
-.PHONY: test test-all bench bench-full bench-serve bench-faults venv thirdparty clean sanitize fuzz serve
+.PHONY: test test-all bench bench-full bench-serve bench-faults venv thirdparty clean sanitize sanitize-portable fuzz serve
 
 venv: $(STAMP)
 
-# The same route a user takes: pip builds the package (and its kernels, for every ISA) from
-# pyproject.toml in an isolated build environment; editable, so the checkout is what runs.
+# The same route a user takes: pip builds the package and its kernels from pyproject.toml in an isolated
+# build environment; editable, so the checkout is what runs. The kernels are built for the instruction sets this
+# CPU runs (RFA_ISAS=usable: without AVX-512, two of the three builds); a wheel has all three, and so has the sdist
+# that make test-all installs (tests/test_install.py).
 $(STAMP): pyproject.toml setup.py $(KERNEL_SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test,bench,serve,clients]"
+	RFA_ISAS=usable $(PY) -m pip install --quiet -e ".[test,bench,serve,clients]"
 	touch $(STAMP)
 
 # The OpenAI-compatible HTTP server on the tiny model (random weights, a word-level tokenizer) at
@@ -43,14 +45,18 @@ serve: $(STAMP)
 # with an xdist_group run in one worker, in file order (tests/test_generation.py says why). The 25
 # slowest tests are listed at the end: where the suite's time goes, in every CI log.
 TEST_WORKERS ?= $(shell nproc | awk '{print ($$1 < 3) ? $$1 + 1 : 4}')
-PYTEST_SUITE = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
+# Bytecode is written during the test runs even where the environment says not to (PYTHONDONTWRITEBYTECODE, as on
+# the 2-core machines docs/testing.md's times come from): otherwise every worker and every interpreter a test
+# starts compiles the package and rewrites the test modules' asserts again (pytest caches them only as bytecode).
+TEST_PYTHON = PYTHONDONTWRITEBYTECODE= $(PY)
+PYTEST_SUITE = $(TEST_PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
 # make test: every test but the slow integration runs (marked integration: the sdist install, msrun launches, the
 # third-party environments, the benchmarks end to end, the long forms of the random tests); make test-all: all of
 # them (what CI runs). docs/testing.md says what each covers and how long each takes.
 test: $(STAMP) sanitize
 	$(PYTEST_SUITE) -m "not integration" tests
 
-test-all: $(STAMP) sanitize
+test-all: $(STAMP) sanitize sanitize-portable
 	$(PYTEST_SUITE) tests
 
 # The paged engine's state machine (tests/test_engine_states.py) for many random examples instead of
@@ -67,25 +73,35 @@ $(BUILD_REQUIRES): $(STAMP) pyproject.toml
 		*tomllib.load(open('pyproject.toml', 'rb'))['build-system']['requires']])"
 	touch $(BUILD_REQUIRES)
 
-# The kernel tests (forward and backward, the projections' GEMM, the MLP's SwiGLU op and the RMSNorm) again against kernels built with AddressSanitizer +
-# UBSan (any finding aborts), for the best ISA of this CPU and the portable build; the sweep and the NaN matrix
-# run every ISA this CPU has themselves. RFA_EXACT_SCRATCH (in the sanitizer build) sizes each call's scratch
-# exactly, so an overrun is caught whatever an earlier call allocated. The bfloat16 kernels' (attention and
-# projections, every unit and engine), the SwiGLU op's and the RMSNorm's cases run one process per case (pytest-forked): a finding
-# names its case, and no case runs on memory an earlier one left behind. On the suite's workers (pytest-xdist), as the suite.
+# The kernel tests (forward and backward, the projections' GEMM, the MLP's SwiGLU op and the RMSNorm, the paged
+# cache) again against kernels built with AddressSanitizer + UBSan (any finding aborts): make sanitize (in make test)
+# for the best instruction set this CPU runs, make sanitize-portable (in make test-all) for the portable build.
+# RFA_EXACT_SCRATCH (in the sanitizer build) sizes each call's scratch exactly, so an overrun is caught whatever an
+# earlier call allocated. The bfloat16 kernels' (attention and projections, every unit and engine), the SwiGLU op's
+# and the RMSNorm's cases run one process per case (pytest-forked; a case that skips on this CPU is reported without
+# a fork, tests/conftest.py): a finding names its case, and no case runs on memory an earlier one left behind. On
+# the suite's workers (pytest-xdist), as the suite.
 SANITIZE_ENV = ASAN_OPTIONS=detect_leaks=0:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so):$$(gcc -print-file-name=libubsan.so)" \
-	RFA_CPU_KERNEL_DIR=$(CURDIR)/build/sanitize/ms_rope_attention
-sanitize: $(STAMP) $(BUILD_REQUIRES)
-	RFA_SANITIZE=1 RFA_ISAS=$$($(PY) -c "from ms_rope_attention.cpu_runtime import usable_isas; print(','.join(usable_isas()))") \
-		$(PY) setup.py -q build_ext --build-lib build/sanitize --build-temp build/sanitize-tmp
-	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup tests/test_kernel_sweep.py tests/test_kernel_nonfinite.py \
+	RFA_CPU_KERNEL_DIR=$(CURDIR)/build/$(1)/ms_rope_attention
+SANITIZE_PYTEST = $(TEST_PYTHON) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup
+# $(1): the build's directory under build/, $(2): its instruction set (a build left there for another goes first).
+define sanitizer_runs
+	find build/$(1)/ms_rope_attention -name '_rfa_cpu_*' ! -name '*_$(2).*' -delete 2>/dev/null || true
+	RFA_SANITIZE=1 RFA_ISAS=$(2) $(PY) setup.py -q build_ext --build-lib build/$(1) --build-temp build/$(1)-tmp
+	$(call SANITIZE_ENV,$(1)) $(SANITIZE_PYTEST) tests/test_kernel_sweep.py tests/test_kernel_nonfinite.py \
 		tests/test_kernel.py tests/test_kernel_decode.py tests/test_kernel_backward.py tests/test_linear.py tests/test_embedding.py \
 		tests/test_paged.py -k 'not primitives'
-	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup --forked tests/test_kernel_bf16.py tests/test_linear_bf16.py \
+	$(call SANITIZE_ENV,$(1)) $(SANITIZE_PYTEST) --forked tests/test_kernel_bf16.py tests/test_linear_bf16.py \
 		tests/test_swiglu.py tests/test_rms_norm.py -k '(not mindspore and not unfused and not model) or import_orders'
-	$(SANITIZE_ENV) RFA_CPU_ISA=generic $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup tests/test_kernel.py \
-		tests/test_kernel_decode.py tests/test_kernel_backward.py tests/test_paged.py -k 'not primitives'
+endef
+# (Expanded when sanitize's recipe runs, after .venv is installed.)
+BEST_ISA = $(shell $(PY) -c "from ms_rope_attention.isas import usable_isas; print(usable_isas()[0])")
+sanitize: $(STAMP) $(BUILD_REQUIRES)
+	$(call sanitizer_runs,sanitize,$(BEST_ISA))
+
+sanitize-portable: $(STAMP) $(BUILD_REQUIRES)
+	$(call sanitizer_runs,sanitize-portable,generic)
 
 # The main job: Llama2-7B-dimension time to first token, this project's fused op and unfused path
 # against Hugging Face transformers and MindFormers on the same weights, S = 512..2048 in 2 rounds
