@@ -68,8 +68,9 @@ def independent_inv_freq(kind, fields, theta, rd, cache, trained):
 
 
 def dimensions(**changes):
-    """The tiny preset as a config.json dict without any RoPE setting."""
-    dims = dict(TINY.to_hf(), **changes)
+    """The tiny preset with one layer (a second computes the same RoPE tables and only adds to each
+    graph's compile) as a config.json dict without any RoPE setting."""
+    dims = dict(TINY.to_hf(), num_hidden_layers=1, **changes)
     for key in ("rope_theta", "rope_scaling", "partial_rotary_factor"):
         dims.pop(key, None)
     return dims
@@ -176,16 +177,18 @@ def test_generate_cli_graph_mode_on_llama31_checkpoint(tmp_path, rng, capsys):
 @pytest.mark.parametrize("level", ["O1", "O2", "O3"])
 def test_mixed_precision_inference(level, rng):
     """amp on a float32 model: logits within float16 error of float32; norms and softmax statistics
-    stay float32 (RMSNorm computes in float32; the kernel accumulates in float32)."""
+    stay float32 (RMSNorm computes in float32; the kernel accumulates in float32). The amp model runs
+    in GRAPH_MODE; the float32 reference in PyNative (it compiles no graph)."""
     from mindspore import amp
 
-    ms.set_context(mode=ms.GRAPH_MODE)
     state = random_state(TINY, rng)
     ids = Tensor(np.array([rng.integers(0, TINY.vocab_size, 29)], np.int32))
     full = LlamaForCausalLM(TINY)
     for name, param in full.parameters_dict().items():
         param.set_data(Tensor(state[name]))
+    ms.set_context(mode=ms.PYNATIVE_MODE)
     expected = full(ids)[0].asnumpy()
+    ms.set_context(mode=ms.GRAPH_MODE)
     mixed = amp.auto_mixed_precision(LlamaForCausalLM(TINY), level)
     for name, param in mixed.parameters_dict().items():
         param.set_data(Tensor(state[name]))
