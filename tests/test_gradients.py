@@ -193,8 +193,10 @@ def _trained_losses(backend, steps, seed=0, dynamic=False):
 
 
 def test_train_one_step_fused_tracks_unfused(mode):
-    fused, _ = _trained_losses("fused", 20)
-    unfused, _ = _trained_losses("unfused", 20)
+    """10 steps: the loss is down to 0.59 of the first by then (an unfused step in PyNative, its
+    autodiff op by op, takes half a second on 2 busy cores)."""
+    fused, _ = _trained_losses("fused", 10)
+    unfused, _ = _trained_losses("unfused", 10)
     np.testing.assert_allclose(fused, unfused, rtol=2e-4, atol=1e-5)
     assert fused[-1] < 0.7 * fused[0]
 

@@ -49,8 +49,10 @@ def data(tmp_path_factory):
 
 
 def _args(data, out, *extra, steps=STEPS, save_every=1):
-    return ["--model", "tiny", "--data", str(data), "--out", str(out), "--seq-len", "64", "--batch-size", "2",
-            "--steps", str(steps), "--save-every", str(save_every), *extra]
+    """The tiny model with one layer: a fault hits the saves and resumes whatever the depth, and each
+    run compiles its training graphs again (a run of 4 steps: 3.3 s of CPU, 4.8 s with two layers)."""
+    return ["--model", "tiny", "--layers", "1", "--data", str(data), "--out", str(out), "--seq-len", "64",
+            "--batch-size", "2", "--steps", str(steps), "--save-every", str(save_every), *extra]
 
 
 @pytest.fixture(scope="module")
