@@ -85,8 +85,7 @@ $(BUILD_REQUIRES): pyproject.toml | $(PY)
 SANITIZE_ENV = ASAN_OPTIONS=detect_leaks=0:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so):$$(gcc -print-file-name=libubsan.so)" \
 	RFA_CPU_KERNEL_DIR=$(CURDIR)/build/$(1)/ms_rope_attention
-# One worker a core: unlike the suite's, these cases never wait, and each worker more imports MindSpore again under ASan.
-SANITIZE_PYTEST = $(TEST_PYTHON) -m pytest -q -p no:cacheprovider -n $(shell nproc) --dist loadgroup
+SANITIZE_PYTEST = $(TEST_PYTHON) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup
 # The best instruction set this CPU runs (isas.py needs only the standard library: no .venv yet).
 BEST_ISA := $(firstword $(shell $(PYTHON) ms_rope_attention/isas.py))
 SANITIZE_BUILD := build/sanitize/.built-$(BEST_ISA)
